@@ -1,0 +1,31 @@
+# Two entry points for a fresh machine: `make demo` (set up + quickstart) and `make test` (set up + tests).
+# torch is installed first, pinned, so pip never pulls a multi-GB CUDA build onto a CPU machine.
+# Override for a GPU machine, e.g.:
+#   make demo TUNELAB_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TUNELAB_TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TUNELAB_TORCH)
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/tunelab train examples/quickstart.yaml overwrite_output_dir=true
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) saves outputs .pytest_cache

@@ -1,0 +1,112 @@
+"""The `tunelab` command: train | template | env.
+
+Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from tunelab.errors import TunelabError
+
+
+def _options_help() -> str:
+    from tunelab.config.args import ARGUMENT_GROUPS, TrainingArguments  # noqa: PLC0415
+
+    lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
+    for group in ARGUMENT_GROUPS:
+        lines.append(f"\n  {group.__name__}:")
+        if group is TrainingArguments:
+            lines.append("    every transformers.TrainingArguments option, plus:")
+            fields = [f for f in dataclasses.fields(group) if f.name in ("overwrite_output_dir", "plot_loss")]
+        else:
+            fields = dataclasses.fields(group)
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"    {f.name} (default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.train.run import run, setup_logging  # noqa: PLC0415
+
+    config = load_config(ns.config, ns.overrides)
+    setup_logging(config.training.process_index == 0)
+    metrics = run(config)
+    if config.training.process_index == 0:
+        before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
+        if before is not None and after is not None:
+            print(f"exact match (held-out): before {100 * before:.1f}% → after {100 * after:.1f}%")
+        if "eval_loss" in metrics:
+            print(f"eval loss: {metrics['eval_loss']:.4f}")
+        print(f"saved to {config.training.output_dir}")
+    return 0
+
+
+def _cmd_template(ns: argparse.Namespace) -> int:
+    from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415
+
+    if ns.action == "list" or not ns.name:
+        print("\n".join(TEMPLATE_NAMES))
+        return 0
+    template = get_template(ns.name)
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+    text, spans = template.render_with_spans(messages, bos_token="<s>", eos_token="</s>")
+    out, last = [], 0
+    for start, end in spans:  # supervised spans shown between ⟦ ⟧
+        out += [text[last:start], "⟦", text[start:end], "⟧"]
+        last = end
+    out.append(text[last:])
+    print("".join(out))
+    return 0
+
+
+def _cmd_env(_: argparse.Namespace) -> int:
+    from tunelab.train.outputs import versions  # noqa: PLC0415
+
+    for key, value in versions().items():
+        print(f"{key}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tunelab", description="Fine-tune causal language models end to end.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser(
+        "train", help="train a model from a YAML config", epilog=_options_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", help="YAML file with the run's options")
+    train.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
+    train.set_defaults(func=_cmd_train)
+    template = sub.add_parser("template", help="list built-in chat templates or show one with its trained spans")
+    template.add_argument("action", choices=["list", "show"])
+    template.add_argument("name", nargs="?")
+    template.set_defaults(func=_cmd_template)
+    env = sub.add_parser("env", help="print versions of tunelab and the libraries it runs on")
+    env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return ns.func(ns)
+    except TunelabError as exc:
+        print(f"tunelab: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Turn a YAML file plus command-line overrides into a checked RunConfig.
+
+The YAML file is flat (LlamaFactory style): every key belongs to exactly one option group.
+Overrides come as `key=value` or `--key value` and win over the file. Values given as text are
+converted to the type the option declares. Unknown keys fail with a "did you mean" suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, RunConfig, TrainingArguments
+from tunelab.errors import ConfigError
+
+
+def _fields_by_key() -> dict[str, tuple[type, dataclasses.Field]]:
+    owners: dict[str, tuple[type, dataclasses.Field]] = {}
+    for group in ARGUMENT_GROUPS:
+        for f in dataclasses.fields(group):
+            if f.init and not f.name.startswith("_"):
+                owners.setdefault(f.name, (group, f))
+    return owners
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """`key=value` and `--key value` / `--key=value` / bare `--flag` (true) into a dict of strings."""
+    overrides: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--"):
+            key = arg[2:]
+            if "=" in key:
+                key, value = key.split("=", 1)
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--") and "=" not in argv[i + 1]:
+                value = argv[i + 1]
+                i += 1
+            else:
+                value = "true"
+        elif "=" in arg:
+            key, value = arg.split("=", 1)
+        else:
+            raise ConfigError(f"cannot read override {arg!r}: write key=value or --key value")
+        overrides[key.replace("-", "_")] = value
+        i += 1
+    return overrides
+
+
+def _base_types(annotation: Any) -> tuple[Any, ...]:
+    """The non-None members of a (possibly Optional / union) annotation."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(annotation) if a is not type(None))
+    return (annotation,)
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML or command-line value to the declared type, or fail naming the key."""
+    if value is None:
+        return None
+    candidates = _base_types(annotation)
+    for typ in candidates:
+        origin = typing.get_origin(typ)
+        if origin is list:
+            (item_type,) = typing.get_args(typ) or (str,)
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if isinstance(value, (list, tuple)):
+                return [_coerce(key, v, item_type) for v in value]
+        if origin is typing.Literal:
+            allowed = typing.get_args(typ)
+            if value in allowed:
+                return value
+            if isinstance(value, str) and len(candidates) == 1:
+                raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+            continue
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return value.lower() in ("true", "1", "yes", "on")
+        elif typ is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            if isinstance(value, str):
+                try:
+                    return int(value)
+                except ValueError:
+                    pass
+        elif typ is float:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+        elif typ is str:
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                return str(value)
+        elif typ is dict or typing.get_origin(typ) is dict:
+            if isinstance(value, dict):
+                return value
+            if isinstance(value, str):
+                try:
+                    return json.loads(value)
+                except json.JSONDecodeError:
+                    pass
+        elif isinstance(typ, type) and issubclass(typ, str):  # str-valued enums of transformers
+            return value if isinstance(value, str) else str(value)
+        else:  # anything exotic (enums, unions with classes): let the dataclass decide
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in candidates)
+    raise ConfigError(f"{key}: expected {names}, got {value!r}")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value at the top level")
+    return data
+
+
+def _has_accelerator() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or (
+        torch.backends.mps.is_available()
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> RunConfig:
+    """Read, merge, type and check a configuration. Fails before any model or data is touched."""
+    raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    raw.update(overrides or {})
+
+    owners = _fields_by_key()
+    unknown = [k for k in raw if k not in owners]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, owners, n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else "; see `tunelab train --help` for the options"
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"unknown key '{key}'{where}{hint}")
+
+    hints = {group: typing.get_type_hints(group) for group in ARGUMENT_GROUPS}
+    values: dict[type, dict[str, Any]] = {group: {} for group in ARGUMENT_GROUPS}
+    values[TrainingArguments].update(TRAINING_DEFAULTS)
+    if "use_cpu" not in raw and not _has_accelerator():
+        # transformers refuses bf16 on a CPU-only machine unless use_cpu is said explicitly.
+        values[TrainingArguments]["use_cpu"] = True
+    for key, value in raw.items():
+        group, _ = owners[key]
+        values[group][key] = _coerce(key, value, hints[group][key])
+
+    if not values[TrainingArguments].get("output_dir"):
+        raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
+
+    from tunelab.config import checks  # noqa: PLC0415 - checks import args, keep the module graph one-way
+
+    # Checks on training values that transformers would otherwise report in its own words first.
+    checks.check_training_values(values[TrainingArguments])
+    groups = []
+    for group in ARGUMENT_GROUPS:
+        try:
+            groups.append(group(**values[group]))
+        except (ValueError, TypeError) as exc:
+            message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise ConfigError(f"invalid {group.__name__} values: {message}") from None
+    config = RunConfig(*groups, source=str(path) if path else None)
+    checks.check_config(config)
+    return config
+
+
+def resolved_dict(config: RunConfig) -> dict[str, Any]:
+    """A YAML-ready dict of every option the run used (written to output_dir/tunelab_config.yaml)."""
+    out: dict[str, Any] = {}
+    for group in (config.model, config.data, config.finetuning, config.generation):
+        out.update(dataclasses.asdict(group))
+    training = config.training.to_dict()
+    default_training = TrainingArguments(output_dir=config.training.output_dir, **TRAINING_DEFAULTS).to_dict()
+    out.update({k: v for k, v in training.items() if v != default_training.get(k) or k in TRAINING_DEFAULTS})
+    out["output_dir"] = config.training.output_dir
+    return out

@@ -1,0 +1,1 @@
+"""Data pipeline: registry → formats → templates → encode → collate."""

@@ -1,0 +1,119 @@
+"""Datasets for a run: registry → rows → canonical → mixed → split → encoded.
+
+`build_datasets` is what every stage calls. It returns the encoded train set, one encoded eval set
+per eval dataset (evaluated and logged separately), the canonical eval rows (for generation-based
+metrics), and a report of every count that changed on the way — nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+
+from tunelab.config.args import DataArguments
+from tunelab.data.encode import EncodeStats, SupervisedEncoder
+from tunelab.data.formats import to_canonical
+from tunelab.data.registry import describe, load_registry, load_rows
+from tunelab.data.templates import Template
+from tunelab.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+VAL_SPLIT_NAME = "val"
+
+
+@dataclass
+class DatasetBundle:
+    train: datasets.Dataset | None
+    eval: dict[str, datasets.Dataset]
+    eval_rows: dict[str, datasets.Dataset]  # canonical rows of each eval set, for generation metrics
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_canonical(names: list[str], data_args: DataArguments, report: dict) -> list[datasets.Dataset]:
+    registry = load_registry(data_args.dataset_dir)
+    loaded = []
+    for name in names:
+        spec = registry[name]
+        rows = load_rows(spec)
+        if data_args.max_samples is not None and len(rows) > data_args.max_samples:
+            rows = rows.select(range(data_args.max_samples))
+        canonical, dropped = to_canonical(rows, spec, num_proc=data_args.preprocessing_num_workers)
+        report.setdefault("sources", []).append({**describe(spec), "rows": len(rows), "dropped_empty_answer": dropped})
+        if dropped:
+            logger.warning("dataset %s: dropped %d of %d rows with an empty answer", name, dropped, len(rows))
+        if len(canonical) == 0:
+            raise DataError(f"dataset '{name}': no usable rows (all {len(rows)} were empty or dropped)")
+        loaded.append(canonical)
+    return loaded
+
+
+def _mix(parts: list[datasets.Dataset], data_args: DataArguments, seed: int) -> datasets.Dataset:
+    if len(parts) == 1:
+        return parts[0]
+    if data_args.mix_strategy == "concat":
+        return datasets.concatenate_datasets(parts)
+    stopping = "first_exhausted" if data_args.mix_strategy == "interleave_under" else "all_exhausted"
+    return datasets.interleave_datasets(
+        parts, probabilities=data_args.interleave_probs, seed=seed, stopping_strategy=stopping
+    )
+
+
+def encode_dataset(
+    canonical: datasets.Dataset, encoder: SupervisedEncoder, name: str, num_proc: int | None
+) -> tuple[datasets.Dataset, EncodeStats]:
+    encoded = canonical.map(
+        encoder, batched=True, batch_size=256, remove_columns=list(canonical.column_names), num_proc=num_proc,
+        desc=f"Tokenising {name}",
+    )
+    stats = EncodeStats(
+        examples=len(encoded),
+        truncated=int(sum(encoded["truncated"])),
+        dropped_no_supervised=len(canonical) - len(encoded),
+        tokens=int(sum(len(ids) for ids in encoded["input_ids"])),
+        supervised_tokens=int(sum(encoded["num_supervised"])),
+    )
+    encoded = encoded.remove_columns(["truncated", "num_supervised"])
+    if stats.dropped_no_supervised:
+        logger.warning(
+            "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
+            name, stats.dropped_no_supervised, encoder.cutoff_len,
+        )
+    if len(encoded) == 0:
+        raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
+    return encoded, stats
+
+
+def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int) -> DatasetBundle:
+    report: dict[str, Any] = {}
+    encoder = SupervisedEncoder(
+        tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
+        train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+    )
+    num_proc = data_args.preprocessing_num_workers
+
+    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report), data_args, seed)
+    eval_rows: dict[str, datasets.Dataset] = {}
+    if data_args.val_size > 0:
+        size = int(data_args.val_size) if data_args.val_size >= 1 else data_args.val_size
+        if isinstance(size, int) and size >= len(train_rows):
+            raise DataError(f"val_size={size} leaves no training rows (the train set has {len(train_rows)})")
+        split = train_rows.train_test_split(test_size=size, seed=seed)
+        train_rows, eval_rows[VAL_SPLIT_NAME] = split["train"], split["test"]
+    for name in data_args.eval_dataset or []:
+        (eval_rows[name],) = _load_canonical([name], data_args, report)
+
+    train, stats = encode_dataset(train_rows, encoder, "train", num_proc)
+    report["train"] = stats.__dict__
+    evals = {}
+    for name, rows in eval_rows.items():
+        evals[name], eval_stats = encode_dataset(rows, encoder, f"eval:{name}", num_proc)
+        report[f"eval:{name}"] = eval_stats.__dict__
+    logger.info(
+        "train: %d examples, %d tokens, %d supervised, %d truncated, %d dropped",
+        stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.dropped_no_supervised,
+    )
+    return DatasetBundle(train=train, eval=evals, eval_rows=eval_rows, report=report)

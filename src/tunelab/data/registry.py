@@ -1,0 +1,184 @@
+"""The dataset registry: dataset_info.json → DatasetSpec → rows loaded from files or generators.
+
+A registry maps dataset names to where the rows come from (a file, folder or glob under
+`dataset_dir`, or one of the built-in synthetic generators) and how their columns map onto the
+canonical conversation (see formats.py). The built-in registry (data/dataset_info.json) is always
+available; a user's `dataset_dir/dataset_info.json` adds to it and wins on equal names.
+
+This module owns reading files into `datasets.Dataset`; it does not tokenise.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from tunelab.errors import ConfigError, DataError
+
+BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
+FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_samples", "seed", "columns", "tags"}
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    name: str
+    file_name: str | None = None  # file, folder or glob, relative to the registry's folder
+    generator: str | None = None  # name in tunelab.data.synthetic.GENERATORS
+    formatting: str = "alpaca"  # alpaca | sharegpt | openai
+    ranking: bool = False  # rows hold chosen/rejected answers
+    split: str = "train"
+    num_samples: int | None = None  # generator size, or rows to draw from a file (repeating if larger)
+    seed: int = 0
+    columns: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    root: str = ""  # folder file_name is relative to
+
+
+def _read_registry(path: Path) -> dict[str, DatasetSpec]:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}: dataset_info.json is not valid JSON ({exc.msg})") from None
+    specs: dict[str, DatasetSpec] = {}
+    for name, entry in raw.items():
+        unknown = set(entry) - SPEC_KEYS
+        if unknown:
+            raise ConfigError(
+                f"{path}: dataset '{name}' has unsupported key(s) {sorted(unknown)} "
+                f"(supported: {sorted(SPEC_KEYS)}; hub datasets are not fetched, download the files first)"
+            )
+        if bool(entry.get("file_name")) == bool(entry.get("generator")):
+            raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name or generator")
+        if entry.get("formatting", "alpaca") not in ("alpaca", "sharegpt", "openai"):
+            raise ConfigError(f"{path}: dataset '{name}': formatting must be alpaca, sharegpt or openai")
+        specs[name] = DatasetSpec(name=name, root=str(path.parent), **entry)
+    return specs
+
+
+def load_registry(dataset_dir: str | None = None) -> dict[str, DatasetSpec]:
+    """Built-in datasets plus the ones in `dataset_dir/dataset_info.json`."""
+    specs = _read_registry(BUILTIN_REGISTRY)
+    if dataset_dir:
+        path = Path(dataset_dir) / "dataset_info.json"
+        if not path.is_file():
+            raise ConfigError(f"dataset_dir: {dataset_dir} has no dataset_info.json")
+        specs.update(_read_registry(path))
+    return specs
+
+
+def resolve_files(spec: DatasetSpec) -> list[Path]:
+    """The data files a spec names: one file, every data file in a folder, or a glob."""
+    target = Path(spec.root) / spec.file_name
+    if target.is_dir():
+        files = sorted(p for p in target.rglob("*") if p.suffix in FILE_TYPES and p.is_file())
+    elif any(ch in spec.file_name for ch in "*?["):
+        files = sorted(Path(p) for p in glob.glob(str(target), recursive=True) if Path(p).is_file())
+    else:
+        files = [target] if target.is_file() else []
+    if not files:
+        raise DataError(f"dataset '{spec.name}': no data files at {target}")
+    kinds = {FILE_TYPES.get(p.suffix) for p in files}
+    if None in kinds or len(kinds) > 1:
+        raise DataError(
+            f"dataset '{spec.name}': files must share one type of {', '.join(sorted(FILE_TYPES))}; got "
+            f"{', '.join(sorted({p.suffix or '(none)' for p in files}))}"
+        )
+    return files
+
+
+def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
+    """Locate the first line of a .json/.jsonl file that does not parse (for a message that names it)."""
+    with open(path, "rb") as handle:
+        head = handle.read(1).lstrip()
+    if path.suffix == ".json" and head == b"[":
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            return 0, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+        except json.JSONDecodeError as exc:
+            return exc.lineno, exc.msg
+        return None
+    with open(path, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return lineno, f"not UTF-8 ({exc.reason} at byte {exc.start})"
+            if line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return lineno, exc.msg
+    return None
+
+
+def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
+    """Fail naming the line of the first byte that is not UTF-8.
+
+    The JSON reader underneath would otherwise replace such bytes silently, corrupting the text.
+    One streaming pass; about a second per GB.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines_before = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_size):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                lineno = lines_before + chunk[: exc.start].count(b"\n") + 1
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{chunk[exc.start]:02x}); re-encode the file as UTF-8") from None
+            lines_before += chunk.count(b"\n")
+
+
+def load_rows(spec: DatasetSpec, cache_dir: str | None = None) -> datasets.Dataset:
+    """Raw rows of one dataset, before format conversion."""
+    if spec.generator:
+        from tunelab.data import synthetic  # noqa: PLC0415 - keeps the generators out of the import path otherwise
+
+        if spec.generator not in synthetic.GENERATORS:
+            raise ConfigError(f"dataset '{spec.name}': unknown generator '{spec.generator}'")
+        rows = synthetic.generate(spec.generator, spec.split, spec.num_samples or 1000, seed=spec.seed)
+        return datasets.Dataset.from_list(rows)
+
+    files = resolve_files(spec)
+    kind = FILE_TYPES[files[0].suffix]
+    if kind in ("json", "csv", "text"):
+        for path in files:
+            check_utf8(path)
+    try:
+        dataset = datasets.load_dataset(
+            kind, data_files=[str(p) for p in files], split="train", cache_dir=cache_dir,
+            num_proc=None,
+        )
+    except Exception as exc:  # noqa: BLE001 - turn the reader's deep error into one line naming the file
+        if kind == "json":
+            for path in files:
+                bad = _first_bad_json_line(path)
+                if bad:
+                    lineno, why = bad
+                    raise DataError(f"{path}:{lineno}: {why}; fix or remove that line") from None
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"dataset '{spec.name}': cannot read {files[0]}: {reason}") from None
+    if spec.num_samples is not None and spec.num_samples != len(dataset):
+        indices = [i % len(dataset) for i in range(spec.num_samples)]
+        dataset = dataset.select(indices)
+    return dataset
+
+
+def describe(spec: DatasetSpec) -> dict[str, Any]:
+    """What the run log records about a dataset's source."""
+    info: dict[str, Any] = {"name": spec.name, "formatting": spec.formatting, "ranking": spec.ranking}
+    if spec.generator:
+        info.update(generator=spec.generator, split=spec.split, num_samples=spec.num_samples, seed=spec.seed)
+    else:
+        files = resolve_files(spec)
+        info["files"] = [{"path": str(p), "size": os.path.getsize(p)} for p in files]
+    return info

@@ -1,0 +1,25 @@
+"""The exception families tunelab raises on purpose.
+
+Every message is one line that names what is wrong (config key, file and line) and how to fix it.
+The CLI prints these without a traceback; anything else is a bug and keeps its traceback.
+"""
+
+
+class TunelabError(Exception):
+    """Base class: an error the user can fix from the message alone."""
+
+
+class ConfigError(TunelabError):
+    """A bad configuration key, value or combination of values."""
+
+
+class DataError(TunelabError):
+    """A dataset that cannot be read or converted as configured."""
+
+
+class TemplateError(TunelabError):
+    """A chat template that cannot render or mask a conversation."""
+
+
+class ModelError(TunelabError):
+    """A model folder that cannot be loaded as configured."""

@@ -1,0 +1,1 @@
+"""Using trained models: generation, evaluation with metrics."""

@@ -1,0 +1,83 @@
+"""Batched generation with the training template, and exact-match scoring of the answers.
+
+Prompts are rendered by the same Template that training used (with the generation prompt) and
+generation stops at the template's end-of-turn token(s), so what is measured is what a user serving
+the model sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tunelab.data.templates import Template
+
+
+@dataclass
+class Prediction:
+    prompt: str
+    reference: str
+    prediction: str
+
+    @property
+    def exact_match(self) -> bool:
+        return self.prediction.strip() == self.reference.strip()
+
+
+def stop_token_ids(tokenizer, template: Template) -> list[int]:
+    """Token ids generation stops at: the template's end-of-turn strings that are single tokens, and eos."""
+    ids = []
+    for word in template.stop_words:
+        encoded = tokenizer(word, add_special_tokens=False)["input_ids"]
+        if len(encoded) == 1:
+            ids.append(encoded[0])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _conversation(row: dict) -> tuple[list[dict], str]:
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    if row.get("system"):
+        messages.insert(0, {"role": "system", "content": row["system"]})
+    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
+    return messages, reference
+
+
+@torch.no_grad()
+def generate_predictions(
+    model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32
+) -> list[Prediction]:
+    """Greedy answers for canonical rows (their last assistant turn is the reference)."""
+    was_training = model.training
+    model.eval()
+    stops = stop_token_ids(tokenizer, template)
+    tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    items = [_conversation(row) for row in rows]
+    prompts = [template.prompt(messages, **tokens) for messages, _ in items]
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    predictions = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]
+        width = max(len(ids) for ids in chunk)
+        # Left padding so every prompt ends where generation begins.
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in chunk], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
+        output = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=stops, pad_token_id=pad_id,
+        )
+        for row_index, generated in enumerate(output[:, width:].tolist()):
+            cut = next((i for i, t in enumerate(generated) if t in stops), len(generated))
+            text = tokenizer.decode(generated[:cut], skip_special_tokens=True)
+            prompt_index = start + row_index
+            predictions.append(Prediction(prompts[prompt_index], items[prompt_index][1], text))
+    if was_training:
+        model.train()
+    return predictions
+
+
+def exact_match(predictions: list[Prediction]) -> float:
+    return sum(p.exact_match for p in predictions) / max(len(predictions), 1)

@@ -1,0 +1,1 @@
+"""Model loading and the trainable-parameter set-up (full, freeze, LoRA, QLoRA)."""

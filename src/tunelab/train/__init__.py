@@ -1,0 +1,1 @@
+"""Training: the Trainer subclass, losses, callbacks and one short workflow per stage."""

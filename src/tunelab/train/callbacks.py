@@ -1,0 +1,100 @@
+"""Trainer callbacks: the JSON-lines training log and the loss plot.
+
+trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate,
+grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA.
+Only the main process writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import transformers
+
+LOG_FILE = "trainer_log.jsonl"
+
+
+class JsonlLogCallback(transformers.TrainerCallback):
+    def __init__(self, output_dir: str):
+        self.path = Path(output_dir) / LOG_FILE
+        self.start = None
+        self.last_time = None
+        self.last_tokens = (0, 0)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if not args.resume_from_checkpoint and self.path.exists():
+                self.path.unlink()
+        self.start = self.last_time = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        now = time.time()
+        record = {"step": state.global_step, "max_steps": state.max_steps, "epoch": round(state.epoch or 0.0, 4)}
+        record.update({k: v for k, v in logs.items() if k not in ("tokens_seen", "supervised_tokens_seen")})
+        if "tokens_seen" in logs:
+            tokens, supervised = logs["tokens_seen"], logs["supervised_tokens_seen"]
+            window = max(now - self.last_time, 1e-9)
+            record["tokens_per_second"] = round((tokens - self.last_tokens[0]) / window, 1)
+            record["supervised_tokens_per_second"] = round((supervised - self.last_tokens[1]) / window, 1)
+            self.last_tokens, self.last_time = (tokens, supervised), now
+        elapsed = now - (self.start or now)
+        record["elapsed_seconds"] = round(elapsed, 2)
+        if state.global_step and state.max_steps:
+            record["eta_seconds"] = round(elapsed / state.global_step * (state.max_steps - state.global_step), 2)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def read_log(output_dir: str | Path) -> list[dict]:
+    path = Path(output_dir) / LOG_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def plot_loss(output_dir: str | Path) -> list[Path]:
+    """Write training_loss.png (and eval_loss.png when evaluated) from trainer_log.jsonl."""
+    import matplotlib  # noqa: PLC0415 - plotting is optional work at the end of a run
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    records = read_log(output_dir)
+    written = []
+    for key, filename in (("loss", "training_loss.png"), ("eval_loss", "eval_loss.png")):
+        points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
+        eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and k.endswith("_loss")})
+        if key == "eval_loss" and not points and eval_keys:
+            key = eval_keys[0]
+            points = [(r["step"], r[key]) for r in records if key in r]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        steps, values = zip(*points)
+        ax.plot(steps, values, color="#1f77b4", alpha=0.4 if len(points) > 10 else 1.0, label="raw")
+        if len(points) > 10:
+            ax.plot(steps, _smooth(values), color="#1f77b4", label="smoothed")
+            ax.legend()
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.set_title(f"{key} — {Path(output_dir).name}")
+        fig.tight_layout()
+        path = Path(output_dir) / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _smooth(values, weight: float = 0.9) -> list[float]:
+    out, last = [], values[0]
+    for value in values:
+        last = last * weight + (1 - weight) * value
+        out.append(last)
+    return out

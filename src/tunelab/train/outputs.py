@@ -1,0 +1,78 @@
+"""What a run writes to output_dir, so it can be loaded, understood and reproduced later.
+
+- the model (full/freeze) or the adapter (LoRA), safetensors, via save_pretrained;
+- the tokenizer with the chat template training used (tokenizer_config.json / chat_template.jinja);
+- generation_config.json whose eos ids are the template's end-of-turn tokens, so plain
+  `model.generate` stops where training taught it to;
+- tunelab_config.yaml (every resolved option), data_report.json (counts), all_results.json
+  (metrics), run_info.json (versions), trainer_log.jsonl and the loss plots.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tunelab.config.args import RunConfig
+from tunelab.config.loader import resolved_dict
+from tunelab.train.callbacks import plot_loss
+
+
+def write_json(output_dir: str, name: str, data: Any) -> Path:
+    path = Path(output_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def write_run_start(config: RunConfig) -> None:
+    out = Path(config.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tunelab_config.yaml").write_text(
+        yaml.safe_dump(resolved_dict(config), sort_keys=False, default_flow_style=None), encoding="utf-8"
+    )
+    write_json(str(out), "run_info.json", versions())
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md  # noqa: PLC0415
+
+    info = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for package in ("tunelab", "torch", "transformers", "peft", "datasets", "accelerate", "tokenizers"):
+        try:
+            info[package] = md.version(package)
+        except md.PackageNotFoundError:
+            pass
+    return info
+
+
+def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
+    """Model or adapter, tokenizer with the chat template, generation config with stop ids."""
+    from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
+
+    out = config.training.output_dir
+    trainer.save_model(out)
+    if trainer.is_world_process_zero():
+        tokenizer.chat_template = template.jinja
+        tokenizer.save_pretrained(out)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.eos_token_id = stop_token_ids(tokenizer, template)
+            if generation_config.pad_token_id is None:
+                generation_config.pad_token_id = tokenizer.pad_token_id
+            generation_config.save_pretrained(out)
+
+
+def finish(trainer, metrics: dict, config: RunConfig) -> None:
+    if not trainer.is_world_process_zero():
+        return
+    out = config.training.output_dir
+    write_json(out, "all_results.json", metrics)
+    if config.training.plot_loss:
+        plot_loss(out)

@@ -1,0 +1,1 @@
+"""One workflow per stage: load data and model, train, save."""

@@ -1,0 +1,83 @@
+"""Supervised fine-tuning: the workflow, top to bottom.
+
+tokenizer + template → datasets → model (+ adapters) → [exact match before] → train → save
+→ [exact match after] → metrics. Everything written lands in output_dir.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tunelab.config.args import RunConfig
+from tunelab.data.collate import SupervisedCollator
+from tunelab.data.pipeline import build_datasets
+from tunelab.data.templates import get_template
+from tunelab.infer.generate import exact_match, generate_predictions
+from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.train import outputs
+from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.trainer import TunelabTrainer
+
+logger = logging.getLogger(__name__)
+
+
+def run_sft(config: RunConfig) -> dict:
+    args = config.training
+    tokenizer = load_tokenizer(config.model)
+    template = get_template(config.data.template, tokenizer)
+    data = build_datasets(config.data, tokenizer, template, seed=args.seed)
+    outputs.write_json(args.output_dir, "data_report.json", data.report)
+
+    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
+    trainable, total = count_parameters(model)
+    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
+
+    evals = data.eval or None
+    if evals and len(evals) == 1:
+        evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
+    trainer = TunelabTrainer(
+        model=model,
+        args=args,
+        train_dataset=data.train,
+        eval_dataset=evals,
+        data_collator=SupervisedCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=[JsonlLogCallback(args.output_dir)],
+    )
+
+    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
+    generation_rows = None
+    if config.generation.eval_generation:
+        generation_rows = _generation_rows(data, config.generation.eval_generation_samples)
+    if generation_rows is not None:
+        metrics["exact_match_before"] = _exact_match(trainer.model, tokenizer, template, generation_rows, config)
+
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    metrics.update(result.metrics)
+    outputs.save_model(trainer, tokenizer, template, config)
+
+    if data.eval:
+        metrics.update(trainer.evaluate())
+    if generation_rows is not None:
+        metrics["exact_match_after"] = _exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        logger.info(
+            "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
+            len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
+        )
+    outputs.finish(trainer, metrics, config)
+    return metrics
+
+
+def _generation_rows(data, limit: int):
+    if not data.eval_rows:
+        return None
+    rows = next(iter(data.eval_rows.values()))
+    return rows.select(range(min(limit, len(rows))))
+
+
+def _exact_match(model, tokenizer, template, rows, config: RunConfig) -> float:
+    predictions = generate_predictions(
+        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
+        batch_size=config.training.per_device_eval_batch_size * 4,
+    )
+    return exact_match(predictions)
