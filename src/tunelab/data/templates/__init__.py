@@ -1,0 +1,40 @@
+"""Chat templates: Jinja sources that turn a conversation into text, and where its answers are trained.
+
+Public API: ``TEMPLATE_NAMES`` (built-ins, sorted), ``get_template`` (a built-in by name, or the
+tokenizer's own ``chat_template``), ``tokenizer_chat_template`` (read a model folder's template
+without loading the tokenizer) and the ``Template`` value they return.
+"""
+
+from __future__ import annotations
+
+import difflib
+from functools import lru_cache
+from typing import Any
+
+from tunelab.data.templates.builtin import BUILTIN_NAMES, builtin_source, builtin_stop_words
+from tunelab.data.templates.model_folder import tokenizer_chat_template
+from tunelab.data.templates.template import Template, special_token
+from tunelab.errors import TemplateError
+
+TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
+
+__all__ = ["TEMPLATE_NAMES", "Template", "get_template", "tokenizer_chat_template"]
+
+
+def get_template(name: str | None, tokenizer: Any = None) -> Template:
+    """``None``/``"model"``: the tokenizer's own chat template; otherwise the built-in called ``name``."""
+    if name is None or name == "model":
+        if tokenizer is None:
+            raise TemplateError("template: 'model' reads the tokenizer's chat_template, but no tokenizer was given")
+        return Template.from_tokenizer(tokenizer)
+    if name not in TEMPLATE_NAMES:
+        close = difflib.get_close_matches(name, TEMPLATE_NAMES, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise TemplateError(f"template: '{name}' does not exist; {hint}built-ins: {', '.join(TEMPLATE_NAMES)}")
+    return _builtin(name, special_token(tokenizer, "bos_token"), special_token(tokenizer, "eos_token"))
+
+
+@lru_cache(maxsize=None)
+def _builtin(name: str, bos_token: str, eos_token: str) -> Template:
+    # Stop words may depend on the tokenizer's eos (e.g. Llama-2 ends a turn with it), hence the key.
+    return Template.from_jinja(name, builtin_source(name), builtin_stop_words(name), bos_token, eos_token)

@@ -1,0 +1,39 @@
+"""Reading the chat template that a local Hugging Face model folder ships, without loading its tokenizer.
+
+Same precedence as transformers' ``from_pretrained``: a ``chat_template.jinja`` file wins, then
+``additional_chat_templates/default.jinja``, then ``chat_template`` in ``tokenizer_config.json`` (a
+string, or a list of ``{name, template}`` of which the ``default`` one counts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tunelab.errors import TemplateError
+
+
+def tokenizer_chat_template(model_dir: str | Path) -> str | None:
+    """The model folder's chat template source, or None if it ships none."""
+    folder = Path(model_dir)
+    for path in (folder / "chat_template.jinja", folder / "additional_chat_templates" / "default.jinja"):
+        if path.is_file():
+            return path.read_text(encoding="utf-8") or None
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TemplateError(f"{config_path} is not valid JSON ({exc}); repair or replace the file") from None
+    return _from_config_value(config.get("chat_template") if isinstance(config, dict) else None)
+
+
+def _from_config_value(value: object) -> str | None:
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+                return entry["template"] or None
+    return None

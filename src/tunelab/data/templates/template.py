@@ -1,0 +1,145 @@
+"""The ``Template`` value: a Jinja chat-template source plus the stop words generation must end at.
+
+Owns rendering a conversation (training text, inference prompt), the per-turn trained spans, and
+deriving stop words generically from a probe conversation. Works the same for built-in templates
+and for a tokenizer's own ``chat_template``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tunelab.data.templates.builtin import BUILTIN_NAMES
+from tunelab.data.templates.engine import check_source, render_source
+from tunelab.data.templates.spans import assistant_spans
+from tunelab.errors import TemplateError
+
+Message = dict[str, Any]
+
+_PROBE_CONTENT = "PROBE"  # no whitespace, so a template's trim/strip cannot move it
+
+
+@dataclass(frozen=True)
+class Template:
+    """A chat template: ``jinja`` is saved as the trained model's ``chat_template``."""
+
+    name: str
+    jinja: str
+    stop_words: tuple[str, ...] = ()
+
+    @classmethod
+    def from_jinja(
+        cls,
+        name: str,
+        jinja: str,
+        stop_words: Sequence[str] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+    ) -> Template:
+        """Build a template from source; stop words are derived from a probe render unless given."""
+        check_source(name, jinja)  # fail early on bad syntax, and warm the cache
+        template = cls(name=name, jinja=jinja)
+        words = tuple(stop_words) if stop_words is not None else template._derive_stop_words(bos_token, eos_token)
+        return cls(name=name, jinja=jinja, stop_words=words)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, name: str = "model") -> Template:
+        """The tokenizer's own ``chat_template`` (a dict of named templates → its ``default`` one)."""
+        source = getattr(tokenizer, "chat_template", None)
+        if isinstance(source, dict):
+            source = source.get("default")
+        if not isinstance(source, str) or not source:
+            raise TemplateError(
+                f"template: the tokenizer has no chat_template; set template to one of {', '.join(BUILTIN_NAMES)}"
+            )
+        bos, eos = special_token(tokenizer, "bos_token"), special_token(tokenizer, "eos_token")
+        return cls.from_jinja(name, source, bos_token=bos, eos_token=eos)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        bos_token: str = "",
+        eos_token: str = "",
+        **kwargs: Any,
+    ) -> str:
+        """Render like ``tokenizer.apply_chat_template(..., tokenize=False)`` with the same variables."""
+        context = {
+            "documents": None,
+            **kwargs,
+            "messages": list(messages),
+            "tools": list(tools) if tools is not None else None,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+        }
+        return render_source(self.name, self.jinja, context)
+
+    def render_with_spans(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        **kwargs: Any,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """Full training text and the (start, end) character span of each assistant turn's trained part."""
+
+        def render(part: Sequence[Message], add_generation_prompt: bool, bos: str, eos: str) -> str:
+            return self.render(part, tools, add_generation_prompt, bos, eos, **kwargs)
+
+        return assistant_spans(render, messages, bos_token, eos_token, self.name)
+
+    def prompt(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        **kwargs: Any,
+    ) -> str:
+        """Inference prompt: the conversation so far plus the generation prompt for the next answer."""
+        if not messages or messages[-1].get("role") not in ("user", "tool"):
+            last = messages[-1].get("role") if messages else "nothing"
+            raise TemplateError(
+                f"chat template '{self.name}': a prompt must end with a user or tool message, got {last}; "
+                "drop the trailing messages the model should generate"
+            )
+        return self.render(messages, tools, True, bos_token, eos_token, **kwargs)
+
+    def _derive_stop_words(self, bos_token: str, eos_token: str) -> tuple[str, ...]:
+        # What the template writes right after an answer is its end-of-turn. Prefer a non-final turn: some
+        # templates add an eos only after the last one. Fall back to one turn for templates that rewrite history.
+        probes = (
+            [_user("Hi"), _assistant(), _user("Hi"), _assistant()],
+            [_user("Hi"), _assistant()],
+        )
+        for probe in probes:
+            try:
+                text, spans = self.render_with_spans(probe, bos_token=bos_token, eos_token=eos_token)
+            except TemplateError:
+                continue
+            trained = text[spans[0][0] : spans[0][1]]
+            at = trained.rfind(_PROBE_CONTENT)
+            if at < 0:
+                return ()
+            tail = trained[at + len(_PROBE_CONTENT) :].split()
+            return (tail[0],) if tail else ()
+        return ()
+
+
+def _user(content: str) -> Message:
+    return {"role": "user", "content": content}
+
+
+def _assistant() -> Message:
+    return {"role": "assistant", "content": _PROBE_CONTENT}
+
+
+def special_token(tokenizer: Any, attr: str) -> str:
+    """A tokenizer's special token as text ("" when there is no tokenizer or no such token)."""
+    value = getattr(tokenizer, attr, None) if tokenizer is not None else None
+    return value if isinstance(value, str) else ""
