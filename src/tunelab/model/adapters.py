@@ -1,0 +1,231 @@
+"""Which parameters train: full, freeze (the last or first N decoder layers) or LoRA / QLoRA through peft.
+
+Also the one config check that needs the loaded model: `lora_target` / `additional_target` / freeze names must
+match modules of that model.
+
+Precision: under mixed precision (bf16 / fp16 flags) trainable half-precision parameters of freeze and LoRA
+runs are upcast to float32 (autocast runs the matmuls in half precision, the optimizer updates float32 weights;
+standard practice for LoRA stability). Full fine-tuning trains in the loaded dtype to keep its memory cost, except
+float16 weights under fp16, which torch's GradScaler cannot unscale. LoRA adapters are float32 in any case
+(peft's default). Quantized bases go through `peft.prepare_model_for_kbit_training`, which upcasts every
+non-quantized weight to float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from tunelab.config.args import FinetuningArguments, TrainingArguments
+from tunelab.errors import ConfigError, ModelError
+
+# Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
+LORA_LAYER_TYPES = (nn.Linear, Conv1D)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def setup_finetuning(
+    model: nn.Module,
+    finetuning_args: FinetuningArguments,
+    training_args: TrainingArguments,
+    adapter_name_or_path: str | None = None,
+) -> nn.Module:
+    """Mark the parameters that train; returns the model to train (a PeftModel for LoRA)."""
+    kind = finetuning_args.finetuning_type
+    if adapter_name_or_path and kind != "lora":
+        raise ConfigError(
+            f"adapter_name_or_path: continuing training of an adapter needs finetuning_type: lora, got '{kind}'"
+        )
+    # No enable_input_require_grads here: transformers' activation_checkpointing_enable (called by Trainer) and
+    # peft already make the embeddings' output require grad, which frozen-embedding checkpointing needs.
+    if kind == "full":
+        model.requires_grad_(True)
+        if training_args.fp16:
+            _upcast_trainable(model, only=torch.float16)
+        return model
+    if kind == "freeze":
+        trainable = set(freeze_trainable_parameters(model, finetuning_args))
+        for name, param in model.named_parameters():
+            param.requires_grad_(name in trainable)
+    elif kind == "lora":
+        model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path)
+    else:
+        raise ConfigError(f"finetuning_type: '{kind}' is not one of lora, freeze, full")
+    if training_args.bf16 or training_args.fp16:
+        _upcast_trainable(model)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+# ---- freeze -------------------------------------------------------------------------------------------------
+
+
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder layer stack: the first ModuleList holding config.num_hidden_layers modules."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(config, "num_hidden_layers", None)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return name, module
+    raise ModelError(
+        f"finetuning_type: freeze cannot find the decoder layers of {type(model).__name__} "
+        f"(no ModuleList of num_hidden_layers={count} modules); use finetuning_type: lora or full"
+    )
+
+
+def freeze_trainable_parameters(model: nn.Module, finetuning_args: FinetuningArguments) -> list[str]:
+    """Names of the parameters a freeze run trains, in model order; ConfigError for names that match nothing."""
+    layers_name, layers = decoder_layers(model)
+    n = finetuning_args.freeze_trainable_layers
+    if n == 0 or abs(n) > len(layers):
+        raise ConfigError(
+            f"freeze_trainable_layers: {n} does not fit the {len(layers)} decoder layers of {type(model).__name__}; "
+            f"use 1..{len(layers)} (last N) or -1..-{len(layers)} (first N)"
+        )
+    chosen = range(len(layers) - n, len(layers)) if n > 0 else range(-n)
+    prefixes = tuple(f"{layers_name}.{i}." for i in chosen)
+    names = [name for name, _ in model.named_parameters()]
+    in_layers = [name for name in names if name.startswith(prefixes)]
+
+    modules = finetuning_args.freeze_trainable_modules
+    if "all" in modules:
+        trainable = set(in_layers)
+    else:
+        trainable = set()
+        for module in modules:
+            hits = {name for name in in_layers if _names_module(name, module)}
+            if not hits:
+                first = prefixes[0]
+                inside = _segment_names(p.removeprefix(first) for p in in_layers if p.startswith(first))
+                raise ConfigError(
+                    f"freeze_trainable_modules: '{module}' matches nothing in the decoder layers of "
+                    f"{type(model).__name__}; names there: {', '.join(inside)}"
+                )
+            trainable |= hits
+    for module in finetuning_args.freeze_extra_modules or []:
+        hits = {name for name in names if _names_module(name, module)}
+        if not hits:
+            outside = _segment_names(n for n in names if not n.startswith(f"{layers_name}."))
+            raise ConfigError(
+                f"freeze_extra_modules: '{module}' matches no module of {type(model).__name__}; "
+                f"modules outside the decoder layers: {', '.join(outside)}"
+            )
+        trainable |= hits
+    return [name for name in names if name in trainable]
+
+
+def _names_module(path: str, name: str) -> bool:
+    """True when dotted `name` ('mlp', 'q_proj', 'self_attn.q_proj') is a run of whole segments of `path`."""
+    return f".{name}." in f".{path}."
+
+
+def _ends_with_module(module_name: str, name: str) -> bool:
+    """peft's target rule: the module's dotted name is `name` or ends with '.' + `name`."""
+    return module_name == name or module_name.endswith(f".{name}")
+
+
+def _segment_names(param_names: Iterable[str]) -> list[str]:
+    """Module segment names of parameter paths, first appearance first, without indices and 'model'."""
+    seen: dict[str, None] = {}
+    for param_name in param_names:
+        for segment in param_name.split(".")[:-1]:
+            if not segment.isdigit() and segment != "model":
+                seen.setdefault(segment)
+    return list(seen)
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------------------
+
+
+def lora_target_modules(model: nn.Module, lora_target: list[str]) -> list[str]:
+    """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_LAYER_TYPES)]
+    if "all" in lora_target:
+        if len(lora_target) > 1:
+            raise ConfigError(f"lora_target: 'all' cannot be combined with other names, got {','.join(lora_target)}")
+        return sorted({name.rsplit(".", 1)[-1] for name, module in linears if module is not head})
+    for target in lora_target:
+        if not any(_ends_with_module(name, target) for name, _ in linears):
+            available = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in linears))
+            raise ConfigError(
+                f"lora_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(available)}"
+            )
+    return list(lora_target)
+
+
+def build_lora_config(model: nn.Module, finetuning_args: FinetuningArguments) -> LoraConfig:
+    ft = finetuning_args
+    module_names = [name for name, _ in model.named_modules() if name]
+    for target in ft.additional_target or []:
+        if not any(_ends_with_module(name, target) for name in module_names):
+            tops = _segment_names(name for name, _ in model.named_parameters())
+            raise ConfigError(
+                f"additional_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(tops)}"
+            )
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=ft.lora_rank,
+        lora_alpha=ft.lora_alpha if ft.lora_alpha is not None else 2 * ft.lora_rank,
+        lora_dropout=ft.lora_dropout,
+        target_modules=lora_target_modules(model, ft.lora_target),
+        use_dora=ft.use_dora,
+        use_rslora=ft.use_rslora,
+        modules_to_save=ft.additional_target,
+    )
+
+
+def _setup_lora(
+    model: nn.Module,
+    finetuning_args: FinetuningArguments,
+    training_args: TrainingArguments,
+    adapter_name_or_path: str | None,
+) -> nn.Module:
+    # Build (and so check) the config before prepare_model_for_kbit_training spends time upcasting weights.
+    config = build_lora_config(model, finetuning_args)
+    if is_quantized(model):
+        checkpointing, checkpoint_kwargs = _checkpointing(training_args)
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=checkpoint_kwargs
+        )
+    if adapter_name_or_path:
+        # Continue training an existing adapter: its own adapter_config.json decides rank and targets.
+        return load_adapter(model, adapter_name_or_path, is_trainable=True)
+    return get_peft_model(model, config)
+
+
+def load_adapter(model: nn.Module, path: str, is_trainable: bool) -> PeftModel:
+    try:
+        return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+    except Exception as exc:  # noqa: BLE001  (missing or corrupt adapter files, targets absent from the model)
+        raise ModelError(f"adapter_name_or_path: cannot load {path}: {first_line(exc)}") from exc
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, short enough for a one-line error."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def _checkpointing(training_args: TrainingArguments) -> tuple[bool, dict]:
+    """(on, checkpoint kwargs); transformers 5.x renamed gradient_checkpointing* to activation_checkpointing*."""
+    if hasattr(training_args, "activation_checkpointing"):
+        on, kwargs = training_args.activation_checkpointing, training_args.activation_checkpointing_kwargs
+    else:
+        on, kwargs = training_args.gradient_checkpointing, training_args.gradient_checkpointing_kwargs
+    # Trainer pops these two layer-selection keys before torch sees the rest; do the same.
+    kwargs = {k: v for k, v in (kwargs or {}).items() if k not in ("every_n_layers", "offload")}
+    return bool(on), kwargs
+
+
+def _upcast_trainable(model: nn.Module, only: torch.dtype | None = None) -> None:
+    for param in model.parameters():
+        if param.requires_grad and param.dtype in HALF_DTYPES and (only is None or param.dtype == only):
+            param.data = param.data.to(torch.float32)

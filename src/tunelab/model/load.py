@@ -1,0 +1,125 @@
+"""Loading a local model folder: the tokenizer, the causal LM (dtype, attention, quantization) and the parameter count.
+
+The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's. Every loading
+failure becomes a one-line ModelError naming model_name_or_path (or adapter_name_or_path).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import is_flash_attn_2_available
+
+from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.errors import ModelError
+from tunelab.model import quantization
+from tunelab.model.adapters import first_line, load_adapter, setup_finetuning
+
+logger = logging.getLogger(__name__)
+
+# flash_attn option -> transformers' attn_implementation (None: let transformers choose).
+ATTN_IMPLEMENTATIONS = {"auto": None, "disabled": "eager", "sdpa": "sdpa", "fa2": "flash_attention_2"}
+
+
+def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
+    path = model_args.model_name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001  (any failure here is an unreadable tokenizer folder)
+        raise ModelError(f"model_name_or_path: cannot load a tokenizer from {path}: {first_line(exc)}") from exc
+    # Right padding: labels and attention masks line up with the tokens during training.
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        for role in ("eos", "unk"):
+            token = getattr(tokenizer, f"{role}_token")
+            if token is not None:
+                tokenizer.pad_token = token
+                logger.info("The tokenizer has no pad token: padding with its %s token %r.", role, token)
+                break
+        else:
+            raise ModelError(
+                f"model_name_or_path: the tokenizer in {path} has no pad, eos or unk token; "
+                "add a pad_token to its tokenizer_config.json"
+            )
+    return tokenizer
+
+
+def resolve_dtype(model_args: ModelArguments, training_args: TrainingArguments) -> torch.dtype:
+    if model_args.compute_dtype != "auto":
+        return getattr(torch, model_args.compute_dtype)
+    if training_args.bf16:
+        return torch.bfloat16
+    if training_args.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def load_model(
+    model_args: ModelArguments,
+    finetuning_args: FinetuningArguments,
+    training_args: TrainingArguments,
+    tokenizer: PreTrainedTokenizerBase,
+    is_trainable: bool = True,
+) -> nn.Module:
+    """The causal LM of model_name_or_path, set up to train as finetuning_args say (or frozen for inference)."""
+    path = model_args.model_name_or_path
+    dtype = resolve_dtype(model_args, training_args)
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
+    attn = ATTN_IMPLEMENTATIONS[model_args.flash_attn]
+    if attn == "flash_attention_2" and not is_flash_attn_2_available():
+        raise ModelError("flash_attn: fa2 needs the flash-attn package and a CUDA GPU; set flash_attn: sdpa or auto")
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    quantization_config = quantization.build_quantization_config(model_args, dtype)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
+        raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
+    if info.get("missing_keys"):
+        # transformers would fill these with random values and only print a report.
+        missing = sorted(info["missing_keys"])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelError(
+            f"model_name_or_path: the weights in {path} lack {', '.join(missing[:3])}{more}; "
+            "the checkpoint is incomplete"
+        )
+    _check_vocabulary(model, tokenizer, path)
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+    if not is_trainable:
+        if model_args.adapter_name_or_path:
+            model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False)
+        model.requires_grad_(False)
+        return model.eval()
+
+    model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
+    quantization.keep_4bit_trainable_on_cpu(model)
+    return setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as the elements they stand for, tied ones once."""
+    trainable = total = 0
+    for param in model.parameters():
+        n = quantization.real_numel(param)
+        total += n
+        if param.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def _check_vocabulary(model: nn.Module, tokenizer: PreTrainedTokenizerBase, path: str) -> None:
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        # Not an error: extra tokens only fail once they occur in the data (index out of range in the embedding).
+        logger.warning(
+            "The tokenizer in %s has %d tokens but the model embeds only %d; ids past %d will fail.",
+            path, len(tokenizer), rows, rows - 1,
+        )

@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random models saved as local Hugging Face folders (built once per session, in seconds).
+
+Dimensions are small but keep bitsandbytes' 4-bit constraints (rows a multiple of 32, 64-element blocks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _save_tiny_tokenizer(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    # Word-level vocabulary "<unk> <s> </s> w0 w1 ...": text "w5 w17" tokenises to ids we can predict in tests.
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(vocab_size - 3)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """LlamaForCausalLM: vocab 256, hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads, untied head."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    _save_tiny_tokenizer(folder, config.vocab_size)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2ForCausalLM: like tiny_llama_dir but 3 layers, q/k/v biases and the head tied to the embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    _save_tiny_tokenizer(folder, config.vocab_size)
+    return folder
