@@ -168,3 +168,11 @@ def test_resolved_dict_round_trips(tmp_path, base):
     assert resolved["template"] == "chatml"
     again = load_config(write(tmp_path, {k: v for k, v in resolved.items() if k in base or k in ("learning_rate", "lora_rank")}))
     assert again.training.learning_rate == 2e-4
+
+
+def test_transformers4_names_are_aliases(tmp_path, base):
+    config = load_config(write(tmp_path, {**base, "warmup_ratio": 0.1, "evaluation_strategy": "no"}))
+    assert config.training.warmup_steps == 0.1
+    assert error_of(tmp_path, {**base, "warmup_ratio": 0.1, "warmup_steps": 5}) == (
+        "warmup_ratio and warmup_steps are the same option: keep warmup_steps"
+    )

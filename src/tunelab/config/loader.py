@@ -21,6 +21,20 @@ from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, RunConfig, T
 from tunelab.errors import ConfigError
 
 
+# Names that LlamaFactory configs (written for transformers 4) use for options transformers 5 renamed.
+ALIASES = {"warmup_ratio": "warmup_steps", "evaluation_strategy": "eval_strategy"}
+
+
+def _apply_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+    out = dict(raw)
+    for old, new in ALIASES.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"{old} and {new} are the same option: keep {new}")
+            out[new] = out.pop(old)
+    return out
+
+
 def _fields_by_key() -> dict[str, tuple[type, dataclasses.Field]]:
     owners: dict[str, tuple[type, dataclasses.Field]] = {}
     for group in ARGUMENT_GROUPS:
@@ -153,6 +167,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     raw.update(overrides or {})
+    raw = _apply_aliases(raw)
 
     owners = _fields_by_key()
     unknown = [k for k in raw if k not in owners]

@@ -69,6 +69,8 @@ def encode_dataset(
         encoder, batched=True, batch_size=256, remove_columns=list(canonical.column_names), num_proc=num_proc,
         desc=f"Tokenising {name}",
     )
+    if len(encoded) == 0:
+        raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
     stats = EncodeStats(
         examples=len(encoded),
         truncated=int(sum(encoded["truncated"])),
@@ -82,8 +84,6 @@ def encode_dataset(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
             name, stats.dropped_no_supervised, encoder.cutoff_len,
         )
-    if len(encoded) == 0:
-        raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
     return encoded, stats
 
 

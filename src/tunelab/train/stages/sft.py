@@ -57,7 +57,7 @@ def run_sft(config: RunConfig) -> dict:
     outputs.save_model(trainer, tokenizer, template, config)
 
     if data.eval:
-        metrics.update(trainer.evaluate())
+        metrics.update(_final_eval_metrics(trainer))
     if generation_rows is not None:
         metrics["exact_match_after"] = _exact_match(trainer.model, tokenizer, template, generation_rows, config)
         logger.info(
@@ -66,6 +66,15 @@ def run_sft(config: RunConfig) -> dict:
         )
     outputs.finish(trainer, metrics, config)
     return metrics
+
+
+def _final_eval_metrics(trainer) -> dict:
+    """Eval metrics at the last step: reuse the evaluation the schedule just ran, else run one."""
+    step = trainer.state.global_step
+    for record in reversed(trainer.state.log_history):
+        if record.get("step") == step and any(k.startswith("eval_") and k.endswith("loss") for k in record):
+            return {k: v for k, v in record.items() if k.startswith("eval_")}
+    return trainer.evaluate()
 
 
 def _generation_rows(data, limit: int):
