@@ -64,7 +64,27 @@ class DataArguments:
     interleave_probs: list[float] | None = _help("Sampling probabilities for interleave strategies.", default=None)
     max_samples: int | None = _help("Keep at most this many rows of each dataset (for quick runs).", default=None)
     val_size: float = _help("Hold out this fraction (<1) or number (>=1) of training rows for evaluation.", default=0.0)
-    packing: bool = _help("Pack several examples into one row of cutoff_len (arrives with the pt stage).", default=False)
+    packing: bool = _help(
+        "Pack several examples into one row of cutoff_len; samples stay isolated (attention and positions).",
+        default=False,
+    )
+    stride: int | None = _help(
+        "pt: step between window starts (< cutoff_len overlaps windows); default cutoff_len.", default=None
+    )
+    min_length: int = _help("pt: drop documents shorter than this many tokens (counted in the log).", default=1)
+    tail: Literal["keep", "drop"] = _help(
+        "pt: the last window shorter than cutoff_len is kept as a shorter window, or dropped (counted).",
+        default="keep",
+    )
+    text_column: str | None = _help("pt: the text column of json/csv/parquet rows; default 'text', then 'content'.", default=None)
+    txt_sample_by: Literal["line", "paragraph", "document"] = _help(
+        "pt: a .txt document is one line, one blank-line-separated block, or the whole file.", default="line"
+    )
+    streaming: bool = _help("Read, tokenise and batch on the fly with bounded memory (needs max_steps).", default=False)
+    buffer_size: int = _help("streaming: shuffle buffer size in examples.", default=16384)
+    tokenized_cache_dir: str | None = _help(
+        "Folder of the tokenized-dataset cache; default ~/.cache/tunelab/tokenized (or $TUNELAB_CACHE).", default=None
+    )
     preprocessing_num_workers: int | None = _help("Processes used to tokenise datasets.", default=None)
     overwrite_cache: bool = _help("Rebuild tokenised datasets even if a cached copy exists.", default=False)
 
