@@ -6,15 +6,35 @@ multiple of `pad_to_multiple_of`): input_ids with the pad id, labels with -100, 
     input_ids       labels               attention_mask
     [a b c d e]     [-100 -100 c d e]    [1 1 1 1 1]
     [f g h P P]     [-100 g h -100 -100] [1 1 1 0 0]
+
+Packed batches (rows from data/packing.py) keep every sample isolated; the keys depend on how the
+model's attention backend gets its block-causal mask (see the packing module docstring):
+
+    attention       keys                                                       padding
+    position_ids    input_ids, labels, position_ids (no attention_mask)        to the longest row
+    varlen          input_ids, labels, position_ids, cu_seq_lens_q/k,          none: the batch is one
+                    max_length_q/k (flash_attention_*)                         flattened row
+    block_mask      input_ids, labels, position_ids, attention_mask            to the longest row
+                    (batch, 1, L, L) additive: 0 allowed, dtype min blocked
+
+Padding is its own pseudo-sample (position ids 0, 1, ... and labels -100), so it is isolated like
+any sample: real tokens never attend to it, and it attends only to itself (never an all-masked row).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from tunelab.data.encode import IGNORE_INDEX
+from tunelab.errors import ModelError
+
+logger = logging.getLogger(__name__)
+
+PackedAttention = Literal["position_ids", "varlen", "block_mask"]
 
 
 @dataclass
@@ -36,3 +56,86 @@ class SupervisedCollator:
             labels[row, :n] = torch.as_tensor(example["labels"], dtype=torch.long)
             attention_mask[row, :n] = 1
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+@dataclass
+class PackedCollator:
+    """Batches of packed rows (input_ids, labels, position_ids); `attention` as in the table above."""
+
+    pad_token_id: int
+    attention: PackedAttention = "position_ids"
+    mask_dtype: torch.dtype = torch.float32  # block_mask: the model's compute dtype (the mask is added to scores)
+    pad_to_multiple_of: int | None = None
+
+    @classmethod
+    def for_model(cls, model, pad_token_id: int, pad_to_multiple_of: int | None = None) -> "PackedCollator":
+        """The collator whose batches keep samples isolated in this model (PEFT-wrapped or not)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        attn = getattr(base.config, "_attn_implementation", None) or "eager"
+        # Only transformers' own modelling code is known to read packed position ids (masking_utils).
+        native = type(base).__module__.startswith("transformers.")
+        if getattr(base.config, "use_cache", False):
+            raise ModelError(
+                "packing needs the model's use_cache=False: with a KV cache, packed samples attend to each other"
+            )
+        if native and attn.startswith("flash_attention"):
+            attention: PackedAttention = "varlen"
+        elif native and attn in ("sdpa", "eager", "flex_attention"):
+            attention = "position_ids"
+        elif attn in ("sdpa", "eager"):
+            attention = "block_mask"
+            logger.warning(
+                "packing: %s is not transformers' own code; isolating samples with an explicit 4-D block mask, "
+                "which this code is trusted (not tested) to honour", type(base).__name__,
+            )
+        else:
+            raise ModelError(
+                f"packing: cannot isolate packed samples with attention '{attn}' in {type(base).__name__}; "
+                "set flash_attn: sdpa, or packing: false"
+            )
+        return cls(pad_token_id, attention, mask_dtype=base.dtype, pad_to_multiple_of=pad_to_multiple_of)
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
+        if self.attention == "varlen":
+            return self._flattened(rows)
+        longest = max(len(r["input_ids"]) for r in rows)
+        if self.pad_to_multiple_of:
+            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = len(rows)
+        input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((batch, longest), dtype=torch.long)
+        for i, row in enumerate(rows):
+            n = len(row["input_ids"])
+            input_ids[i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            labels[i, :n] = torch.as_tensor(row["labels"], dtype=torch.long)
+            position_ids[i, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
+            position_ids[i, n:] = torch.arange(longest - n)  # padding restarts at 0: a sample of its own
+        out: dict[str, torch.Tensor | int] = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if self.attention == "block_mask":
+            out["attention_mask"] = block_causal_mask(position_ids, self.mask_dtype)
+        return out
+
+    def _flattened(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
+        def cat(key: str) -> torch.Tensor:
+            return torch.as_tensor([v for r in rows for v in r[key]], dtype=torch.long).unsqueeze(0)
+
+        position_ids = cat("position_ids")
+        starts = (position_ids[0] == 0).nonzero().flatten()
+        cu_seq_lens = torch.cat([starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
+        max_length = int(cu_seq_lens.diff().max())
+        return {
+            "input_ids": cat("input_ids"), "labels": cat("labels"), "position_ids": position_ids,
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": max_length, "max_length_k": max_length,
+        }
+
+
+def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(batch, 1, L, L) additive mask from restarting position ids: 0 where a token may attend, dtype min elsewhere."""
+    sample = (position_ids == 0).cumsum(-1)  # sample number of every token
+    same_sample = sample[:, :, None] == sample[:, None, :]
+    length = position_ids.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed = (same_sample & causal).unsqueeze(1)
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)

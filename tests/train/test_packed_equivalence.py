@@ -1,0 +1,174 @@
+"""Packed training equals unpacked training, and the transformers behaviour it rests on is pinned.
+
+For a batch of mixed-length samples, packed rows (data/packing.py + PackedCollator) must give the
+same per-sample logits, loss and gradients as the samples padded one per row, within 1e-5 in fp32,
+for Llama and Qwen2 with sdpa and eager attention, on the position-id path and the block-mask path.
+
+The leak pins assert the conditions of transformers' packed-sequence detection (see the packing
+module docstring): with an all-ones attention mask, the KV cache on, or no position ids, the same
+packed rows leak across samples. If a transformers upgrade changes either side, a test here fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.data.collate import PackedCollator, SupervisedCollator
+from tunelab.data.packing import pack_dataset, pack_lengths
+from tunelab.model.load import load_model
+from tunelab.train.losses import causal_lm_loss
+from tunelab.train.trainer import TunelabTrainer
+
+CUTOFF = 64
+LEAK = 1e-3  # a leak moves logits by ~0.1-2; isolation agrees to ~1e-7
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model_dir(request, tiny_llama_dir, tiny_qwen2_dir):
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}[request.param]
+
+
+def samples() -> list[dict]:
+    """Eight samples of 5..54 tokens, each with a different prompt (unsupervised) length."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for i in range(8):
+        length = 5 + 7 * i
+        ids = torch.randint(3, 256, (length,), generator=g).tolist()
+        prompt = 1 + (i * 5) % (length - 2)
+        rows.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return rows
+
+
+def load(model_dir, attn: str):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def packed_rows() -> list[dict]:
+    packed, _ = pack_dataset(datasets.Dataset.from_list(samples()), CUTOFF)
+    return packed.to_list()
+
+
+def sample_logits(logits: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    """Logits of every sample by its index, from an unpacked (position_ids None) or a packed batch."""
+    if position_ids is None:
+        return {i: logits[i, : len(s["input_ids"])] for i, s in enumerate(samples())}
+    bins = pack_lengths([len(s["input_ids"]) for s in samples()], CUTOFF)  # the bins pack_dataset used
+    out = {}
+    for row, members in enumerate(bins):
+        starts = (position_ids[row] == 0).nonzero().flatten().tolist()
+        for index, start in zip(members, starts):
+            out[index] = logits[row, start : start + len(samples()[index]["input_ids"])]
+    return out
+
+
+def forward_backward(model, batch: dict) -> tuple[float, dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    model.zero_grad()
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    loss = causal_lm_loss(logits, batch["labels"])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return loss.item(), sample_logits(logits.detach(), batch.get("position_ids")), grads
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("attention", ["position_ids", "block_mask"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_unpacked(model_dir, attn, attention):
+    model = load(model_dir, attn)
+    loss_u, logits_u, grads_u = forward_backward(model, SupervisedCollator(0)(samples()))
+    batch = PackedCollator(0, attention)(packed_rows())
+    assert batch["input_ids"].shape[0] < len(samples())  # really packed, and rows padded to the longest
+    loss_p, logits_p, grads_p = forward_backward(model, batch)
+    diffs = {"loss": abs(loss_p - loss_u), "logits": max_diff(logits_u, logits_p), "grads": max_diff(grads_u, grads_p)}
+    print(f"{model_dir.name} {attn} {attention}: max |packed - unpacked| "
+          + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert len(logits_p) == len(samples())
+    assert diffs["loss"] < 1e-5 and diffs["logits"] < 1e-5 and diffs["grads"] < 1e-5
+    assert max(g.abs().max().item() for g in grads_u.values()) > 1e-3
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_leak_pins(model_dir, attn):
+    """Isolation holds only with position ids, no attention mask and no KV cache (transformers' conditions)."""
+    model = load(model_dir, attn)
+    batch = PackedCollator(0)(packed_rows())
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    with torch.no_grad():
+        alone = sample_logits(model(**SupervisedCollator(0)(samples()) | {"labels": None}).logits)
+        packed = {
+            "isolated": model(input_ids=ids, position_ids=pos).logits,
+            "all-ones attention_mask": model(
+                input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)
+            ).logits,
+            "KV cache on": model(input_ids=ids, position_ids=pos, use_cache=True).logits,
+            "no position_ids": model(input_ids=ids).logits,
+        }
+    diffs = {name: max_diff(alone, sample_logits(logits, pos)) for name, logits in packed.items()}
+    print(f"{model_dir.name} {attn}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert diffs.pop("isolated") < 1e-5
+    for name, diff in diffs.items():
+        assert diff > LEAK, f"{name}: packed samples no longer leak; transformers changed its packed-sequence detection"
+
+
+def trainer_step(tmp_path, model_dir, dataset, collator_for) -> tuple[dict, float]:
+    """One SGD step with lr=1 through TunelabTrainer on a model from tunelab's load_model: weights move by the grads."""
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=len(dataset), max_steps=1, learning_rate=1.0,
+        optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, logging_steps=1,
+        report_to="none", save_strategy="no", remove_unused_columns=False, use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(
+        ModelArguments(model_name_or_path=str(model_dir), flash_attn="sdpa"),
+        FinetuningArguments(finetuning_type="full"), args, tokenizer,
+    )
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    trainer = TunelabTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator_for(model))
+    trainer.train()
+    grads = {k: before[k] - v.detach() for k, v in model.named_parameters()}
+    return grads, next(log["loss"] for log in trainer.state.log_history if "loss" in log)
+
+
+def test_packed_trainer_step_equals_unpacked(tmp_path, tiny_llama_dir):
+    """The real path: load_model turns the KV cache off, PackedCollator.for_model picks position ids."""
+    unpacked = datasets.Dataset.from_list(samples())
+    packed, _ = pack_dataset(unpacked, CUTOFF)
+    grads_u, loss_u = trainer_step(tmp_path / "u", tiny_llama_dir, unpacked, lambda m: SupervisedCollator(0))
+    grads_p, loss_p = trainer_step(tmp_path / "p", tiny_llama_dir, packed, lambda m: PackedCollator.for_model(m, 0))
+    print(f"trainer step: loss {abs(loss_p - loss_u):.1e}, grads {max_diff(grads_u, grads_p):.1e}")
+    assert loss_p == pytest.approx(loss_u, abs=1e-5)
+    assert max_diff(grads_u, grads_p) < 1e-5
+
+
+@pytest.mark.slow
+def test_sft_with_packing_learns_and_reports_efficiency(tmp_path):
+    from tunelab.cli import main  # noqa: PLC0415
+    from tunelab.train.callbacks import read_log  # noqa: PLC0415
+
+    out = tmp_path / "out"
+    config = {
+        "model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse", "max_samples": 128,
+        "cutoff_len": 128, "packing": True, "finetuning_type": "full", "output_dir": str(out),
+        "per_device_train_batch_size": 2, "max_steps": 12, "learning_rate": 3e-3, "logging_steps": 3, "seed": 0,
+        "disable_tqdm": True,
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "cfg.yaml")]) == 0
+    losses = [r["loss"] for r in read_log(out) if "loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0]
+    packing = json.loads((out / "data_report.json").read_text())["packing"]["train"]
+    assert packing["samples"] == 128 and packing["rows"] < 128 and 0.5 < packing["efficiency"] <= 1.0
