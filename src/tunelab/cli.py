@@ -49,25 +49,37 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def _cmd_template(ns: argparse.Namespace) -> int:
     from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415
+    from tunelab.errors import TemplateError  # noqa: PLC0415
 
     if ns.action == "list" or not ns.name:
         print("\n".join(TEMPLATE_NAMES))
         return 0
     template = get_template(ns.name)
+    system = {"role": "system", "content": "You are a helpful assistant."}
     messages = [
-        {"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "What is 2+2?"},
         {"role": "assistant", "content": "4"},
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "6"},
     ]
-    text, spans = template.render_with_spans(messages, bos_token="<s>", eos_token="</s>")
-    out, last = [], 0
-    for start, end in spans:  # supervised spans shown between ⟦ ⟧
-        out += [text[last:start], "⟦", text[start:end], "⟧"]
-        last = end
-    out.append(text[last:])
-    print("".join(out))
+    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    try:
+        examples = template.training_examples([system, *messages], **tokens)
+    except TemplateError:  # e.g. Gemma-2 refuses a system turn: show the rest
+        examples = template.training_examples(messages, **tokens)
+        print(f"note: '{ns.name}' refuses a system message, so the example has none", file=sys.stderr)
+    if len(examples) > 1:
+        print(f"'{ns.name}' renders earlier turns differently once later ones follow, so each answer trains "
+              "in its own example: the conversation up to that answer")
+    for number, (text, spans) in enumerate(examples, 1):
+        if len(examples) > 1:
+            print(f"--- example {number} of {len(examples)} ---")
+        out, last = [], 0
+        for start, end in spans:  # supervised spans shown between ⟦ ⟧
+            out += [text[last:start], "⟦", text[start:end], "⟧"]
+            last = end
+        out.append(text[last:])
+        print("".join(out))
     return 0
 
 

@@ -116,10 +116,16 @@ def test_collator_pads_right_with_minus_100():
     assert all(t.dtype == torch.long for t in batch.values())
 
 
-def test_a_template_without_prefix_property_fails_clearly(tiny_tokenizer):
-    # Renders the number of messages first, so earlier renders are not prefixes of later ones.
-    template = Template(name="bad", jinja="{{ messages|length }}{% for m in messages %}{{ m.content }}{% endfor %}")
+def test_a_template_without_prefix_property_trains_each_answer_after_its_prompt(tiny_tokenizer):
+    # Renders the number of messages first, so earlier renders are not prefixes of later ones: each answer
+    # becomes its own example, the generation prompt the model is given followed by the answer.
+    template = Template(name="bad", jinja="{{ messages|length }}{% for m in messages %}{{ m.content }}|{% endfor %}")
     encoder = SupervisedEncoder(tokenizer=tiny_tokenizer, template=template, cutoff_len=64)
-    with pytest.raises(Exception) as info:
-        encoder({k: [v] for k, v in CONVERSATION.items()})
-    assert "bad" in str(info.value)
+    out = encoder({k: [v] for k, v in CONVERSATION.items()})
+    assert out["expanded"] == [2, 0, 0]
+    texts = [tiny_tokenizer.decode(ids) for ids in out["input_ids"]]
+    assert texts[0] == "2You reverse strings.|Reverse: abc|cba|"
+    assert texts[2] == "6You reverse strings.|Reverse: abc|cba|Reverse: hello|olleh|Reverse: xy|yx|"
+    runs = [supervised_runs(tiny_tokenizer, ids, labels) for ids, labels in zip(out["input_ids"], out["labels"])]
+    assert runs == [["cba|"], ["olleh|"], ["yx|"]]
+

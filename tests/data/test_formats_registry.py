@@ -13,6 +13,10 @@ from tunelab.data.registry import DatasetSpec, load_registry, load_rows
 from tunelab.errors import ConfigError, DataError
 
 
+def msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content, "tool_calls": "", "tool_call_id": ""}
+
+
 def spec(tmp_path: Path, **kwargs) -> DatasetSpec:
     return DatasetSpec(name="d", root=str(tmp_path), **kwargs)
 
@@ -29,10 +33,7 @@ def test_alpaca_with_history_and_system():
     )
     assert dropped == 0
     assert rows == [{
-        "messages": [
-            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": "Add\n2 3"}, {"role": "assistant", "content": "5"},
-        ],
+        "messages": [msg("user", "hi"), msg("assistant", "hello"), msg("user", "Add\n2 3"), msg("assistant", "5")],
         "system": "Be brief.", "tools": "", "chosen": "", "rejected": "",
     }]
 
@@ -57,7 +58,7 @@ def test_openai_format():
                        {"role": "assistant", "content": "a"}]}],
         formatting="openai",
     )
-    assert rows[0]["system"] == "S" and rows[0]["messages"][-1] == {"role": "assistant", "content": "a"}
+    assert rows[0]["system"] == "S" and rows[0]["messages"][-1] == msg("assistant", "a")
 
 
 def test_wrong_role_order_names_row_and_turn():
@@ -88,7 +89,7 @@ def test_empty_answers_are_dropped_and_counted():
 
 def test_ranking_rows():
     rows, _ = canonical([{"instruction": "q", "input": "", "chosen": "good", "rejected": "bad"}], ranking=True)
-    assert rows[0]["messages"] == [{"role": "user", "content": "q"}]
+    assert rows[0]["messages"] == [msg("user", "q")]
     assert (rows[0]["chosen"], rows[0]["rejected"]) == ("good", "bad")
 
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import itertools
 import json
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.errors import TemplateError
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "chat_templates"
+FIXTURES = CHAT_TEMPLATE_FIXTURES
 
 # built-in name -> fixture family (default is our own format and has no official counterpart)
 OFFICIAL = {name: name for name in TEMPLATE_NAMES if name != "default"} | {"llama2": "llama2_chat"}

@@ -1,27 +1,30 @@
 """Trained spans found by prefix rendering, for every built-in and for templates where the method must refuse.
 
 Each assistant turn's span must be exactly its answer plus the family's end-of-turn text; a template that
-renders history differently once later turns follow must raise TemplateError instead of guessing. The
-token-level tests tokenize our render and the official one with a tiny byte-level tokenizer that knows the
-family's special tokens, and check the trained tokens decode to exactly the expected spans.
+renders history differently once later turns follow must raise HistoryRewriteError instead of guessing
+(encoding then splits the conversation per answer: test_template_expansion.py). The token-level tests
+tokenize our render and the official one with a tiny byte-level tokenizer that knows the family's special
+tokens, and check the trained tokens decode to exactly the expected spans. ``family_tokenizer`` is shared
+with the other token-level test modules.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tunelab.data.templates import TEMPLATE_NAMES, HistoryRewriteError, Template, get_template
 from tunelab.errors import TemplateError
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures" / "chat_templates"
+FIXTURES = CHAT_TEMPLATE_FIXTURES
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 EXCHANGES = [
@@ -143,7 +146,7 @@ def test_generation_prompt_the_answer_does_not_repeat() -> None:
 
 
 def test_qwen3_multi_turn_is_refused() -> None:
-    with pytest.raises(TemplateError, match=r"^chat template 'qwen3' renders earlier turns differently"):
+    with pytest.raises(HistoryRewriteError, match=r"^chat template 'qwen3' renders earlier turns differently"):
         get_template("qwen3").render_with_spans(conversation(2, False))
 
 
@@ -154,8 +157,15 @@ def test_history_rewriting_template_is_refused() -> None:
         "{% if add_generation_prompt %}<assistant>{% endif %}",
     )
     messages = conversation(2, False)
-    with pytest.raises(TemplateError, match="message 1: the conversation up to it is not a prefix of the full render"):
+    with pytest.raises(HistoryRewriteError, match="message 1: the conversation up to it is not a prefix of the full"):
         hides_history.render_with_spans(messages)
+    # Per answer it is sound: the generation prompt the model is given, then the answer as the template writes it.
+    examples = hides_history.training_examples(messages)
+    assert examples == [
+        ("<user>Hello! Who are you?\n<assistant>I am an AI assistant.\n", [(37, 58)]),
+        ("<user>...\n<assistant>...\n<user>  What is 2+2?\n\n<assistant>\n2+2 equals 4.  \n", [(58, 72)]),
+    ]
+    assert [text[s:e] for text, spans in examples for s, e in spans] == ["I am an AI assistant.", "\n2+2 equals 4."]
 
 
 def test_end_only_text_other_than_eos_is_refused() -> None:
@@ -164,7 +174,7 @@ def test_end_only_text_other_than_eos_is_refused() -> None:
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% else %}<|done|>{% endif %}",
     )
-    with pytest.raises(TemplateError, match="closes_chat"):
+    with pytest.raises(HistoryRewriteError, match="closes_chat"):
         closes_chat.render_with_spans(conversation(2, False))
     # a single turn is fine: nothing follows it
     text, spans = closes_chat.render_with_spans(conversation(1, False))
@@ -203,15 +213,36 @@ def test_no_assistant_turn_gives_no_spans() -> None:
 # --- token level --------------------------------------------------------------------------------------
 
 
-def tiny_tokenizer(special: list[str], bos: str, eos: str) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(
+    special: list[str], bos: str | None, eos: str | None, add_bos_token: bool = False
+) -> PreTrainedTokenizerFast:
     # Byte-level BPE without merges: one token per byte, plus the family's special tokens as single tokens.
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, add_bos_token=add_bos_token
+    )
     tokenizer.add_tokens(special, special_tokens=True)
     return tokenizer
+
+
+@functools.cache
+def family_tokenizer(name: str, add_bos_token: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer holding every literal special token the family's template writes, plus bos/eos.
+
+    Markup-like literals only ("<|im_start|>", "[INST]"): DeepSeek-V2's "User: " is plain text, not a token.
+    """
+    tokens = special_tokens(name)
+    if name == "default":
+        literal: list[str] = []
+    else:
+        families = json.loads((FIXTURES / "INDEX.json").read_text(encoding="utf-8"))["families"]
+        entry = next(e for e in families if e["family"] == FAMILY.get(name, name))
+        literal = [t for t in entry["literal_special_tokens"] if t[0] in "<["]
+    marks = [t for t in (tokens["bos_token"], tokens["eos_token"]) if t and t not in literal]
+    return tiny_tokenizer(literal + marks, tokens["bos_token"] or None, tokens["eos_token"] or None, add_bos_token)
 
 
 TOKEN_CASES = {

@@ -1,8 +1,10 @@
-"""Public API of tunelab.data.templates: names, get_template, tokenizer_chat_template, stop words, prompts, errors."""
+"""Public API of tunelab.data.templates: names, get_template (and its mismatch warning), tokenizer_chat_template,
+stop words, prompts, errors."""
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import FrozenInstanceError
 from importlib import resources
 from pathlib import Path
@@ -10,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template, tokenizer_chat_template
 from tunelab.data.templates.engine import compile_template
 from tunelab.errors import TemplateError
@@ -125,10 +128,11 @@ def test_broken_tokenizer_config(tmp_path: Path) -> None:
         tokenizer_chat_template(tmp_path)
 
 
-def test_shipped_tiny_model_has_no_template() -> None:
+def test_shipped_tiny_model_template_is_none_or_the_chatml_builtin() -> None:
+    # Either way `template: chatml` on the tiny model trains exactly the tokenizer's own format (no warning).
     assets = Path(__file__).resolve().parents[2] / "src" / "tunelab" / "assets" / "tiny-llama"
     if assets.is_dir():
-        assert tokenizer_chat_template(assets) is None
+        assert tokenizer_chat_template(assets) in (None, get_template("chatml").jinja)
 
 
 # --- stop words ---------------------------------------------------------------------------------------
@@ -245,3 +249,49 @@ def test_template_is_frozen_and_compiled_once() -> None:
     template.render(QA)
     template.render(QA)
     assert compile_template.cache_info().hits >= hits + 2
+
+
+# --- a built-in that differs from the tokenizer's own template ---------------------------------------
+
+MISMATCH_LOGGER = "tunelab.data.templates"
+
+
+def test_builtin_unlike_the_tokenizer_template_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        template = get_template("llama3", tokenizer(CHATML, bos="<s>", eos="<|im_end|>"))
+    assert template.name == "llama3"  # a warning, not a refusal: switching formats may be intended
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [(
+        MISMATCH_LOGGER, logging.WARNING,
+        "template 'llama3' renders differently from the tokenizer's own chat_template from character 1: "
+        "built-in 's><|start_header_id|>sys', tokenizer '|im_start|>system\\nYou ar'; the model learned its own "
+        "format, so set template: model unless you mean to switch formats",
+    )]
+
+
+@pytest.mark.parametrize(
+    ("name", "chat_template"),
+    [("chatml", CHATML), ("qwen2_5", CHATML), ("llama3", None), ("chatml", {"default": CHATML})],
+    ids=["same", "same-render-with-system", "tokenizer-has-none", "dict"],
+)
+def test_no_warning_when_they_agree(caplog: pytest.LogCaptureFixture, name: str, chat_template: object) -> None:
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        get_template(name, tokenizer(chat_template, bos="<s>", eos="<|im_end|>"))
+    assert caplog.records == []
+
+
+def test_official_template_matches_its_builtin_without_warning(caplog: pytest.LogCaptureFixture) -> None:
+    own = (CHAT_TEMPLATE_FIXTURES / "llama3_1.jinja").read_text(encoding="utf-8")
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        get_template("llama3_1", tokenizer(own, bos="<|begin_of_text|>", eos="<|eot_id|>"))
+    assert caplog.records == []
+
+
+def test_system_refusing_builtin_is_compared_without_system(caplog: pytest.LogCaptureFixture) -> None:
+    # gemma2 refuses the system probe, so the comparison falls back to the probe without one.
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        get_template("gemma2", tokenizer(CHATML, bos="<bos>", eos="<eos>"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "template 'gemma2' renders differently from the tokenizer's own chat_template from character 1: "
+        "built-in 'bos><start_of_turn>user\\n', tokenizer '|im_start|>user\\nWhat is '; the model learned its own "
+        "format, so set template: model unless you mean to switch formats"
+    ]

@@ -9,15 +9,21 @@ exactly the assistant answers, and the ids equal `tokenizer(official_render)` to
     spans:                                                      [----------]
     labels:  -100 ...                                           4 <|im_end|>  -100
 
-Options: train_on_prompt supervises every token; mask_history supervises only the last answer.
+Options: train_on_prompt supervises every token of the conversation's render; mask_history supervises
+only the last answer. A template that rewrites earlier turns once later ones follow (Qwen3, Mistral-Nemo
+with a system prompt) cannot train every answer in one render: such a conversation becomes one example
+per answer (the render up to that answer, training only it), counted in the `expanded` column.
 Truncation keeps the first cutoff_len tokens (the prompt, then as much of the answers as fits);
 an example left with no supervised token is dropped and counted, never trained on as zero loss.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tunelab.data.formats import template_messages
 
 if TYPE_CHECKING:
     from tunelab.data.templates import Template
@@ -34,6 +40,7 @@ class EncodeStats:
     dropped_no_supervised: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
+    expanded_conversations: int = 0  # conversations encoded as one example per answer
 
     def merge(self, other: "EncodeStats") -> None:
         for name in self.__dataclass_fields__:
@@ -42,35 +49,38 @@ class EncodeStats:
 
 @dataclass(frozen=True)
 class SupervisedEncoder:
-    """Encodes canonical rows for supervised stages. Picklable, so datasets.map can run it in workers."""
+    """Encodes canonical rows for supervised stages. Picklable, so datasets.map can run it in workers.
 
-    tokenizer: object
+    ``template_vars`` reach the template as extra variables (e.g. ``{"enable_thinking": False}``).
+    Output columns besides input_ids/labels, for the pipeline to sum and remove: ``truncated``,
+    ``num_supervised``, and ``expanded`` — on the first kept example of a conversation split per answer,
+    how many examples it added (0 elsewhere), so that dropped examples can still be counted exactly.
+    """
+
+    tokenizer: Any
     template: "Template"
     cutoff_len: int
     train_on_prompt: bool = False
     mask_history: bool = False
+    template_vars: dict[str, Any] = field(default_factory=dict, hash=False)
 
-    def conversation(self, row: dict) -> list[dict]:
-        messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-        if row.get("system"):
-            messages.insert(0, {"role": "system", "content": row["system"]})
-        return messages
-
-    def render(self, row: dict) -> tuple[str, list[tuple[int, int]]]:
-        tools = row.get("tools") or None
-        return self.template.render_with_spans(
-            self.conversation(row), tools=_parse_tools(tools), **self._token_strings()
-        )
-
-    def _token_strings(self) -> dict:
+    def examples(self, row: dict) -> list[tuple[str, list[tuple[int, int]]]]:
+        """The (text, trained character spans) examples one canonical row encodes as."""
         tok = self.tokenizer
-        return {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or ""}
+        options = {
+            "tools": _parse_tools(row.get("tools") or None),
+            "bos_token": tok.bos_token or "",
+            "eos_token": tok.eos_token or "",
+            **self.template_vars,
+        }
+        messages = template_messages(row)
+        if self.train_on_prompt:  # every token trains, so one render of the whole conversation is all it takes
+            return [(self.template.render(messages, **options), [])]
+        return self.template.training_examples(messages, last_only=self.mask_history, **options)
 
     def label_tokens(self, offsets: list[tuple[int, int]], spans: list[tuple[int, int]], ids: list[int]) -> list[int]:
         if self.train_on_prompt:
             return list(ids)
-        if self.mask_history:
-            spans = spans[-1:]
         labels = [IGNORE_INDEX] * len(ids)
         span_index = 0
         for i, (start, end) in enumerate(offsets):
@@ -83,32 +93,36 @@ class SupervisedEncoder:
         return labels
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        """Batched datasets.map function: rows in, encoded rows out (dropped rows removed)."""
+        """Batched datasets.map function: rows in, encoded examples out (dropped examples removed)."""
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        rendered = [self.render(row) for row in rows]
-        encoded = self.tokenizer(
-            [text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True
-        )
-        out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "num_supervised": []}
-        for (text, spans), ids, offsets in zip(rendered, encoded["input_ids"], encoded["offset_mapping"]):
-            labels = self.label_tokens(offsets, spans, ids)
-            truncated = len(ids) > self.cutoff_len
-            ids, labels = ids[: self.cutoff_len], labels[: self.cutoff_len]
-            num_supervised = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
-            if num_supervised == 0:
-                continue  # nothing left to learn from (the first label never reaches the loss)
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["truncated"].append(truncated)
-            out["num_supervised"].append(num_supervised)
+        per_row = [self.examples(row) for row in rows]
+        texts = [text for examples in per_row for text, _ in examples]
+        encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "num_supervised": [], "expanded": []}
+        position = 0
+        for examples in per_row:
+            kept_any = False
+            for _, spans in examples:
+                ids, offsets = encoded["input_ids"][position], encoded["offset_mapping"][position]
+                position += 1
+                labels = self.label_tokens(offsets, spans, ids)
+                truncated = len(ids) > self.cutoff_len
+                ids, labels = ids[: self.cutoff_len], labels[: self.cutoff_len]
+                num_supervised = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+                if num_supervised == 0:
+                    continue  # nothing left to learn from (the first label never reaches the loss)
+                out["input_ids"].append(ids)
+                out["labels"].append(labels)
+                out["truncated"].append(truncated)
+                out["num_supervised"].append(num_supervised)
+                out["expanded"].append(0 if kept_any else len(examples) - 1)
+                kept_any = True
         return out
 
 
-def _parse_tools(tools: str | None):
+def _parse_tools(tools: str | None) -> list[Any] | None:
     if not tools:
         return None
-    import json  # noqa: PLC0415
-
     try:
         parsed = json.loads(tools)
     except json.JSONDecodeError:

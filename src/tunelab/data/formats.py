@@ -1,12 +1,19 @@
 """Dataset formats (alpaca, sharegpt, openai) → one canonical conversation row.
 
 Canonical row (what templates and encoders read):
-    messages: [{"role": "user"|"assistant"|"tool"|"function", "content": str}, ...]
-              alternating prompt turns and answers, ending with an assistant turn for supervised data
-              (for ranking data it ends with the prompt turn; the answers are in chosen/rejected)
+    messages: [{"role": "user"|"assistant"|"tool", "content": str, "tool_calls": str, "tool_call_id": str}, ...]
+              prompt turns (user, or one or more tool results) alternating with assistant answers, ending
+              with an assistant turn for supervised data (for ranking data it ends with the prompt turn;
+              the answers are in chosen/rejected). tool_calls is "" or a JSON list of
+              {"type": "function", "function": {"name", "arguments": {...}}, ["id"]} (a string column:
+              Arrow cannot type arbitrary JSON); tool_call_id is "" or the id a tool result answers.
     system:   str ("" when none)
     tools:    str ("" when none; a JSON list of tool schemas)
     chosen / rejected: str ("" unless the dataset is a ranking set)
+
+sharegpt function_call turns become assistant turns with tool_calls and empty content, observation turns
+become tool turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages``
+turns a canonical row back into the message dicts chat templates read.
 
 This module owns the column and role mapping; it knows nothing of tokens or templates.
 Rows that are structurally wrong raise DataError naming the dataset and row; rows whose answer is
@@ -25,11 +32,20 @@ from tunelab.errors import DataError
 
 CANONICAL_COLUMNS = ("messages", "system", "tools", "chosen", "rejected")
 
+_STRING = datasets.Value("string")
+# A fixed schema, so canonical sets from any format (with or without tools) concatenate and interleave.
+CANONICAL_FEATURES = datasets.Features({
+    "messages": [{"role": _STRING, "content": _STRING, "tool_calls": _STRING, "tool_call_id": _STRING}],
+    "system": _STRING, "tools": _STRING, "chosen": _STRING, "rejected": _STRING,
+})
+
 ALPACA_COLUMNS = {
     "prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
     "tools": None, "chosen": "chosen", "rejected": "rejected",
 }
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "tools": None, "chosen": "chosen", "rejected": "rejected"}
+SHAREGPT_COLUMNS = {
+    "messages": "conversations", "system": None, "tools": "tools", "chosen": "chosen", "rejected": "rejected",
+}
 SHAREGPT_TAGS = {
     "role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
     "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system",
@@ -47,6 +63,58 @@ def _text(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)
+
+
+def _message(role: str, content: str, tool_calls: str = "", tool_call_id: str = "") -> dict[str, str]:
+    return {"role": role, "content": content, "tool_calls": tool_calls, "tool_call_id": tool_call_id}
+
+
+def _tool_calls(value: Any, where: str) -> str:
+    """Calls as sharegpt ({"name", "arguments"} or a list, maybe JSON text) or openai writes them → canonical JSON."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: the function call is not valid JSON ({exc.msg}); write it as "
+                            '{"name": ..., "arguments": {...}} or a list of those') from None
+    calls = []
+    for call in value if isinstance(value, list) else [value]:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise DataError(f"{where}: a function call needs a name; write it as "
+                            '{"name": ..., "arguments": {...}}')
+        arguments = function.get("arguments")
+        if arguments is None or arguments == "":
+            arguments = {}
+        if isinstance(arguments, str):  # OpenAI sends arguments as JSON text; templates expect an object
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where}: the arguments of function call '{name}' must be a JSON object")
+        canonical: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call, dict) and call.get("id"):
+            canonical["id"] = str(call["id"])
+        calls.append(canonical)
+    return json.dumps(calls, ensure_ascii=False) if calls else ""
+
+
+def template_messages(row: dict) -> list[dict[str, Any]]:
+    """A canonical row as the messages a chat template reads: system first, tool calls decoded.
+
+    Keys a template tests for presence (Llama-3.1 checks ``'tool_calls' in message``) are set only when used.
+    """
+    messages: list[dict[str, Any]] = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    for m in row["messages"]:
+        message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            message["tool_calls"] = json.loads(m["tool_calls"])
+        if m.get("tool_call_id"):
+            message["tool_call_id"] = m["tool_call_id"]
+        messages.append(message)
+    return messages
 
 
 class _Converter:
@@ -98,15 +166,15 @@ class _Converter:
         for turn in self._get(row, "history") or []:
             if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
                 raise DataError(f"{where}: history must be a list of [query, response] pairs")
-            messages += [{"role": "user", "content": _text(turn[0])}, {"role": "assistant", "content": _text(turn[1])}]
+            messages += [_message("user", _text(turn[0])), _message("assistant", _text(turn[1]))]
         prompt = _text(self._get(row, "prompt"))
         query = _text(self._get(row, "query"))
         content = f"{prompt}\n{query}" if prompt and query else (prompt or query)
         if not content:
             raise DataError(f"{where}: empty prompt (columns {self.columns['prompt']}/{self.columns['query']})")
-        messages.append({"role": "user", "content": content})
+        messages.append(_message("user", content))
         if not self.spec.ranking:
-            messages.append({"role": "assistant", "content": _text(self._get(row, "response"))})
+            messages.append(_message("assistant", _text(self._get(row, "response"))))
         return messages
 
     def _sharegpt_messages(self, row: dict, where: str) -> tuple[list[dict], str]:
@@ -127,24 +195,33 @@ class _Converter:
                     f"{where} turn {turn_index}: role {turn.get(tags['role_tag']) if isinstance(turn, dict) else turn!r} "
                     f"is not one of {', '.join(role_map)} (set tags in dataset_info.json)"
                 )
-            content = _text(turn.get(tags["content_tag"]))
+            content = turn.get(tags["content_tag"])
             if role == "system":
                 if turn_index != 0:
                     raise DataError(f"{where} turn {turn_index}: a system turn may only come first")
-                system = content
+                system = _text(content)
                 continue
-            messages.append({"role": role, "content": content})
-        # Prompt turns (user / tool results) and answers (assistant / function calls) must alternate.
+            turn_where = f"{where} turn {turn_index}"
+            if role == "function":  # sharegpt: the turn's content is the call itself
+                messages.append(_message("assistant", "", _tool_calls(content, turn_where)))
+            elif role == "assistant" and turn.get("tool_calls"):  # openai: content (maybe null) plus calls
+                messages.append(_message("assistant", _text(content), _tool_calls(turn["tool_calls"], turn_where)))
+            else:
+                messages.append(_message(role, _text(content), tool_call_id=_text(turn.get("tool_call_id"))))
+        # Prompt turns (a user turn, or the results of one call turn) and answers must alternate.
+        expect_answer = False
         for i, message in enumerate(messages):
-            is_answer = message["role"] in ("assistant", "function")
-            if is_answer != (i % 2 == 1):
-                expected = "an assistant" if i % 2 else "a user/tool"
-                raise DataError(f"{where}: turn {i} is {message['role']}, expected {expected} turn (roles must alternate)")
-        if not self.spec.ranking and (not messages or messages[-1]["role"] not in ("assistant", "function")):
+            is_answer = message["role"] == "assistant"
+            if message["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
+                continue  # several results of one turn's parallel calls
+            if is_answer != expect_answer:
+                expected = "an assistant" if expect_answer else "a user/tool"
+                raise DataError(
+                    f"{where}: turn {i} is {message['role']}, expected {expected} turn (roles must alternate)"
+                )
+            expect_answer = not expect_answer
+        if not self.spec.ranking and (not messages or messages[-1]["role"] != "assistant"):
             raise DataError(f"{where}: the conversation must end with an assistant turn")
-        for m in messages:  # the templates know function calls as assistant turns
-            if m["role"] == "function":
-                m["role"] = "assistant"
         return messages, system
 
     def _pair(self, row: dict, where: str) -> tuple[str, str]:
@@ -160,7 +237,9 @@ class _Converter:
 def _has_empty_answer(row: dict) -> bool:
     if row["chosen"] or row["rejected"]:
         return not (row["chosen"].strip() and row["rejected"].strip())
-    return any(m["role"] == "assistant" and not m["content"].strip() for m in row["messages"])
+    return any(
+        m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls") for m in row["messages"]
+    )
 
 
 def to_canonical(dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | None = None) -> tuple[datasets.Dataset, int]:
@@ -168,7 +247,7 @@ def to_canonical(dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | N
     converter = _Converter(spec, list(dataset.column_names))
     converted = dataset.map(
         converter, with_indices=True, remove_columns=list(dataset.column_names), num_proc=num_proc,
-        desc=f"Converting {spec.name}",
+        features=CANONICAL_FEATURES, desc=f"Converting {spec.name}",
     )
     kept = converted.filter(lambda row: not _has_empty_answer(row), num_proc=num_proc)
     return kept, len(converted) - len(kept)

@@ -16,6 +16,7 @@ import datasets
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import EncodeStats, SupervisedEncoder
 from tunelab.data.formats import to_canonical
+from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, load_registry, load_rows
 from tunelab.data.templates import Template
 from tunelab.errors import DataError
@@ -71,14 +72,16 @@ def encode_dataset(
     )
     if len(encoded) == 0:
         raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
+    added = encoded["expanded"]  # examples added by conversations split per answer (see SupervisedEncoder)
     stats = EncodeStats(
         examples=len(encoded),
         truncated=int(sum(encoded["truncated"])),
-        dropped_no_supervised=len(canonical) - len(encoded),
+        dropped_no_supervised=len(canonical) + int(sum(added)) - len(encoded),
         tokens=int(sum(len(ids) for ids in encoded["input_ids"])),
         supervised_tokens=int(sum(encoded["num_supervised"])),
+        expanded_conversations=sum(1 for n in added if n),
     )
-    encoded = encoded.remove_columns(["truncated", "num_supervised"])
+    encoded = encoded.remove_columns(["truncated", "num_supervised", "expanded"])
     if stats.dropped_no_supervised:
         logger.warning(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
@@ -116,4 +119,14 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
         "train: %d examples, %d tokens, %d supervised, %d truncated, %d dropped",
         stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.dropped_no_supervised,
     )
+    if data_args.packing:
+        # Eval sets too: the trainer has one collator, and it takes packed rows.
+        report["packing"] = {}
+        train, packing = pack_dataset(train, data_args.cutoff_len)
+        report["packing"]["train"] = packing.as_dict()
+        log_packing("train", packing)
+        for name in evals:
+            evals[name], packing = pack_dataset(evals[name], data_args.cutoff_len)
+            report["packing"][f"eval:{name}"] = packing.as_dict()
+            log_packing(f"eval:{name}", packing)
     return DatasetBundle(train=train, eval=evals, eval_rows=eval_rows, report=report)

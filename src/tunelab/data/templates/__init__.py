@@ -1,24 +1,31 @@
 """Chat templates: Jinja sources that turn a conversation into text, and where its answers are trained.
 
 Public API: ``TEMPLATE_NAMES`` (built-ins, sorted), ``get_template`` (a built-in by name, or the
-tokenizer's own ``chat_template``), ``tokenizer_chat_template`` (read a model folder's template
-without loading the tokenizer) and the ``Template`` value they return.
+tokenizer's own ``chat_template``; warns when a named built-in renders unlike the tokenizer's own),
+``tokenizer_chat_template`` (read a model folder's template without loading the tokenizer), the
+``Template`` value they return, and ``HistoryRewriteError`` (a conversation the template cannot mask in
+one render; ``Template.training_examples`` then encodes it per answer).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from functools import lru_cache
 from typing import Any
 
 from tunelab.data.templates.builtin import BUILTIN_NAMES, builtin_source, builtin_stop_words
+from tunelab.data.templates.mismatch import mismatch_message
 from tunelab.data.templates.model_folder import tokenizer_chat_template
-from tunelab.data.templates.template import Template, special_token
+from tunelab.data.templates.spans import HistoryRewriteError
+from tunelab.data.templates.template import Template, special_token, tokenizer_source
 from tunelab.errors import TemplateError
 
 TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
 
-__all__ = ["TEMPLATE_NAMES", "Template", "get_template", "tokenizer_chat_template"]
+__all__ = ["TEMPLATE_NAMES", "HistoryRewriteError", "Template", "get_template", "tokenizer_chat_template"]
+
+logger = logging.getLogger(__name__)
 
 
 def get_template(name: str | None, tokenizer: Any = None) -> Template:
@@ -31,7 +38,14 @@ def get_template(name: str | None, tokenizer: Any = None) -> Template:
         close = difflib.get_close_matches(name, TEMPLATE_NAMES, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise TemplateError(f"template: '{name}' does not exist; {hint}built-ins: {', '.join(TEMPLATE_NAMES)}")
-    return _builtin(name, special_token(tokenizer, "bos_token"), special_token(tokenizer, "eos_token"))
+    bos, eos = special_token(tokenizer, "bos_token"), special_token(tokenizer, "eos_token")
+    template = _builtin(name, bos, eos)
+    own = tokenizer_source(tokenizer)
+    if own is not None:
+        message = mismatch_message(template, own, bos, eos)
+        if message:
+            logger.warning(message)
+    return template
 
 
 @lru_cache(maxsize=None)

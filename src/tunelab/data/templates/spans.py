@@ -13,6 +13,11 @@ whitespace, is the trained span. Two template habits are tolerated because they 
 bos/eos are rendered as private-use marker characters while searching, so an eos can never be
 confused with the template's own text that happens to start the same way (``<|endoftext|>`` vs
 ``<|user|>``); positions are then mapped back onto the real render.
+
+A template that rewrites earlier turns once later ones follow (Qwen3 drops old reasoning, Mistral-Nemo
+writes the system prompt only into a final user turn) fails the prefix property: that raises
+``HistoryRewriteError``, and callers encode such a conversation one answer at a time with
+``answer_example``: the prompt the model is given for that answer, then the answer as rendered.
 """
 
 from __future__ import annotations
@@ -30,10 +35,23 @@ _EOS_MARK = "\ue001"
 _PROBE = "\ue002"  # stands in for content; shares no character with any template text
 
 
+class HistoryRewriteError(TemplateError):
+    """The template renders an earlier turn differently once later turns follow (no prefix property)."""
+
+
 def assistant_spans(
-    render: RenderFn, messages: Sequence[dict[str, Any]], bos_token: str, eos_token: str, name: str
+    render: RenderFn,
+    messages: Sequence[dict[str, Any]],
+    bos_token: str,
+    eos_token: str,
+    name: str,
+    last_only: bool = False,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """Return the full render and the (start, end) character span of each assistant turn, in order."""
+    """Return the full render and the (start, end) character span of each assistant turn, in order.
+
+    ``last_only``: only the last assistant turn's span. When the conversation ends with that turn, this
+    holds for history-rewriting templates too: nothing after it can change how it renders.
+    """
     text = render(messages, False, bos_token, eos_token)
     turns = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
     if not turns:
@@ -47,19 +65,52 @@ def assistant_spans(
     domain, bos, eos = (marked, _BOS_MARK, _EOS_MARK) if marked is not None else (text, bos_token, eos_token)
 
     spans: list[tuple[int, int]] = []
-    for i in turns:
+    for i in turns[-1:] if last_only else turns:
         start, end = _turn_span(render, messages, i, domain, bos, eos, name)
         if marked is not None:
             start, end = _to_real(marked, start, bos_token, eos_token), _to_real(marked, end, bos_token, eos_token)
         while end > start and text[end - 1].isspace():
             end -= 1
         if spans and start < spans[-1][1]:
-            raise TemplateError(
+            raise HistoryRewriteError(
                 f"chat template '{name}': assistant message {i} overlaps the previous one in the render; "
                 "the template cannot be masked by prefix rendering"
             )
         spans.append((start, end))
     return text, spans
+
+
+def answer_example(
+    render: RenderFn, messages: Sequence[dict[str, Any]], bos_token: str, eos_token: str, name: str
+) -> tuple[str, tuple[int, int]]:
+    """For a conversation ending with an answer: the text that trains that answer, and the answer's span.
+
+    Normally the conversation's own render (nothing follows the answer, so no later turn can rewrite it).
+    A template may still render the history differently once the answer follows (Mistral-Nemo writes the
+    system prompt only while a user turn is last): the text is then the generation prompt the model is given,
+    followed by the answer as the template writes it — exactly what the model sees when it generates it.
+    """
+    try:
+        text, spans = assistant_spans(render, messages, bos_token, eos_token, name, last_only=True)
+        return text, spans[0]
+    except HistoryRewriteError:
+        pass
+    i = len(messages) - 1
+    prompt = render(messages[:i], True, bos_token, eos_token)
+    base = render(messages[:i], False, bos_token, eos_token)
+    upto = render(messages, False, bos_token, eos_token)
+    # A plain probe answer (no tool calls) shows where the template starts writing an answer's text.
+    probe = render([*messages[:i], {"role": "assistant", "content": _PROBE}], False, bos_token, eos_token)
+    start = _common_prefix_len(upto, probe)
+    generation = prompt[len(base) :] if prompt.startswith(base) else None
+    if generation is None or not probe.startswith(_PROBE, start) or not upto[:start].endswith(generation):
+        raise TemplateError(
+            f"chat template '{name}': the generation prompt before message {i} is not how the template starts that "
+            "answer (e.g. it pre-fills an empty think block while the answer has reasoning), so the answer's trained "
+            "span cannot be found; make the data and template variables agree (enable_thinking) or fix the template"
+        )
+    answer = upto[start:]
+    return prompt + answer, (len(prompt), len(prompt) + len(answer.rstrip()))
 
 
 def _marked_render(
@@ -126,9 +177,9 @@ def _common_prefix_len(a: str, b: str) -> int:
     return low
 
 
-def _not_prefix(name: str, i: int) -> TemplateError:
-    return TemplateError(
+def _not_prefix(name: str, i: int) -> HistoryRewriteError:
+    return HistoryRewriteError(
         f"chat template '{name}' renders earlier turns differently once later ones follow (message {i}: the "
         "conversation up to it is not a prefix of the full render), so its trained span cannot be found; "
-        "use single-turn conversations or a template that keeps history unchanged"
+        "encode the conversation one answer at a time (Template.training_examples does)"
     )

@@ -1,7 +1,8 @@
 """The ``Template`` value: a Jinja chat-template source plus the stop words generation must end at.
 
-Owns rendering a conversation (training text, inference prompt), the per-turn trained spans, and
-deriving stop words generically from a probe conversation. Works the same for built-in templates
+Owns rendering a conversation (training text, inference prompt), the per-turn trained spans, the
+training examples a conversation becomes (one, or one per answer for templates that rewrite history),
+and deriving stop words generically from a probe conversation. Works the same for built-in templates
 and for a tokenizer's own ``chat_template``.
 """
 
@@ -13,10 +14,12 @@ from typing import Any
 
 from tunelab.data.templates.builtin import BUILTIN_NAMES
 from tunelab.data.templates.engine import check_source, render_source
-from tunelab.data.templates.spans import assistant_spans
+from tunelab.data.templates.spans import HistoryRewriteError, answer_example, assistant_spans
 from tunelab.errors import TemplateError
 
 Message = dict[str, Any]
+Span = tuple[int, int]
+Example = tuple[str, list[Span]]  # a training text and the character spans that train in it
 
 _PROBE_CONTENT = "PROBE"  # no whitespace, so a template's trim/strip cannot move it
 
@@ -47,10 +50,8 @@ class Template:
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, name: str = "model") -> Template:
         """The tokenizer's own ``chat_template`` (a dict of named templates → its ``default`` one)."""
-        source = getattr(tokenizer, "chat_template", None)
-        if isinstance(source, dict):
-            source = source.get("default")
-        if not isinstance(source, str) or not source:
+        source = tokenizer_source(tokenizer)
+        if source is None:
             raise TemplateError(
                 f"template: the tokenizer has no chat_template; set template to one of {', '.join(BUILTIN_NAMES)}"
             )
@@ -86,12 +87,52 @@ class Template:
         eos_token: str = "",
         **kwargs: Any,
     ) -> tuple[str, list[tuple[int, int]]]:
-        """Full training text and the (start, end) character span of each assistant turn's trained part."""
+        """Full training text and the (start, end) character span of each assistant turn's trained part.
+
+        Raises ``HistoryRewriteError`` when the template renders an earlier turn differently once later turns
+        follow; ``training_examples`` handles that case by encoding one answer at a time.
+        """
 
         def render(part: Sequence[Message], add_generation_prompt: bool, bos: str, eos: str) -> str:
             return self.render(part, tools, add_generation_prompt, bos, eos, **kwargs)
 
         return assistant_spans(render, messages, bos_token, eos_token, self.name)
+
+    def training_examples(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        last_only: bool = False,
+        **kwargs: Any,
+    ) -> list[Example]:
+        """The (text, trained spans) examples a conversation trains as, each rendered by this template.
+
+        Normally one example: the full render with every answer's span (``last_only``: the last answer's).
+        A template that renders earlier turns differently once later ones follow (Qwen3 drops old
+        reasoning, Mistral-Nemo moves the system prompt) gives one example per answer instead: the
+        conversation up to answer i as the template renders it at that point (the generation prompt for
+        answer i, then answer i), training only answer i — what the model sees when it generates it.
+        ``last_only`` then keeps the last.
+        """
+        answers = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
+
+        def render(part: Sequence[Message], add_generation_prompt: bool, bos: str, eos: str) -> str:
+            return self.render(part, tools, add_generation_prompt, bos, eos, **kwargs)
+
+        def upto(i: int) -> Example:
+            text, span = answer_example(render, messages[: i + 1], bos_token, eos_token, self.name)
+            return text, [span]
+
+        if not answers:
+            return [(render(messages, False, bos_token, eos_token), [])]
+        if last_only:
+            return [upto(answers[-1])]
+        try:
+            return [assistant_spans(render, messages, bos_token, eos_token, self.name)]
+        except HistoryRewriteError:
+            return [upto(i) for i in answers]
 
     def prompt(
         self,
@@ -137,6 +178,14 @@ def _user(content: str) -> Message:
 
 def _assistant() -> Message:
     return {"role": "assistant", "content": _PROBE_CONTENT}
+
+
+def tokenizer_source(tokenizer: Any) -> str | None:
+    """A tokenizer's ``chat_template`` text (a dict of named templates → its ``default`` one), or None."""
+    source = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(source, dict):
+        source = source.get("default")
+    return source if isinstance(source, str) and source else None
 
 
 def special_token(tokenizer: Any, attr: str) -> str:

@@ -1,0 +1,44 @@
+"""Checking a built-in template against the tokenizer's own ``chat_template`` before training with it.
+
+A model learned its own chat format; naming a built-in that renders differently trains (and later
+serves) it on another format. That is sometimes intended, so it is a warning, not an error: the first
+character where the two renders of a probe conversation part, with a short excerpt of each side.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunelab.data.templates.template import Template
+from tunelab.errors import TemplateError
+
+_EXCERPT = 24  # characters of each side shown from the first difference
+
+_EXCHANGES = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 equals 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "3+3 equals 6."},
+]
+# With a system turn first; without one for families that refuse system turns (Gemma-2).
+_PROBES = ([{"role": "system", "content": "You are a helpful assistant."}, *_EXCHANGES], _EXCHANGES)
+
+
+def mismatch_message(builtin: Template, tokenizer_jinja: str, bos_token: str, eos_token: str) -> str | None:
+    """The warning to log when ``builtin`` renders the probe unlike the tokenizer's template, else None."""
+    own = Template(name="tokenizer", jinja=tokenizer_jinja)
+    tokens: dict[str, Any] = {"bos_token": bos_token, "eos_token": eos_token}
+    for probe in _PROBES:
+        try:
+            ours, theirs = builtin.render(probe, **tokens), own.render(probe, **tokens)
+        except TemplateError:
+            continue  # one side refuses this probe (or cannot render at all): try the next, else say nothing
+        if ours == theirs:
+            return None
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        return (
+            f"template '{builtin.name}' renders differently from the tokenizer's own chat_template from character "
+            f"{at}: built-in {ours[at : at + _EXCERPT]!r}, tokenizer {theirs[at : at + _EXCERPT]!r}; the model "
+            "learned its own format, so set template: model unless you mean to switch formats"
+        )
+    return None
