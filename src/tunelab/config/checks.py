@@ -11,10 +11,11 @@ import dataclasses
 import difflib
 from pathlib import Path
 
-from tunelab.config.args import FinetuningArguments, RunConfig
+from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
 from tunelab.errors import ConfigError
 
-AVAILABLE_STAGES = ("sft",)
+AVAILABLE_STAGES = ("pt", "sft")
+PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 
 
@@ -32,6 +33,7 @@ def check_config(config: RunConfig) -> None:
         _check_model_folder,
         _check_template,
         _check_data,
+        _check_stage_data,
         _check_eval,
         _check_output_dir,
     ):
@@ -91,6 +93,8 @@ def _check_model_folder(config: RunConfig) -> None:
 def _check_template(config: RunConfig) -> None:
     from tunelab.data.templates import TEMPLATE_NAMES, tokenizer_chat_template  # noqa: PLC0415
 
+    if config.finetuning.stage == "pt":
+        return  # raw text trains without a chat template
     name = config.data.template
     if name is None or name == "model":
         if tokenizer_chat_template(config.model.model_name_or_path) is None:
@@ -113,8 +117,12 @@ def _check_data(config: RunConfig) -> None:
         raise ConfigError(f"cutoff_len must be at least 2, got {data.cutoff_len}")
     if data.train_on_prompt and data.mask_history:
         raise ConfigError("train_on_prompt and mask_history contradict each other: keep one")
-    if data.packing:
-        raise ConfigError("packing: not available in this version yet; remove it (isolated packing arrives with stage pt)")
+    if data.packing and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
+        # Packed fa2 relies on transformers' own attention code taking cu_seq_lens (data/packing.py).
+        raise ConfigError(
+            "packing with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
+            "set flash_attn: sdpa (a block mask is used), or packing: false"
+        )
     if not data.dataset:
         raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
     if data.val_size < 0:
@@ -134,6 +142,44 @@ def _check_data(config: RunConfig) -> None:
             raise ConfigError(
                 f"interleave_probs has {len(data.interleave_probs)} values for {len(data.dataset or [])} datasets"
             )
+
+
+def _check_stage_data(config: RunConfig) -> None:
+    """Stage pt trains on raw text (formatting: text), every other stage on conversations; pt's window options."""
+    from tunelab.data.registry import load_registry  # noqa: PLC0415
+
+    data, stage = config.data, config.finetuning.stage
+    registry = load_registry(data.dataset_dir)
+    for key in ("dataset", "eval_dataset"):
+        for name in getattr(data, key) or []:
+            formatting = registry[name].formatting
+            if stage == "pt" and formatting != "text":
+                raise ConfigError(
+                    f"{key}: '{name}' has formatting: {formatting}, but stage pt trains on raw documents; "
+                    "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
+                )
+            if stage != "pt" and formatting == "text":
+                raise ConfigError(
+                    f"{key}: '{name}' is a raw text corpus (formatting: text) for stage pt; "
+                    f"stage {stage} needs an alpaca, sharegpt or openai dataset"
+                )
+    if stage != "pt":
+        defaults = {f.name: f.default for f in dataclasses.fields(DataArguments) if f.name in PT_ONLY_KEYS}
+        changed = [k for k in PT_ONLY_KEYS if getattr(data, k) != defaults[k]]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} only apply to stage pt (got stage: {stage}): remove them")
+        return
+    if data.stride is not None and not 1 <= data.stride <= data.cutoff_len:
+        raise ConfigError(
+            f"stride must be between 1 and cutoff_len ({data.cutoff_len}), got {data.stride}; "
+            "stride < cutoff_len overlaps windows, stride = cutoff_len (the default) does not"
+        )
+    if data.min_length < 1:
+        raise ConfigError(f"min_length must be at least 1 (empty documents are always dropped), got {data.min_length}")
+    if config.generation.eval_generation:
+        raise ConfigError(
+            "eval_generation: stage pt has no answers to match; remove it (eval_loss and eval_perplexity are reported)"
+        )
 
 
 def _check_eval(config: RunConfig) -> None:

@@ -1,9 +1,11 @@
 """The dataset registry: dataset_info.json → DatasetSpec → rows loaded from files or generators.
 
 A registry maps dataset names to where the rows come from (a file, folder or glob under
-`dataset_dir`, or one of the built-in synthetic generators) and how their columns map onto the
-canonical conversation (see formats.py). The built-in registry (data/dataset_info.json) is always
-available; a user's `dataset_dir/dataset_info.json` adds to it and wins on equal names.
+`dataset_dir`, or one of the built-in generators: synthetic.py's tasks, corpus.py's plain text) and
+how their columns map onto the canonical conversation (see formats.py), or, with
+`"formatting": "text"`, that its rows are raw documents for stage pt (see pretrain.py). The
+built-in registry (data/dataset_info.json) is always available; a user's
+`dataset_dir/dataset_info.json` adds to it and wins on equal names.
 
 This module owns reading files into `datasets.Dataset`; it does not tokenise.
 """
@@ -25,14 +27,15 @@ from tunelab.errors import ConfigError, DataError
 BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_samples", "seed", "columns", "tags"}
+FORMATTINGS = ("alpaca", "sharegpt", "openai", "text")
 
 
 @dataclass(frozen=True)
 class DatasetSpec:
     name: str
     file_name: str | None = None  # file, folder or glob, relative to the registry's folder
-    generator: str | None = None  # name in tunelab.data.synthetic.GENERATORS
-    formatting: str = "alpaca"  # alpaca | sharegpt | openai
+    generator: str | None = None  # name in tunelab.data.synthetic or tunelab.data.corpus GENERATORS
+    formatting: str = "alpaca"  # alpaca | sharegpt | openai | text (raw documents, stage pt)
     ranking: bool = False  # rows hold chosen/rejected answers
     split: str = "train"
     num_samples: int | None = None  # generator size, or rows to draw from a file (repeating if larger)
@@ -57,8 +60,8 @@ def _read_registry(path: Path) -> dict[str, DatasetSpec]:
             )
         if bool(entry.get("file_name")) == bool(entry.get("generator")):
             raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name or generator")
-        if entry.get("formatting", "alpaca") not in ("alpaca", "sharegpt", "openai"):
-            raise ConfigError(f"{path}: dataset '{name}': formatting must be alpaca, sharegpt or openai")
+        if entry.get("formatting", "alpaca") not in FORMATTINGS:
+            raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
         specs[name] = DatasetSpec(name=name, root=str(path.parent), **entry)
     return specs
 
@@ -138,14 +141,25 @@ def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
             lines_before += chunk.count(b"\n")
 
 
-def load_rows(spec: DatasetSpec, cache_dir: str | None = None) -> datasets.Dataset:
-    """Raw rows of one dataset, before format conversion."""
-    if spec.generator:
-        from tunelab.data import synthetic  # noqa: PLC0415 - keeps the generators out of the import path otherwise
+def _generator_module(spec: DatasetSpec):
+    """The module that provides a spec's generator: synthetic.py (tasks) or corpus.py (plain text)."""
+    from tunelab.data import corpus, synthetic  # noqa: PLC0415 - keeps the generators out of the import path otherwise
 
-        if spec.generator not in synthetic.GENERATORS:
-            raise ConfigError(f"dataset '{spec.name}': unknown generator '{spec.generator}'")
-        rows = synthetic.generate(spec.generator, spec.split, spec.num_samples or 1000, seed=spec.seed)
+    for module in (synthetic, corpus):
+        if spec.generator in module.GENERATORS:
+            return module
+    known = sorted({*synthetic.GENERATORS, *corpus.GENERATORS})
+    raise ConfigError(f"dataset '{spec.name}': unknown generator '{spec.generator}' (available: {', '.join(known)})")
+
+
+def load_rows(spec: DatasetSpec, cache_dir: str | None = None, txt_sample_by: str = "line") -> datasets.Dataset:
+    """Raw rows of one dataset, before format conversion.
+
+    `txt_sample_by` (line | paragraph | document) decides what one row of a .txt file is.
+    """
+    if spec.generator:
+        module = _generator_module(spec)
+        rows = module.generate(spec.generator, spec.split, spec.num_samples or 1000, seed=spec.seed)
         return datasets.Dataset.from_list(rows)
 
     files = resolve_files(spec)
@@ -153,10 +167,11 @@ def load_rows(spec: DatasetSpec, cache_dir: str | None = None) -> datasets.Datas
     if kind in ("json", "csv", "text"):
         for path in files:
             check_utf8(path)
+    reader_options = {"sample_by": txt_sample_by} if kind == "text" else {}
     try:
         dataset = datasets.load_dataset(
             kind, data_files=[str(p) for p in files], split="train", cache_dir=cache_dir,
-            num_proc=None,
+            num_proc=None, **reader_options,
         )
     except Exception as exc:  # noqa: BLE001 - turn the reader's deep error into one line naming the file
         if kind == "json":

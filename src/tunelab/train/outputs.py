@@ -2,8 +2,9 @@
 
 - the model (full/freeze) or the adapter (LoRA), safetensors, via save_pretrained;
 - the tokenizer with the chat template training used (tokenizer_config.json / chat_template.jinja);
-- generation_config.json whose eos ids are the template's end-of-turn tokens, so plain
-  `model.generate` stops where training taught it to;
+  stage pt trains without one and saves the tokenizer as it was loaded;
+- generation_config.json whose eos ids are the template's end-of-turn tokens (pt: the tokenizer's
+  eos), so plain `model.generate` stops where training taught it to;
 - tunelab_config.yaml (every resolved option), data_report.json (counts), all_results.json
   (metrics), run_info.json (versions), trainer_log.jsonl and the loss plots.
 """
@@ -52,18 +53,25 @@ def versions() -> dict[str, str]:
 
 
 def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
-    """Model or adapter, tokenizer with the chat template, generation config with stop ids."""
+    """Model or adapter, tokenizer with the chat template, generation config with stop ids.
+
+    `template` is None for stages without one (pt): the tokenizer is saved unchanged and eos stops.
+    """
     from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
 
     out = config.training.output_dir
     trainer.save_model(out)
     if trainer.is_world_process_zero():
-        tokenizer.chat_template = template.jinja
+        if template is not None:
+            tokenizer.chat_template = template.jinja
         tokenizer.save_pretrained(out)
         model = trainer.accelerator.unwrap_model(trainer.model)
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
-            generation_config.eos_token_id = stop_token_ids(tokenizer, template)
+            if template is not None:
+                generation_config.eos_token_id = stop_token_ids(tokenizer, template)
+            elif tokenizer.eos_token_id is not None:
+                generation_config.eos_token_id = tokenizer.eos_token_id
             if generation_config.pad_token_id is None:
                 generation_config.pad_token_id = tokenizer.pad_token_id
             generation_config.save_pretrained(out)

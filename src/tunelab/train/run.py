@@ -27,4 +27,8 @@ def run(config: RunConfig) -> dict:
         from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
 
         return run_sft(config)
+    if stage == "pt":
+        from tunelab.train.stages.pt import run_pt  # noqa: PLC0415
+
+        return run_pt(config)
     raise AssertionError(f"stage {stage} passed the config checks but has no workflow")

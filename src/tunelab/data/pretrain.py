@@ -1,0 +1,341 @@
+"""Stage pt data: raw documents → cleaned → tokenised → one token stream → windows of cutoff_len.
+
+This module owns everything between a text dataset's rows and the (input_ids, labels) windows the
+Trainer sees in stage pt. Tokenising and cutting are batched HF datasets maps (Arrow files, cached,
+parallel with preprocessing_num_workers):
+
+1. Read. Each registry source (`"formatting": "text"`) gives one document per row: a .txt line,
+   blank-line-separated paragraph or whole file (`txt_sample_by`), or the text column of
+   json/jsonl/csv/parquet/arrow rows (`text_column`; else the registry's `columns.text` or
+   `columns.prompt`; else `text`, then `content`).
+2. Clean and tokenise. Strip; tokenise without truncation or padding and without special tokens;
+   drop empty documents and those under `min_length` tokens (EOS not counted). Both drops are
+   counted per source in data_report.json and logged. Every kept document gets EOS appended. No
+   BOS is added, and no real token is ever overwritten with one.
+3. Mix sources (mix_strategy), hold out val_size documents (a split by document, so no val text is
+   trained on), then cut each split's stream into windows.
+
+Windows over the concatenated stream of T tokens, window W = cutoff_len, stride S (default W):
+
+    stream   d0 d0 d0 E d1 d1 E d2 d2 d2 d2 d2 E d3 E        T = 15 tokens (E = eos)
+    index     0  1  2 3  4  5 6  7  8  9 10 11 12 13 14
+    W=6 S=4  [0  1  2 3  4  5]                               w0: labels = input_ids
+                         [4  5  6  7  8  9]                  w1: 4 5 are context (-100)
+                                     [8  9 10 11 12 13]      w2: 8 9 are context (-100)
+                                                 [12 13 14]  tail: 12 13 context, 14 target
+
+- Full windows start at 0, S, 2S, ...: exactly `(T - W) // S + 1` of them (0 when T < W). The
+  count is exact for the whole split: windows are cut from the true concatenation of every
+  document (global token offsets, read back from the memory-mapped Arrow file one batch of
+  windows at a time), never per map batch, so no window is cut short at a batch boundary.
+- Tail: tokens after the last full window (T=15 above: token 14) are kept as one final shorter
+  window starting at the next stride step (`tail: keep`, default) or dropped (`tail: drop`),
+  their count reported as `dropped_tail_tokens`.
+- Labels: input_ids as they are (the loss shifts), except that a token already inside the previous
+  window is context only, label -100. So with S < W every token of the stream but the first is a
+  target exactly once, whatever the overlap (tail: keep). With S = W there is no overlap, and the
+  first token of each window is not a target (nothing precedes it in the window), as in any chunking.
+- Windows cross document boundaries (documents are separated by EOS only); attention is not
+  isolated between documents here, as in standard concatenated pretraining.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+from datasets.fingerprint import Hasher
+
+from tunelab.config.args import DataArguments
+from tunelab.data.encode import IGNORE_INDEX
+from tunelab.data.pipeline import VAL_SPLIT_NAME, DatasetBundle, _mix
+from tunelab.data.registry import DatasetSpec, describe, load_registry, load_rows
+from tunelab.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEXT_COLUMNS = ("text", "content")
+TOKENIZE_BATCH = 1000  # documents per tokeniser call
+WINDOW_BATCH = 256  # windows cut per map batch: bounds the tokens read back at once to ~256 * stride + W
+
+
+@dataclass
+class DocumentStats:
+    """What cleaning did to one source."""
+
+    documents: int = 0  # rows read
+    kept: int = 0
+    dropped_empty: int = 0  # empty after stripping
+    dropped_short: int = 0  # fewer than min_length tokens
+    tokens: int = 0  # tokens of the kept documents, EOS included
+
+
+@dataclass
+class WindowPlan:
+    """Where every window of a stream of `total_tokens` tokens starts and ends, before reading any token.
+
+    Window i covers stream positions [starts[i], ends[i]); positions before first_targets[i] were
+    already in window i-1 and get label -100.
+    """
+
+    starts: np.ndarray
+    ends: np.ndarray
+    first_targets: np.ndarray
+    total_tokens: int
+    full_windows: int
+    tail_tokens: int  # tokens after the last full window
+    tail_kept: bool
+
+    @property
+    def windows(self) -> int:
+        return len(self.starts)
+
+    @property
+    def dropped_tail_tokens(self) -> int:
+        return 0 if self.tail_kept else self.tail_tokens
+
+    @property
+    def target_tokens(self) -> int:
+        """Positions the loss trains on: labels != -100, the first position of a window excluded."""
+        return int(np.sum(self.ends - np.maximum(self.first_targets, self.starts + 1)))
+
+
+def plan_windows(total_tokens: int, window: int, stride: int, tail: str = "keep") -> WindowPlan:
+    """Window boundaries over a stream of `total_tokens`: `(T - W) // S + 1` full windows, then the tail."""
+    full = (total_tokens - window) // stride + 1 if total_tokens >= window else 0
+    starts = np.arange(full, dtype=np.int64) * stride
+    ends = starts + window
+    # A window's targets begin where the previous window ended (stride <= window, so no gap).
+    first_targets = np.concatenate([np.zeros(min(full, 1), dtype=np.int64), ends[:-1]])
+    covered = int(ends[-1]) if full else 0
+    tail_tokens = total_tokens - covered
+    keep_tail = tail == "keep" and tail_tokens > 0
+    if keep_tail:
+        starts = np.append(starts, full * stride)
+        ends = np.append(ends, total_tokens)
+        first_targets = np.append(first_targets, covered)
+    return WindowPlan(starts, ends, first_targets, total_tokens, full, tail_tokens, tail == "keep")
+
+
+def resolve_text_column(spec: DatasetSpec, column_names: list[str], configured: str | None) -> str:
+    """The column holding a source's documents: text_column, the registry's columns, then text/content."""
+    mapped = spec.columns.get("text") or spec.columns.get("prompt")
+    if configured or mapped:
+        column = configured or mapped
+        if column not in column_names:
+            key = "text_column" if configured else f"columns of '{spec.name}' in dataset_info.json"
+            raise DataError(
+                f"dataset '{spec.name}': no column '{column}' ({key}); columns: {', '.join(column_names)}; "
+                "set text_column to the column holding the documents"
+            )
+        return column
+    for column in DEFAULT_TEXT_COLUMNS:
+        if column in column_names:
+            return column
+    raise DataError(
+        f"dataset '{spec.name}': no 'text' or 'content' column (columns: {', '.join(column_names)}); "
+        "set text_column to the column holding the documents"
+    )
+
+
+@dataclass(frozen=True)
+class DocumentTokenizer:
+    """Batched map function: strip, tokenise, drop empty/short (length 0 rows, filtered after), append EOS.
+
+    Picklable, so datasets.map can run it in worker processes.
+    """
+
+    tokenizer: Any
+    text_column: str
+    min_length: int
+    source: str
+
+    def _clean(self, value: Any) -> str:
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise DataError(
+                f"dataset '{self.source}': column '{self.text_column}' holds {type(value).__name__} values, "
+                "not text; set text_column to the column holding the documents"
+            )
+        return value.strip()
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        texts = [self._clean(value) for value in batch[self.text_column]]
+        present = [text for text in texts if text]
+        # verbose=False: documents longer than model_max_length are expected here, not a warning.
+        encoded = iter(self.tokenizer(present, add_special_tokens=False, verbose=False)["input_ids"] if present else [])
+        eos = self.tokenizer.eos_token_id
+        input_ids, num_tokens = [], []
+        for text in texts:
+            ids = list(next(encoded)) if text else []
+            keep = len(ids) >= max(self.min_length, 1)
+            input_ids.append(ids + [eos] if keep else [])
+            num_tokens.append(len(ids))
+        return {"input_ids": input_ids, "num_tokens": num_tokens}
+
+
+def _int_column(dataset: datasets.Dataset, name: str) -> np.ndarray:
+    return np.asarray(dataset.select_columns([name]).with_format("numpy")[:][name], dtype=np.int64)
+
+
+def _keep_document(num_tokens: list[int], min_length: int) -> list[bool]:
+    return [n >= max(min_length, 1) for n in num_tokens]
+
+
+def tokenize_documents(
+    rows: datasets.Dataset, spec: DatasetSpec, tokenizer, data_args: DataArguments
+) -> tuple[datasets.Dataset, DocumentStats]:
+    """Cleaned, tokenised documents of one source (columns input_ids, num_tokens) and the cleaning counts."""
+    column = resolve_text_column(spec, list(rows.column_names), data_args.text_column)
+    function = DocumentTokenizer(tokenizer, column, data_args.min_length, spec.name)
+    reuse = False if data_args.overwrite_cache else None  # None: datasets' own caching default
+    tokenized = rows.map(
+        function, batched=True, batch_size=TOKENIZE_BATCH, remove_columns=list(rows.column_names),
+        num_proc=data_args.preprocessing_num_workers, load_from_cache_file=reuse, desc=f"Tokenising {spec.name}",
+    )
+    num_tokens = _int_column(tokenized, "num_tokens")
+    kept = num_tokens >= max(data_args.min_length, 1)
+    stats = DocumentStats(
+        documents=len(num_tokens), kept=int(kept.sum()), dropped_empty=int((num_tokens == 0).sum()),
+        dropped_short=int(((num_tokens > 0) & ~kept).sum()), tokens=int((num_tokens[kept] + 1).sum()),
+    )
+    if stats.kept < stats.documents:
+        tokenized = tokenized.filter(
+            _keep_document, input_columns="num_tokens", batched=True, fn_kwargs={"min_length": data_args.min_length},
+            num_proc=data_args.preprocessing_num_workers, load_from_cache_file=reuse,
+            desc=f"Dropping empty/short documents of {spec.name}",
+        )
+    return tokenized, stats
+
+
+@dataclass(frozen=True)
+class WindowGather:
+    """Batched map function over planned windows: reads the documents they span, slices tokens, masks overlap.
+
+    `offsets[i]` is document i's first position in the stream (len = documents + 1). One batch of
+    consecutive windows reads one contiguous range of documents from the (memory-mapped) dataset.
+    """
+
+    documents: datasets.Dataset
+    offsets: np.ndarray
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        starts, ends, firsts = (np.asarray(batch[key], dtype=np.int64) for key in ("start", "end", "first_target"))
+        first_doc = int(np.searchsorted(self.offsets, starts.min(), side="right")) - 1
+        end_doc = int(np.searchsorted(self.offsets, ends.max(), side="left"))
+        table = self.documents.with_format("arrow")[first_doc:end_doc]
+        stream = table["input_ids"].combine_chunks().flatten().to_numpy()
+        base = int(self.offsets[first_doc])
+        input_ids, labels = [], []
+        for start, end, first in zip(starts, ends, firsts):
+            ids = stream[start - base : end - base]
+            target = ids.copy()
+            target[: first - start] = IGNORE_INDEX
+            input_ids.append(ids)
+            labels.append(target)
+        return {"input_ids": input_ids, "labels": labels}
+
+
+def cut_windows(
+    documents: datasets.Dataset, data_args: DataArguments, name: str
+) -> tuple[datasets.Dataset, WindowPlan]:
+    """Windows (input_ids, labels) over the concatenation of `documents`, exactly as plan_windows places them."""
+    window = data_args.cutoff_len
+    stride = data_args.stride or window
+    offsets = np.concatenate([[0], np.cumsum(_int_column(documents, "num_tokens") + 1)]).astype(np.int64)
+    plan = plan_windows(int(offsets[-1]), window, stride, data_args.tail)
+    if plan.windows == 0:
+        raise DataError(
+            f"{name}: all {plan.total_tokens} tokens are fewer than cutoff_len={window} and tail: drop drops them; "
+            "set tail: keep or lower cutoff_len"
+        )
+    fingerprint = Hasher.hash(["pt-windows-v1", documents._fingerprint, window, stride, data_args.tail])
+    cache_file = None
+    if documents.cache_files:  # file-backed sources: windows go to an Arrow file beside the documents, not RAM
+        cache_file = str(Path(documents.cache_files[0]["filename"]).parent / f"pt-windows-{fingerprint}.arrow")
+    starts = datasets.Dataset.from_dict(
+        {"start": plan.starts, "end": plan.ends, "first_target": plan.first_targets}
+    )
+    windows = starts.map(
+        WindowGather(documents, offsets), batched=True, batch_size=WINDOW_BATCH,
+        remove_columns=["start", "end", "first_target"], num_proc=data_args.preprocessing_num_workers,
+        new_fingerprint=fingerprint, cache_file_name=cache_file,
+        load_from_cache_file=not data_args.overwrite_cache, desc=f"Cutting {name} into windows",
+    )
+    return windows, plan
+
+
+def _load_documents(
+    names: list[str], data_args: DataArguments, tokenizer, report: dict
+) -> list[datasets.Dataset]:
+    registry = load_registry(data_args.dataset_dir)
+    loaded = []
+    for name in names:
+        spec = registry[name]
+        rows = load_rows(spec, txt_sample_by=data_args.txt_sample_by)
+        if data_args.max_samples is not None and len(rows) > data_args.max_samples:
+            rows = rows.select(range(data_args.max_samples))
+        documents, stats = tokenize_documents(rows, spec, tokenizer, data_args)
+        report.setdefault("sources", []).append({**describe(spec), **asdict(stats)})
+        if stats.kept < stats.documents:
+            logger.warning(
+                "dataset %s: dropped %d of %d documents: %d empty, %d shorter than min_length=%d tokens",
+                name, stats.documents - stats.kept, stats.documents, stats.dropped_empty, stats.dropped_short,
+                data_args.min_length,
+            )
+        if stats.kept == 0:
+            raise DataError(
+                f"dataset '{name}': no usable documents (all {stats.documents} were empty or shorter than "
+                f"min_length={data_args.min_length} tokens); check text_column or lower min_length"
+            )
+        loaded.append(documents)
+    return loaded
+
+
+def _window_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+    windows, plan = cut_windows(documents, data_args, name)
+    stride = data_args.stride or data_args.cutoff_len
+    report[name] = {
+        "documents": len(documents), "tokens": plan.total_tokens, "window": data_args.cutoff_len, "stride": stride,
+        "windows": plan.windows, "full_windows": plan.full_windows, "tail": data_args.tail,
+        "tail_tokens": plan.tail_tokens, "dropped_tail_tokens": plan.dropped_tail_tokens,
+        "target_tokens": plan.target_tokens,
+    }
+    logger.info(
+        "%s: %d documents, %d tokens → %d windows of cutoff_len=%d, stride %d (%d full + tail of %d tokens %s); "
+        "%d target tokens",
+        name, len(documents), plan.total_tokens, plan.windows, data_args.cutoff_len, stride, plan.full_windows,
+        plan.tail_tokens, "kept" if plan.tail_kept else "dropped", plan.target_tokens,
+    )
+    if plan.dropped_tail_tokens:
+        logger.warning("%s: tail: drop dropped the last %d tokens of the stream", name, plan.dropped_tail_tokens)
+    return windows
+
+
+def build_pretrain_datasets(data_args: DataArguments, tokenizer, seed: int) -> DatasetBundle:
+    """Train and eval windows for stage pt, with a report of every count (sources, cleaning, windows)."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(
+            "model_name_or_path: the tokenizer has no eos_token, which stage pt puts after every document; "
+            "add eos_token to its tokenizer_config.json"
+        )
+    report: dict[str, Any] = {}
+    train_docs = _mix(_load_documents(data_args.dataset or [], data_args, tokenizer, report), data_args, seed)
+    eval_docs: dict[str, datasets.Dataset] = {}
+    if data_args.val_size > 0:
+        size = int(data_args.val_size) if data_args.val_size >= 1 else data_args.val_size
+        if isinstance(size, int) and size >= len(train_docs):
+            raise DataError(f"val_size={size} leaves no training documents (the train set has {len(train_docs)})")
+        split = train_docs.train_test_split(test_size=size, seed=seed)
+        train_docs, eval_docs[VAL_SPLIT_NAME] = split["train"], split["test"]
+    for name in data_args.eval_dataset or []:
+        (eval_docs[name],) = _load_documents([name], data_args, tokenizer, report)
+
+    train = _window_report("train", train_docs, data_args, report)
+    evals = {name: _window_report(f"eval:{name}", docs, data_args, report) for name, docs in eval_docs.items()}
+    return DatasetBundle(train=train, eval=evals, eval_rows={}, report=report)
