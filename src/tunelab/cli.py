@@ -1,7 +1,7 @@
-"""The `tunelab` command: train | template | env.
+"""The `tunelab` command: train | data | template | env.
 
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
-anything else is a bug and keeps its traceback.
+anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
 """
 
 from __future__ import annotations
@@ -44,6 +44,52 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         if "eval_loss" in metrics:
             print(f"eval loss: {metrics['eval_loss']:.4f}")
         print(f"saved to {config.training.output_dir}")
+    return 0
+
+
+def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """Remove `name value` / `name=value` from argv (options after the config land among the overrides)."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith(name + "="):
+            value = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return value, rest
+
+
+def _cmd_data(ns: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.data import inspect as data_inspect  # noqa: PLC0415
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+    from tunelab.train.run import setup_logging  # noqa: PLC0415
+
+    out, overrides = _take_option(list(ns.overrides), "--out")
+    max_batches, overrides = _take_option(overrides, "--max-batches")
+    out = out or ns.out
+    try:
+        max_batches = int(max_batches) if max_batches is not None else ns.max_batches
+    except ValueError:
+        raise ConfigError(f"--max-batches: expected a number, got {max_batches!r}") from None
+    config = load_config(ns.config, overrides, purpose="data")
+    setup_logging(is_main_process=False)  # warnings only: the report below is the output
+    data = data_inspect.load_run_data(config)
+    if ns.action == "stats":
+        lines = data_inspect.stats_report(data, Path(out) if out else data_inspect.default_stats_dir(config))
+    elif ns.action == "verify":
+        problem, lines = data_inspect.verify_report(data, max_batches)
+        if problem:
+            print(f"tunelab: verify failed: {problem}", file=sys.stderr)
+            return 1
+    else:
+        lines = data_inspect.coverage_report(data)
+    print("\n".join(lines))
     return 0
 
 
@@ -101,6 +147,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML file with the run's options")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     train.set_defaults(func=_cmd_train)
+    data = sub.add_parser(
+        "data", help="a config's data before training: stats | verify | coverage (tokenizer only, no weights)",
+        description="stats: lengths, padding waste, supervised share, histogram, drops. verify: batches through "
+        "the stage's collator, checked (exit 1 on the first problem). coverage: unk, out-of-vocabulary ids, "
+        "characters split into byte pieces.",
+    )
+    data.add_argument("action", choices=["stats", "verify", "coverage"])
+    data.add_argument("config", help="the run's YAML file")
+    data.add_argument("--out", help="stats: folder for length_histogram.png and stats.json (default output_dir/data_stats)")
+    data.add_argument("--max-batches", type=int, default=50, help="verify: batches per split at most (0: all)")
+    data.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
+    data.set_defaults(func=_cmd_data)
     template = sub.add_parser("template", help="list built-in chat templates or show one with its trained spans")
     template.add_argument("action", choices=["list", "show"])
     template.add_argument("name", nargs="?")

@@ -68,6 +68,15 @@ class DataArguments:
         "Pack several examples into one row of cutoff_len; samples stay isolated (attention and positions).",
         default=False,
     )
+    dedup: Literal["none", "exact", "near"] = _help(
+        "Remove duplicate training rows before encoding: exact (same rendered conversation) or near "
+        "(MinHash LSH over the text; pip install tunelab[dedup]).",
+        default="none",
+    )
+    dedup_threshold: float = _help(
+        "dedup: near: estimated Jaccard similarity (character 5-grams) at or above which a row is a duplicate.",
+        default=0.85,
+    )
     stride: int | None = _help(
         "pt: step between window starts (< cutoff_len overlaps windows); default cutoff_len.", default=None
     )

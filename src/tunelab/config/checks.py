@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 from pathlib import Path
 
 from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
@@ -16,6 +17,8 @@ from tunelab.errors import ConfigError
 
 AVAILABLE_STAGES = ("pt", "sft")
 PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
+# What `tunelab data stats` writes into output_dir; a folder holding only this still counts as empty.
+DATA_STATS_DIR = "data_stats"
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 
 
@@ -25,7 +28,8 @@ def check_training_values(values: dict) -> None:
         raise ConfigError("fp16 and bf16 are both true: keep one (bf16 where the hardware supports it)")
 
 
-def check_config(config: RunConfig) -> None:
+def check_config(config: RunConfig, purpose: str = "train") -> None:
+    """purpose "data" (`tunelab data ...`) reads data only, so output_dir is not checked."""
     for check in (
         _check_stage,
         _check_finetuning,
@@ -34,9 +38,12 @@ def check_config(config: RunConfig) -> None:
         _check_template,
         _check_data,
         _check_stage_data,
+        _check_dedup,
         _check_eval,
         _check_output_dir,
     ):
+        if purpose == "data" and check is _check_output_dir:
+            continue
         check(config)
 
 
@@ -182,6 +189,21 @@ def _check_stage_data(config: RunConfig) -> None:
         )
 
 
+def _check_dedup(config: RunConfig) -> None:
+    data = config.data
+    default_threshold = next(f.default for f in dataclasses.fields(DataArguments) if f.name == "dedup_threshold")
+    if data.dedup_threshold != default_threshold and data.dedup != "near":
+        raise ConfigError(f"dedup_threshold only applies to dedup: near (got dedup: {data.dedup}): remove it")
+    if data.dedup == "none":
+        return
+    if config.finetuning.stage == "pt":
+        raise ConfigError("dedup: stage pt does not deduplicate documents yet; remove dedup")
+    if not 0.0 < data.dedup_threshold <= 1.0:
+        raise ConfigError(f"dedup_threshold must be in (0, 1], got {data.dedup_threshold}")
+    if data.dedup == "near" and importlib.util.find_spec("datasketch") is None:
+        raise ConfigError("dedup: near needs the datasketch package: pip install tunelab[dedup]")
+
+
 def _check_eval(config: RunConfig) -> None:
     has_eval_set = bool(config.data.eval_dataset) or config.data.val_size > 0
     strategy = str(getattr(config.training.eval_strategy, "value", config.training.eval_strategy))
@@ -202,7 +224,7 @@ def _check_output_dir(config: RunConfig) -> None:
     out = Path(config.training.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and any(p.name != DATA_STATS_DIR for p in out.iterdir()):
         if not (config.training.overwrite_output_dir or config.training.resume_from_checkpoint):
             raise ConfigError(
                 f"output_dir: {out} is not empty; set overwrite_output_dir: true, resume_from_checkpoint, "

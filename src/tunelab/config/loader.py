@@ -13,7 +13,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -161,8 +161,16 @@ def _has_accelerator() -> bool:
     )
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> RunConfig:
-    """Read, merge, type and check a configuration. Fails before any model or data is touched."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    purpose: Literal["train", "data"] = "train",
+) -> RunConfig:
+    """Read, merge, type and check a configuration. Fails before any model or data is touched.
+
+    purpose "data" (`tunelab data ...`) reads the config without training from it: output_dir may be
+    unset or hold a finished run.
+    """
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
@@ -188,7 +196,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
         group, _ = owners[key]
         values[group][key] = _coerce(key, value, hints[group][key])
 
-    if not values[TrainingArguments].get("output_dir"):
+    if purpose == "train" and not values[TrainingArguments].get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
 
     from tunelab.config import checks  # noqa: PLC0415 - checks import args, keep the module graph one-way
@@ -203,7 +211,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(f"invalid {group.__name__} values: {message}") from None
     config = RunConfig(*groups, source=str(path) if path else None)
-    checks.check_config(config)
+    checks.check_config(config, purpose)
     return config
 
 

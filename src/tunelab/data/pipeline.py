@@ -14,6 +14,7 @@ from typing import Any
 import datasets
 
 from tunelab.config.args import DataArguments
+from tunelab.data.dedup import deduplicate_training_rows
 from tunelab.data.encode import EncodeStats, SupervisedEncoder
 from tunelab.data.formats import to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
@@ -98,7 +99,11 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
     )
     num_proc = data_args.preprocessing_num_workers
 
-    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report), data_args, seed)
+    sources = _load_canonical(data_args.dataset or [], data_args, report)
+    if data_args.dedup != "none":  # before mixing and the val split: no duplicate straddles train and val
+        sources, dedup = deduplicate_training_rows(sources, data_args, encoder)
+        report["dedup"] = dedup.as_dict()
+    train_rows = _mix(sources, data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         size = int(data_args.val_size) if data_args.val_size >= 1 else data_args.val_size

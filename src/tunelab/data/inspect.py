@@ -1,0 +1,737 @@
+"""`tunelab data stats|verify|coverage`: a run's data, measured and checked before any training.
+
+This module owns the three inspections. Each reads exactly the datasets the stage's trainer would
+get (data/pipeline.py for sft, data/pretrain.py for pt; packed with data/packing.py when packing is
+on) and loads the tokenizer only, never model weights:
+
+- stats: sample lengths (count, min/max/mean/median/p95; percentiles interpolate linearly between
+  order statistics, numpy's default), the share of real tokens when batches are padded to their
+  longest sample or to cutoff_len, the supervised-token share, a length histogram (text bars and a
+  PNG), what the pipeline truncated or dropped and why, and packing efficiency.
+- verify: batches drawn through the stage's own collator, each checked by `verify_batch`, a pure
+  function of one batch that returns the first problem as one line (or None).
+- coverage: the UNK rate, ids outside the model's vocab_size (config.json), and the characters the
+  tokenizer can only spell as several byte pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import torch
+
+from tunelab.config.args import RunConfig
+from tunelab.config.checks import DATA_STATS_DIR
+from tunelab.data.collate import PackedCollator, SupervisedCollator, block_causal_mask
+from tunelab.data.encode import IGNORE_INDEX
+from tunelab.data.packing import PackingStats, pack_dataset, pack_lengths
+from tunelab.errors import ModelError
+
+HISTOGRAM_BINS = 12
+BAR_WIDTH = 40
+TOP_CHARACTERS = 20
+_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # SentencePiece byte-fallback tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# The run's data, as the trainer would get it
+
+
+@dataclass
+class RunData:
+    """Encoded samples of a run (before packing), the packed rows when packing, and the pipeline report."""
+
+    config: RunConfig
+    tokenizer: Any
+    train: datasets.Dataset
+    evals: dict[str, datasets.Dataset]
+    report: dict[str, Any]
+    packed: dict[str, "PackedRows"] = field(default_factory=dict)  # split name -> rows, when packing
+
+    @property
+    def splits(self) -> dict[str, datasets.Dataset]:
+        return {"train": self.train, **{f"eval:{name}": ds for name, ds in self.evals.items()}}
+
+
+@dataclass
+class PackedRows:
+    rows: datasets.Dataset
+    stats: PackingStats
+    sample_lengths: list[list[int]]  # per row: the lengths of the samples it holds, in order
+
+
+def load_run_data(config: RunConfig) -> RunData:
+    from tunelab.model.load import load_tokenizer  # noqa: PLC0415 - pulls in peft; only the commands need it
+
+    tokenizer = load_tokenizer(config.model)
+    seed = config.training.seed
+    if config.finetuning.stage == "pt":
+        from tunelab.data.pretrain import build_pretrain_datasets  # noqa: PLC0415
+
+        bundle = build_pretrain_datasets(config.data, tokenizer, seed=seed)
+        return RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report)
+    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
+    from tunelab.data.templates import get_template  # noqa: PLC0415
+
+    template = get_template(config.data.template, tokenizer)
+    # Packed here, not in the pipeline, to keep each row's sample lengths (the rows are the same).
+    unpacked = dataclasses.replace(config.data, packing=False)
+    bundle = build_datasets(unpacked, tokenizer, template, seed=seed)
+    data = RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report)
+    if config.data.packing:
+        data.packed = {name: pack_rows(ds, config.data.cutoff_len) for name, ds in data.splits.items()}
+        data.report["packing"] = {name: packed.stats.as_dict() for name, packed in data.packed.items()}
+    return data
+
+
+def pack_rows(samples: datasets.Dataset, cutoff_len: int) -> PackedRows:
+    """pack_dataset's rows, with the sample lengths of each row (pack_lengths places them the same way)."""
+    rows, stats = pack_dataset(samples, cutoff_len)
+    lengths = token_lengths(samples).tolist()
+    bins = pack_lengths(lengths, cutoff_len)
+    return PackedRows(rows, stats, [[lengths[i] for i in b] for b in bins])
+
+
+def stage_collator(config: RunConfig, tokenizer) -> SupervisedCollator | PackedCollator:
+    """The collator the stage's trainer uses (train/stages), chosen without loading weights."""
+    pad = tokenizer.pad_token_id
+    if config.finetuning.stage == "pt" or not config.data.packing:
+        return SupervisedCollator(pad)
+    if config.model.flash_attn == "fa2":
+        # What for_model picks for flash attention; the checks refuse it for remote code.
+        return PackedCollator(pad, "varlen")
+    return PackedCollator.for_model(_model_skeleton(config), pad)
+
+
+def _model_skeleton(config: RunConfig) -> torch.nn.Module:
+    """The model class, attention backend and dtype training would get, on the meta device (no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    from tunelab.model.load import ATTN_IMPLEMENTATIONS, resolve_dtype  # noqa: PLC0415
+
+    path = config.model.model_name_or_path
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training),
+                              "trust_remote_code": config.model.trust_remote_code}
+    attn = ATTN_IMPLEMENTATIONS[config.model.flash_attn]
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    try:
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        model_config.use_cache = False  # as load_model sets it for training
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(model_config, **kwargs)
+    except Exception as exc:  # noqa: BLE001  (unknown architecture, unreadable config.json, ...)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"model_name_or_path: cannot build the model class from {path}/config.json: {message}") from exc
+
+
+def model_vocab_size(model_dir: str | Path) -> int | None:
+    """vocab_size from config.json (or its text_config), without loading the model."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else None
+
+
+# --------------------------------------------------------------------------------------------------
+# Columns as numpy
+
+
+def _flat_column(dataset: datasets.Dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """(per-row lengths, all values flattened) of a list column, without a Python loop over rows."""
+    values = dataset.select_columns([column]).with_format("arrow")[:].column(column)
+    lengths = pc.list_value_length(values).to_numpy().astype(np.int64)
+    return lengths, pc.list_flatten(values).to_numpy().astype(np.int64)
+
+
+def token_lengths(dataset: datasets.Dataset) -> np.ndarray:
+    return _flat_column(dataset, "input_ids")[0]
+
+
+def supervised_counts(dataset: datasets.Dataset) -> np.ndarray:
+    """Per sample, the positions that reach the loss: labels != -100, the first position excluded (the loss shifts)."""
+    lengths, labels = _flat_column(dataset, "labels")
+    supervised = labels != IGNORE_INDEX
+    starts = np.cumsum(lengths) - lengths
+    supervised[starts[lengths > 0]] = False
+    counts = np.zeros(len(lengths), dtype=np.int64)
+    nonempty = lengths > 0
+    if nonempty.any():
+        counts[nonempty] = np.add.reduceat(supervised.astype(np.int64), starts[nonempty])
+    return counts
+
+
+# --------------------------------------------------------------------------------------------------
+# stats
+
+
+@dataclass
+class LengthStats:
+    """Lengths of a split's samples and what batching them costs."""
+
+    count: int
+    min: int
+    max: int
+    mean: float
+    median: float
+    p95: float
+    tokens: int
+    supervised: int
+    cutoff_len: int
+    batch_size: int
+    padded_to_longest: int  # batch slots when each batch is padded to its longest sample
+
+    @property
+    def supervised_share(self) -> float:
+        return self.supervised / max(self.tokens, 1)
+
+    @property
+    def utilisation_longest(self) -> float:
+        """Real tokens over the slots of batches padded to their longest sample."""
+        return self.tokens / max(self.padded_to_longest, 1)
+
+    @property
+    def utilisation_cutoff(self) -> float:
+        """Real tokens over the slots of batches padded to cutoff_len."""
+        return self.tokens / max(self.count * self.cutoff_len, 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "supervised_share": self.supervised_share,
+                "utilisation_longest": self.utilisation_longest, "utilisation_cutoff": self.utilisation_cutoff}
+
+
+def padded_slots(lengths: Sequence[int], batch_size: int) -> int:
+    """Token slots of consecutive batches of `batch_size` (the last may be short), each padded to its longest."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = 0
+    for start in range(0, len(lengths), batch_size):
+        chunk = lengths[start : start + batch_size]
+        total += int(chunk.max()) * len(chunk)
+    return total
+
+
+def length_stats(
+    lengths: Sequence[int], supervised: Sequence[int], cutoff_len: int, batch_size: int
+) -> LengthStats:
+    """Statistics of samples in the order given (batches are consecutive runs of batch_size)."""
+    values = np.asarray(lengths, dtype=np.int64)
+    if len(values) == 0:
+        raise ValueError("length_stats: no samples")
+    return LengthStats(
+        count=len(values), min=int(values.min()), max=int(values.max()), mean=float(values.mean()),
+        median=float(np.median(values)), p95=float(np.percentile(values, 95)), tokens=int(values.sum()),
+        supervised=int(np.sum(supervised)), cutoff_len=cutoff_len, batch_size=batch_size,
+        padded_to_longest=padded_slots(values, batch_size),
+    )
+
+
+def batch_order(count: int, strategy: str, seed: int) -> np.ndarray:
+    """Sample order of an epoch: as stored for a sequential sampler, else a seeded shuffle (like the
+    Trainer's random sampler: the same statistics, not its exact order)."""
+    if strategy == "sequential":
+        return np.arange(count)
+    return np.random.default_rng(seed).permutation(count)
+
+
+def histogram(lengths: Sequence[int], bins: int = HISTOGRAM_BINS) -> list[tuple[int, int, int]]:
+    """(first length, last length, samples) of equal-width integer bins from the shortest to the longest."""
+    values = np.asarray(lengths, dtype=np.int64)
+    low, high = int(values.min()), int(values.max())
+    width = max(1, math.ceil((high - low + 1) / bins))
+    counts = np.bincount((values - low) // width)
+    return [(low + k * width, low + (k + 1) * width - 1, int(n)) for k, n in enumerate(counts)]
+
+
+def histogram_lines(hist: list[tuple[int, int, int]], width: int = BAR_WIDTH) -> list[str]:
+    total = sum(n for _, _, n in hist)
+    peak = max(n for _, _, n in hist)
+    digits = len(str(hist[-1][1]))
+    lines = []
+    for first, last, n in hist:
+        span = f"{first:>{digits}}" if first == last else f"{first:>{digits}}-{last:<{digits}}"
+        bar = "█" * round(width * n / peak) if peak else ""
+        lines.append(f"  {span:>{2 * digits + 1}} {bar:<{width}} {n:>6} {100 * n / total:5.1f}%")
+    return lines
+
+
+def save_histogram(lengths: Sequence[int], cutoff_len: int, path: Path, title: str) -> Path:
+    import matplotlib  # noqa: PLC0415 - plotting only when asked
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    hist = histogram(lengths)
+    edges = [first for first, _, _ in hist] + [hist[-1][1] + 1]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(np.asarray(lengths), bins=edges, color="#4c72b0", edgecolor="white")
+    ax.axvline(cutoff_len, color="#c44e52", linestyle="--", label=f"cutoff_len {cutoff_len}")
+    ax.set_xlabel("sample length (tokens)")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _num(value: float) -> str:
+    return f"{value:.2f}".rstrip("0").rstrip(".")
+
+
+def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
+    """What the pipeline dropped or cut, and why, from its report."""
+    data = config.data
+    lines = []
+    if config.finetuning.stage == "pt":
+        for source in report.get("sources", []):
+            lines.append(
+                f"documents ({source['name']}): {source['documents']} read, {source['kept']} kept; dropped "
+                f"{source['dropped_empty']} empty, {source['dropped_short']} shorter than min_length {data.min_length}"
+            )
+        train = report["train"]
+        tail = "kept" if train["tail"] == "keep" else f"dropped ({train['dropped_tail_tokens']} tokens)"
+        lines.append(
+            f"windows: {train['windows']} of cutoff_len {train['window']}, stride {train['stride']} "
+            f"({train['full_windows']} full; tail of {train['tail_tokens']} tokens {tail}); nothing is truncated"
+        )
+        return lines
+    for source in report.get("sources", []):
+        lines.append(
+            f"rows ({source['name']}): {source['rows']} read, {source['dropped_empty_answer']} dropped with an empty answer"
+        )
+    if "dedup" in report:
+        dedup = report["dedup"]
+        threshold = f", threshold {dedup['threshold']}" if dedup.get("threshold") is not None else ""
+        lines.append(
+            f"dedup ({dedup['mode']}{threshold}): removed {dedup['exact']} exact, {dedup['near']} near duplicates "
+            f"of {dedup['rows']} training rows"
+        )
+    train = report["train"]
+    lines.append(
+        f"encoding: {train['truncated']} truncated to cutoff_len {data.cutoff_len} (answers cut short), "
+        f"{train['dropped_no_supervised']} dropped with no supervised token left"
+    )
+    if train.get("expanded_conversations"):
+        lines.append(f"encoding: {train['expanded_conversations']} conversations encoded as one example per answer")
+    return lines
+
+
+def stats_report(data: RunData, out_dir: Path) -> list[str]:
+    """The `tunelab data stats` output; writes length_histogram.png and stats.json into out_dir."""
+    config = data.config
+    args = config.training
+    cutoff = config.data.cutoff_len
+    batch_size = args.per_device_train_batch_size
+    strategy = str(getattr(args, "train_sampling_strategy", "random"))
+    lengths = token_lengths(data.train)
+    supervised = supervised_counts(data.train)
+    order = batch_order(len(lengths), strategy, args.seed)
+    stats = length_stats(lengths[order], supervised[order], cutoff, batch_size)
+    order_text = "in stored order" if strategy == "sequential" else f"shuffled, seed {args.seed}"
+
+    title = f"stage {config.finetuning.stage}"
+    if config.finetuning.stage != "pt":
+        title += f", template {config.data.template}"
+    lines = [
+        f"train: {stats.count} samples ({title}, cutoff_len {cutoff})",
+        f"length (tokens): min {stats.min}, max {stats.max}, mean {_num(stats.mean)}, median {_num(stats.median)}, "
+        f"p95 {_num(stats.p95)}",
+        f"supervised tokens: {stats.supervised} of {stats.tokens} ({100 * stats.supervised_share:.1f}%) reach the loss",
+        f"token utilisation: {100 * stats.utilisation_longest:.1f}% in batches of {batch_size} padded to their longest "
+        f"({order_text}); {100 * stats.utilisation_cutoff:.1f}% if padded to cutoff_len {cutoff}",
+    ]
+    result: dict[str, Any] = {"train": stats.as_dict()}
+    if "train" in data.packed:
+        packed = data.packed["train"]
+        row_lengths = token_lengths(packed.rows)
+        row_order = batch_order(len(row_lengths), strategy, args.seed)
+        slots = padded_slots(row_lengths[row_order], batch_size)
+        lines.append(
+            f"packing: {packed.stats.samples} samples into {packed.stats.rows} rows of {cutoff}: efficiency "
+            f"{100 * packed.stats.efficiency:.1f}%; {100 * packed.stats.tokens / max(slots, 1):.1f}% in batches of "
+            f"{batch_size} rows padded to their longest"
+        )
+        result["packing"] = packed.stats.as_dict()
+    lines += pipeline_lines(data.report, config)
+    for name, dataset in data.evals.items():
+        eval_lengths = token_lengths(dataset)
+        lines.append(
+            f"eval:{name}: {len(eval_lengths)} samples, length {int(eval_lengths.min())}-{int(eval_lengths.max())}, "
+            f"mean {_num(float(eval_lengths.mean()))}"
+        )
+    hist = histogram(lengths)
+    lines.append("length histogram (tokens, samples):")
+    lines += histogram_lines(hist)
+
+    png = save_histogram(lengths, cutoff, out_dir / "length_histogram.png", f"train sample lengths ({stats.count})")
+    result.update(histogram=[list(h) for h in hist], pipeline=data.report)
+    (out_dir / "stats.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    lines.append(f"wrote {png} and {out_dir / 'stats.json'}")
+    return lines
+
+
+def default_stats_dir(config: RunConfig) -> Path:
+    # A subfolder the output_dir check ignores, so training into output_dir still works afterwards.
+    return Path(config.training.output_dir) / DATA_STATS_DIR
+
+
+# --------------------------------------------------------------------------------------------------
+# verify
+
+
+def verify_batch(
+    batch: dict[str, Any],
+    *,
+    pad_token_id: int,
+    sample_lengths: Sequence[Sequence[int]] | None = None,
+    vocab_size: int | None = None,
+    batch_index: int = 0,
+) -> str | None:
+    """The first problem of one collated batch, as one line, or None.
+
+    sample_lengths: per batch row, the lengths of the samples it holds in order (one per row unless
+    packed; a flattened varlen batch is one row). Without it, lengths are read from the
+    attention_mask (padded batches) or from restarts of position_ids (packed: then padding counts
+    as a sample). Packed batches are recognised by their position_ids.
+    """
+    where = f"batch {batch_index}"
+    for key in ("input_ids", "labels"):
+        if key not in batch:
+            return f"{where}: no {key} in the batch (keys: {', '.join(batch)})"
+    ids, labels = batch["input_ids"], batch["labels"]
+    packed = "position_ids" in batch
+    mask = batch.get("attention_mask")
+    if ids.dim() != 2:
+        return f"{where}: input_ids has shape {tuple(ids.shape)}; expected (batch, length)"
+    if not packed and mask is None:
+        return f"{where}: no attention_mask in a padded batch"
+    if packed and mask is not None and mask.dim() == 2:
+        return f"{where}: a 2-D attention_mask beside packed position_ids lets samples attend to each other; leave it out"
+    two_d = ["labels", "position_ids"] if packed else ["labels", "attention_mask"]
+    for key in ["input_ids", *two_d]:
+        if batch[key].shape != ids.shape:
+            return f"{where}: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}; they must match"
+        if batch[key].dtype != torch.long:
+            return f"{where}: {key} has dtype {batch[key].dtype}, expected torch.int64"
+    rows, length = ids.shape
+    if sample_lengths is not None and len(sample_lengths) != rows:
+        return f"{where}: {len(sample_lengths)} rows of sample lengths for {rows} batch rows"
+
+    for row in range(rows):
+        given = list(sample_lengths[row]) if sample_lengths is not None else None
+        problem = _verify_row(batch, row, given, pad_token_id, vocab_size, packed)
+        if problem:
+            return f"{where}, sample {row}{problem}"
+
+    if packed and mask is not None:  # block_mask path: the 4-D mask must be exactly the block-causal one
+        if mask.dim() != 4 or tuple(mask.shape) != (rows, 1, length, length) or not mask.is_floating_point():
+            return (f"{where}: attention_mask beside position_ids must be a float (batch, 1, L, L) block mask, "
+                    f"got {tuple(mask.shape)} {mask.dtype}")
+        expected = block_causal_mask(batch["position_ids"], mask.dtype)
+        for row in range(rows):
+            if not torch.equal(mask[row], expected[row]):
+                return f"{where}, sample {row}: the 4-D attention_mask is not the block-causal mask of its position_ids"
+    if "cu_seq_lens_q" in batch:  # varlen path: one flattened row, sample boundaries passed explicitly
+        if rows != 1:
+            return f"{where}: cu_seq_lens_q needs one flattened row, the batch has {rows}"
+        if sample_lengths is not None:
+            starts = np.cumsum([0, *sample_lengths[0]])
+        else:
+            starts = np.append(torch.nonzero(batch["position_ids"][0] == 0).flatten().numpy(), length)
+        for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+            got = batch.get(key)
+            if got is None or got.tolist() != starts.tolist():
+                shown = None if got is None else got.tolist()
+                return f"{where}: {key} is {shown}, expected the sample boundaries {starts.tolist()}"
+        longest = int(np.diff(starts).max())
+        for key in ("max_length_q", "max_length_k"):
+            if batch.get(key) != longest:
+                return f"{where}: {key} is {batch.get(key)}, expected the longest sample, {longest}"
+    return None
+
+
+def _verify_row(
+    batch: dict[str, Any], row: int, given: list[int] | None, pad_token_id: int, vocab_size: int | None, packed: bool
+) -> str | None:
+    """Problems of one batch row, as ', position t: ...' (or ': ...'), or None."""
+    ids = batch["input_ids"][row].tolist()
+    labels = batch["labels"][row].tolist()
+    length = len(ids)
+    if packed:
+        positions = batch["position_ids"][row].tolist()
+        if given is None:  # every restart is a sample start (padding is a sample of its own)
+            starts = [t for t, p in enumerate(positions) if p == 0]
+            given = [b - a for a, b in zip(starts, [*starts[1:], length])] if starts else [length]
+    else:
+        mask = batch["attention_mask"][row].tolist()
+        if given is None:
+            given = [int(sum(mask))]
+    real = sum(given)
+    if real > length:
+        return f": its samples hold {real} tokens but the batch is {length} long"
+
+    if packed:
+        expected = [k for n in given for k in range(n)] + list(range(length - real))
+        starts = set(np.cumsum([0, *given[:-1]]).tolist()) if given else set()
+        sample_of = np.repeat(np.arange(len(given)), given).tolist()
+        for t, (got, want) in enumerate(zip(positions, expected)):
+            if got == want:
+                continue
+            if t >= real:
+                return f", position {t}: position_id {got} on padding, expected {want} (padding is a sample of its own)"
+            if want == 0:
+                return (f", position {t}: position_id {got} at the start of packed sample {sample_of[t]}, expected 0 "
+                        "(position ids restart at every sample start)")
+            return f", position {t}: position_id {got} inside packed sample {sample_of[t]}, expected {want}"
+        for t in sorted(starts):
+            if t < real and labels[t] != IGNORE_INDEX:
+                return (f", position {t}: label {labels[t]} at the start of packed sample {sample_of[t]}, expected -100 "
+                        "(the sample before must not predict it)")
+    else:
+        for t, value in enumerate(mask):
+            if t < real and value != 1:
+                return f", position {t}: attention_mask is {value} on a real token, expected 1"
+            if t >= real and value != 0:
+                return f", position {t}: attention_mask is {value} on padding, expected 0"
+    for t in range(real, length):
+        if ids[t] != pad_token_id:
+            return f", position {t}: input_id {ids[t]} on padding, expected the pad id {pad_token_id}"
+        if labels[t] != IGNORE_INDEX:
+            return f", position {t}: label {labels[t]} on padding, expected -100"
+    for t in range(real):
+        if ids[t] < 0 or (vocab_size is not None and ids[t] >= vocab_size):
+            return f", position {t}: input_id {ids[t]} is outside the model's vocabulary (vocab_size {vocab_size})"
+    for t in range(1, length):  # position 0 never reaches the loss: nothing precedes it
+        if labels[t] != IGNORE_INDEX and labels[t] != ids[t]:
+            hint = ""
+            if t + 1 < length and labels[t] == ids[t + 1]:
+                hint = "; it equals the next input_id: were the labels shifted already?"
+            return (f", position {t}: label {labels[t]} != input_id {ids[t]}; labels must equal input_ids where "
+                    f"supervised (the loss shifts them){hint}")
+    return None
+
+
+@dataclass
+class VerifyCounts:
+    batches: int = 0
+    rows: int = 0
+    samples: int = 0
+    tokens: int = 0
+    padding: int = 0
+    supervised: int = 0
+    shape: tuple[int, ...] | None = None
+    keys: tuple[str, ...] = ()
+
+
+def verify_split(
+    name: str,
+    dataset: datasets.Dataset,
+    collator,
+    batch_size: int,
+    order: np.ndarray,
+    *,
+    pad_token_id: int,
+    vocab_size: int | None,
+    max_batches: int,
+    lengths_per_row: list[list[int]] | None = None,
+) -> tuple[str | None, VerifyCounts]:
+    """Collate batches of `dataset` in `order` and verify each; the first problem (prefixed by name) stops."""
+    counts = VerifyCounts()
+    columns = list(dataset.column_names)
+    flattened = getattr(collator, "attention", None) == "varlen"
+    for number, start in enumerate(range(0, len(order), batch_size)):
+        if max_batches and number >= max_batches:
+            break
+        index = [int(i) for i in order[start : start + batch_size]]
+        block = dataset[index]
+        rows = [dict(zip(columns, values)) for values in zip(*(block[c] for c in columns))]
+        batch = collator(rows)
+        if lengths_per_row is not None:
+            lengths = [lengths_per_row[i] for i in index]
+        else:
+            lengths = [[len(r["input_ids"])] for r in rows]
+        if flattened:
+            lengths = [[n for row in lengths for n in row]]
+        problem = verify_batch(
+            batch, pad_token_id=pad_token_id, sample_lengths=lengths, vocab_size=vocab_size, batch_index=number
+        )
+        if problem:
+            return f"{name}: {problem}", counts
+        real = sum(n for row in lengths for n in row)
+        counts.batches += 1
+        counts.rows += len(rows)
+        counts.samples += sum(len(row) for row in lengths)
+        counts.tokens += real
+        counts.padding += batch["input_ids"].numel() - real
+        counts.supervised += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        counts.shape = tuple(batch["input_ids"].shape) if counts.shape is None else counts.shape
+        counts.keys = tuple(k for k in batch if torch.is_tensor(batch[k]))
+    return None, counts
+
+
+def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str]]:
+    """(first problem or None, summary lines) of `tunelab data verify`."""
+    config, tokenizer = data.config, data.tokenizer
+    args = config.training
+    collator = stage_collator(config, tokenizer)
+    vocab_size = model_vocab_size(config.model.model_name_or_path)
+    strategy = str(getattr(args, "train_sampling_strategy", "random"))
+    kind = type(collator).__name__ + (f" ({collator.attention})" if isinstance(collator, PackedCollator) else "")
+    lines = []
+    for name, samples in data.splits.items():
+        batch_size = args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size
+        packed = data.packed.get(name)
+        dataset = packed.rows if packed else samples
+        # Training draws shuffled batches; evaluation goes in order.
+        order = batch_order(len(dataset), strategy, args.seed) if name == "train" else np.arange(len(dataset))
+        problem, counts = verify_split(
+            name, dataset, collator, batch_size, order, pad_token_id=tokenizer.pad_token_id, vocab_size=vocab_size,
+            max_batches=max_batches, lengths_per_row=packed.sample_lengths if packed else None,
+        )
+        if problem:
+            return problem, lines
+        unit = f"{counts.rows} packed rows" if packed else f"{counts.rows} samples"
+        of = "" if counts.rows == len(dataset) else f" (of {len(dataset)})"
+        lines.append(
+            f"{name}: {counts.batches} batch{'es' if counts.batches != 1 else ''}, {unit}{of}, through {kind}: "
+            f"{', '.join(counts.keys)}; "
+            f"first batch {tuple(counts.shape or ())}"
+        )
+        lines.append(f"  {counts.supervised} supervised positions: label == input_id (the loss shifts them)")
+        if packed:
+            lines.append(
+                f"  {counts.samples} packed samples: position ids restart at 0 at each start and step by 1; "
+                "label -100 at every sample start"
+            )
+        lines.append(
+            f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
+            + ("" if packed else ", attention_mask 0 (1 on every real token)")
+        )
+    checked = "dtypes int64, shapes consistent" + (f", every input id < vocab_size {vocab_size}" if vocab_size else "")
+    lines.append(f"ok: every check passed ({checked})")
+    return None, lines
+
+
+# --------------------------------------------------------------------------------------------------
+# coverage
+
+
+def byte_piece_kind(tokenizer) -> str | None:
+    """'byte-level' (GPT-2 style byte BPE), 'byte-fallback' (SentencePiece <0x..> pieces) or None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    if (spec.get("model") or {}).get("byte_fallback"):
+        return "byte-fallback"
+    text = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+    return "byte-level" if '"ByteLevel"' in text else None
+
+
+def split_characters(
+    texts: Iterable[str], tokenizer, kind: str | None = None, top: int = TOP_CHARACTERS
+) -> tuple[int, int, list[tuple[str, int, int]]]:
+    """(characters, characters split, top split characters as (char, occurrences, pieces)).
+
+    A character is split when the tokenizer, encoding it alone, needs more than one token for it
+    (byte-level) or spells it with <0x..> byte pieces (byte-fallback, counting those pieces).
+    """
+    kind = kind or byte_piece_kind(tokenizer)
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(text)
+    total = sum(counts.values())
+    if kind is None or not counts:
+        return total, 0, []
+    chars = sorted(counts)
+    encoded = tokenizer(chars, add_special_tokens=False)["input_ids"]
+    split = []
+    for char, ids in zip(chars, encoded):
+        if kind == "byte-level":
+            pieces = len(ids) if len(ids) > 1 else 0
+        else:
+            pieces = sum(1 for token in tokenizer.convert_ids_to_tokens(ids) if _BYTE_PIECE.match(token))
+        if pieces:
+            split.append((char, counts[char], pieces))
+    split.sort(key=lambda item: (-item[1], item[0]))
+    return total, sum(n for _, n, _ in split), split[:top]
+
+
+@dataclass
+class IdCoverage:
+    tokens: int
+    distinct: int
+    unk: int | None  # None: the tokenizer has no unk token
+    out_of_range: int | None  # None: vocab_size unknown
+    max_id: int
+
+
+def id_coverage(ids: np.ndarray, vocab_size: int | None, unk_id: int | None) -> IdCoverage:
+    ids = np.asarray(ids, dtype=np.int64)
+    return IdCoverage(
+        tokens=len(ids), distinct=len(np.unique(ids)),
+        unk=int(np.sum(ids == unk_id)) if unk_id is not None else None,
+        out_of_range=int(np.sum((ids >= vocab_size) | (ids < 0))) if vocab_size is not None else None,
+        max_id=int(ids.max()) if len(ids) else -1,
+    )
+
+
+def _texts(data: RunData) -> Iterable[str]:
+    """The text of the training samples, each token once (pt windows from their first target: no overlap)."""
+    pt = data.config.finetuning.stage == "pt"
+    for sample in data.train.select_columns(["input_ids", "labels"]):
+        ids = sample["input_ids"]
+        if pt:
+            first = next((t for t, label in enumerate(sample["labels"]) if label != IGNORE_INDEX), len(ids))
+            ids = ids[first:]
+        yield data.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def coverage_report(data: RunData) -> list[str]:
+    """The `tunelab data coverage` output for the training samples."""
+    tokenizer, config = data.tokenizer, data.config
+    vocab_size = model_vocab_size(config.model.model_name_or_path)
+    _, flat = _flat_column(data.train, "input_ids")
+    unk_id = tokenizer.unk_token_id if tokenizer.unk_token is not None else None
+    cov = id_coverage(flat, vocab_size, unk_id)
+    kind = byte_piece_kind(tokenizer)
+    vocab_text = f"model vocab_size {vocab_size} from config.json" if vocab_size else "model vocab_size unknown"
+    lines = [
+        f"train: {len(data.train)} samples, {cov.tokens} tokens (tokenizer: {kind or 'no byte pieces'}, "
+        f"{len(tokenizer)} entries; {vocab_text})"
+    ]
+    if cov.unk is None:
+        lines.append("unk: the tokenizer has no unk token" + (" (byte pieces spell any text)" if kind else ""))
+    else:
+        share = 100 * cov.unk / max(cov.tokens, 1)
+        lines.append(f"unk: {cov.unk} of {cov.tokens} tokens ({share:.2f}%) are {tokenizer.unk_token!r}")
+    if cov.out_of_range is not None:
+        lines += [
+            f"ids out of range (>= vocab_size {vocab_size}): {cov.out_of_range} tokens (largest id {cov.max_id})",
+            f"vocabulary used: {cov.distinct} distinct ids of {vocab_size} ({100 * cov.distinct / vocab_size:.1f}%)",
+        ]
+    if kind is None:
+        lines.append("byte pieces: this tokenizer has none (neither byte-level nor byte-fallback)")
+        return lines
+    total, split, top = split_characters(_texts(data), tokenizer, kind)
+    lines.append(
+        f"characters spelled in several {kind} pieces: {split} of {total} ({100 * split / max(total, 1):.2f}%)"
+    )
+    if top:
+        lines.append(f"  top {len(top)} (character, code point, occurrences, tokens each when alone):")
+        lines += [f"  {char!r:>6} U+{ord(char):04X} {n:>8} {pieces:>3}" for char, n, pieces in top]
+    return lines

@@ -1,0 +1,163 @@
+"""`tunelab data stats|verify|coverage` on the demo config (embedded tiny model, chatml, demo_reverse): exit codes
+and the key lines of the output."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tunelab.cli import main
+from tunelab.config.loader import load_config
+from tunelab.data import inspect as data_inspect
+from tunelab.data.collate import SupervisedCollator
+from tunelab.errors import ConfigError
+
+DEMO = """\
+model_name_or_path: tiny
+stage: sft
+finetuning_type: full
+template: chatml
+dataset: demo_reverse
+max_samples: 64
+cutoff_len: 128
+output_dir: {out}
+per_device_train_batch_size: 16
+seed: 42
+"""
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Path:
+    path = tmp_path / "demo.yaml"
+    path.write_text(DEMO.format(out=tmp_path / "run"), encoding="utf-8")
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[str], str]:
+    code = main(["data", *argv])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
+def test_stats_prints_the_numbers_and_saves_the_histogram(demo: Path, capsys) -> None:
+    code, lines, _ = run(capsys, "stats", str(demo))
+    assert code == 0
+    assert lines[:6] == [
+        "train: 64 samples (stage sft, template chatml, cutoff_len 128)",
+        "length (tokens): min 25, max 33, mean 28.44, median 29, p95 33",
+        "supervised tokens: 494 of 1820 (27.1%) reach the loss",
+        "token utilisation: 86.2% in batches of 16 padded to their longest (shuffled, seed 42); "
+        "22.2% if padded to cutoff_len 128",
+        "rows (demo_reverse): 64 read, 0 dropped with an empty answer",
+        "encoding: 0 truncated to cutoff_len 128 (answers cut short), 0 dropped with no supervised token left",
+    ]
+    assert lines[6] == "length histogram (tokens, samples):"
+    assert lines[7].split() == ["25", "█" * 40, "27", "42.2%"]
+    out = demo.parent / "run" / "data_stats"
+    assert lines[-1] == f"wrote {out / 'length_histogram.png'} and {out / 'stats.json'}"
+    assert (out / "length_histogram.png").stat().st_size > 0
+    load_config(demo)  # training into that output_dir still works: it holds only data_stats/
+
+
+def test_stats_with_packing_into_another_folder(demo: Path, tmp_path: Path, capsys) -> None:
+    code, lines, _ = run(capsys, "stats", str(demo), "packing=true", "--out", str(tmp_path / "stats"))
+    assert code == 0
+    assert (
+        "packing: 64 samples into 15 rows of 128: efficiency 94.8%; 94.8% in batches of 16 rows padded to their longest"
+    ) in lines
+    assert (tmp_path / "stats" / "stats.json").is_file()
+
+
+def test_data_commands_ignore_a_non_empty_output_dir(demo: Path, capsys) -> None:
+    (demo.parent / "run").mkdir()
+    (demo.parent / "run" / "model.safetensors").write_text("x")
+    with pytest.raises(ConfigError, match="is not empty"):
+        load_config(demo)
+    assert run(capsys, "coverage", str(demo))[0] == 0
+
+
+def test_verify_passes_and_summarises(demo: Path, capsys) -> None:
+    code, lines, _ = run(capsys, "verify", str(demo))
+    assert code == 0
+    assert lines[0] == (
+        "train: 4 batches, 64 samples, through SupervisedCollator: input_ids, labels, attention_mask; first batch (16, 33)"
+    )
+    assert lines[1] == "  494 supervised positions: label == input_id (the loss shifts them)"
+    assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
+
+
+def test_verify_packed_uses_the_packed_collator(demo: Path, capsys) -> None:
+    code, lines, _ = run(capsys, "verify", str(demo), "packing=true", "--max-batches", "1")
+    assert code == 0
+    assert lines[0] == (
+        "train: 1 batch, 15 packed rows, through PackedCollator (position_ids): input_ids, labels, position_ids; "
+        "first batch (15, 128)"
+    )
+    assert lines[2] == (
+        "  64 packed samples: position ids restart at 0 at each start and step by 1; label -100 at every sample start"
+    )
+
+
+class ShiftingCollator(SupervisedCollator):
+    """The bug verify exists for: labels shifted by one although the loss shifts them again."""
+
+    def __call__(self, examples):
+        batch = super().__call__(examples)
+        batch["labels"][:, :-1] = batch["labels"][:, 1:].clone()
+        batch["labels"][:, -1] = -100
+        return batch
+
+
+def test_verify_fails_with_one_line_and_exit_1(demo: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(data_inspect, "stage_collator", lambda config, tokenizer: ShiftingCollator(tokenizer.pad_token_id))
+    code, lines, err = run(capsys, "verify", str(demo))
+    assert (code, lines) == (1, [])
+    assert re.fullmatch(
+        r"tunelab: verify failed: train: batch 0, sample 0, position \d+: label \d+ != input_id \d+; labels must "
+        r"equal input_ids where supervised \(the loss shifts them\); it equals the next input_id: were the labels "
+        r"shifted already\?\n",
+        err.splitlines(keepends=True)[-1],
+    )
+
+
+def test_coverage_on_a_byte_level_tokenizer(demo: Path, capsys) -> None:
+    code, lines, _ = run(capsys, "coverage", str(demo))
+    assert code == 0
+    assert lines == [
+        "train: 64 samples, 1820 tokens (tokenizer: byte-level, 864 entries; model vocab_size 864 from config.json)",
+        "unk: the tokenizer has no unk token (byte pieces spell any text)",
+        "ids out of range (>= vocab_size 864): 0 tokens (largest id 750)",
+        "vocabulary used: 36 distinct ids of 864 (4.2%)",
+        "characters spelled in several byte-level pieces: 0 of 3292 (0.00%)",
+    ]
+
+
+def test_coverage_counts_unk_tokens(demo: Path, tiny_llama_dir: Path, capsys) -> None:
+    # The fixture's word-level tokenizer knows only w0 w1 ...: chat text is mostly <unk>.
+    code, lines, _ = run(capsys, "coverage", str(demo), f"model_name_or_path={tiny_llama_dir}")
+    assert code == 0
+    assert re.fullmatch(r"unk: \d+ of \d+ tokens \(\d+\.\d\d%\) are '<unk>'", lines[1])
+    assert lines[-1] == "byte pieces: this tokenizer has none (neither byte-level nor byte-fallback)"
+
+
+def test_pt_stats_and_verify(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "pt.yaml"
+    config.write_text(
+        "model_name_or_path: tiny\nstage: pt\nfinetuning_type: full\ndataset: demo_corpus\nmax_samples: 32\n"
+        "cutoff_len: 64\nstride: 48\nper_device_train_batch_size: 8\n",
+        encoding="utf-8",
+    )
+    code, lines, _ = run(capsys, "stats", str(config), "--out", str(tmp_path / "stats"))
+    assert code == 0
+    assert lines[0] == "train: " + lines[0].split(" ")[1] + " samples (stage pt, cutoff_len 64)"
+    assert any(line.startswith("windows: ") and line.endswith("nothing is truncated") for line in lines)
+    code, lines, _ = run(capsys, "verify", str(config))
+    assert code == 0 and lines[-1].startswith("ok: every check passed")
+
+
+def test_bad_override_is_a_config_error(demo: Path, capsys) -> None:
+    code, lines, err = run(capsys, "stats", str(demo), "cutof_len=64")
+    assert (code, lines) == (2, [])
+    assert err == f"tunelab: error: unknown key 'cutof_len' in {demo}; did you mean 'cutoff_len'?\n"
