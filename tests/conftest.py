@@ -55,3 +55,18 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
     Qwen2ForCausalLM(config).save_pretrained(folder)
     _save_tiny_tokenizer(folder, config.vocab_size)
     return folder
+
+
+@pytest.fixture(autouse=True, scope="session")
+def isolated_tokenized_cache(tmp_path_factory):
+    """Runs in tests write their tokenized cache into a fresh folder, never the user's ~/.cache."""
+    import os  # noqa: PLC0415
+
+    folder = tmp_path_factory.mktemp("tokenized-cache")
+    previous = os.environ.get("TUNELAB_CACHE")
+    os.environ["TUNELAB_CACHE"] = str(folder)
+    yield folder
+    if previous is None:
+        os.environ.pop("TUNELAB_CACHE", None)
+    else:
+        os.environ["TUNELAB_CACHE"] = previous

@@ -129,3 +129,16 @@ def test_qlora_with_evaluation_in_between_trains_and_saves_an_adapter(tmp_path):
     losses = [r["loss"] for r in log if "loss" in r]
     assert losses[-1] < losses[0]
     assert (out / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_second_launch_reuses_the_tokenized_cache(tmp_path):
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    first = run_train(tmp_path / "a", finetuning_type="lora", max_steps=2, logging_steps=1, dataset="demo_add", max_samples=64)
+    second = run_train(tmp_path / "b", finetuning_type="lora", max_steps=2, logging_steps=1, dataset="demo_add", max_samples=64)
+    third = run_train(tmp_path / "c", finetuning_type="lora", max_steps=2, logging_steps=1, dataset="demo_add", max_samples=64, cutoff_len=95)
+    reports = [json.loads((out / "data_report.json").read_text()) for out in (first, second, third)]
+    assert [r["cache"]["hit"] for r in reports] == [False, True, False]
+    assert reports[0]["cache"]["path"] == reports[1]["cache"]["path"] != reports[2]["cache"]["path"]
+    assert reports[1]["train"] == reports[0]["train"]

@@ -166,3 +166,35 @@ def load_or_build(
     value = build()
     _save(entry, value, inputs)
     return _load(entry), False, entry
+
+
+def cached_bundle(data_args, tokenizer, template_source: str | None, stage: str, seed: int,
+                  build: Callable[[], Any], is_main_process: bool = True):
+    """A stage's DatasetBundle through the cache: built once, memory-mapped on every later launch.
+
+    The local main process of each node builds (atomic rename makes concurrent builders on a shared
+    file system safe); the others wait for the finished entry and read it.
+    """
+    from tunelab.data.pipeline import DatasetBundle  # noqa: PLC0415 - the pipeline imports this module's users
+
+    inputs = dataset_inputs(data_args, tokenizer, template_source, stage, seed)
+
+    def build_cached() -> CachedDatasets:
+        bundle = build()
+        named = {"train": bundle.train} if bundle.train is not None else {}
+        named.update({f"eval/{name}": ds for name, ds in bundle.eval.items()})
+        named.update({f"eval_rows/{name}": ds for name, ds in bundle.eval_rows.items()})
+        return CachedDatasets(named, bundle.report)
+
+    value, hit, entry = load_or_build(
+        inputs, build_cached, data_args.tokenized_cache_dir, overwrite=data_args.overwrite_cache,
+        is_main_process=is_main_process,
+    )
+    groups: dict[str, dict[str, datasets.Dataset]] = {"eval": {}, "eval_rows": {}}
+    for name, dataset in value.datasets.items():
+        if "/" in name:
+            group, _, key = name.partition("/")
+            groups[group][key] = dataset
+    report = {**value.report, "cache": {"hit": hit, "path": str(entry)}}
+    logger.info("datasets %s: %s", "reused from the tokenized cache" if hit else "tokenized and cached", entry)
+    return DatasetBundle(train=value.datasets.get("train"), eval=groups["eval"], eval_rows=groups["eval_rows"], report=report)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from tunelab.config.args import RunConfig
+from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import PackedCollator, SupervisedCollator
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template
@@ -25,7 +26,11 @@ def run_sft(config: RunConfig) -> dict:
     args = config.training
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
-    data = build_datasets(config.data, tokenizer, template, seed=args.seed)
+    data = cached_bundle(
+        config.data, tokenizer, template.jinja, "sft", args.seed,
+        build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
+        is_main_process=args.local_process_index == 0,
+    )
     outputs.write_json(args.output_dir, "data_report.json", data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
