@@ -176,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     except TunelabError as exc:
         print(f"tunelab: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        from tunelab.train.run import explain_os_error  # noqa: PLC0415
+
+        message = explain_os_error(exc)
+        if message is None:
+            raise
+        print(f"tunelab: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

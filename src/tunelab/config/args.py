@@ -153,6 +153,7 @@ TRAINING_DEFAULTS = {
     "save_strategy": "no",
     "remove_unused_columns": False,
     "ddp_find_unused_parameters": False,
+    "prediction_loss_only": True,  # evaluation computes losses per batch; never gathers logits (PEERS #13)
 }
 
 

@@ -153,6 +153,12 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _has_cuda() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
 def _has_accelerator() -> bool:
     import torch  # noqa: PLC0415
 
@@ -195,6 +201,12 @@ def load_config(
     for key, value in raw.items():
         group, _ = owners[key]
         values[group][key] = _coerce(key, value, hints[group][key])
+    training_values = values[TrainingArguments]
+    if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
+        # Re-forking workers every epoch re-opens every file and memory map; keep them alive.
+        training_values["dataloader_persistent_workers"] = True
+    if "dataloader_pin_memory" not in raw:
+        training_values["dataloader_pin_memory"] = _has_cuda()  # pinning only helps host→GPU copies
 
     if purpose == "train" and not values[TrainingArguments].get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")

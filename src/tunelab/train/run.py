@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import resource
 
 import transformers
 
@@ -19,7 +21,35 @@ def setup_logging(is_main_process: bool = True) -> None:
     transformers.logging.set_verbosity_warning()
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Lift the soft open-file limit to the hard one (DataLoader workers and Arrow memory maps each
+    hold descriptors; a 1024 soft limit is a classic "Too many open files" crash). Returns (old, new)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):  # some containers refuse; the error message below still guides the user
+        return soft, soft
+    return soft, target
+
+
+def explain_os_error(exc: OSError) -> str | None:
+    """A one-line fix for the OS errors training runs hit, or None."""
+    if exc.errno == errno.EMFILE:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (
+            f"too many open files (limit {soft}): raise it with `ulimit -n 65536` before the run, "
+            "or lower dataloader_num_workers / preprocessing_num_workers"
+        )
+    if exc.errno == errno.ENOSPC:
+        return f"no space left on device while writing {exc.filename or 'outputs'}: free space or change output_dir / TUNELAB_CACHE"
+    return None
+
+
 def run(config: RunConfig) -> dict:
+    raise_open_file_limit()
     if config.training.process_index == 0:
         outputs.write_run_start(config)
     stage = config.finetuning.stage
