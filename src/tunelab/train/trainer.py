@@ -27,12 +27,23 @@ class TunelabTrainer(transformers.Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.train_start_time is None:
             self.train_start_time = time.time()
-        mask = inputs.get("attention_mask")
-        self.tokens_seen += int(mask.sum()) if mask is not None else inputs["input_ids"].numel()
+        self.tokens_seen += self._real_tokens(inputs)
         labels = inputs.get("labels")
         if labels is not None:
             self.supervised_tokens_seen += int((labels[:, 1:] != IGNORE_INDEX).sum())
         return super().training_step(model, inputs, num_items_in_batch)
+
+    def _real_tokens(self, inputs) -> int:
+        """Tokens that are not padding. Padded batches say so in their 2-D attention mask; packed
+        batches have none (or a 4-D block mask), and their row padding is pad ids that nothing learns."""
+        mask = inputs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            return int(mask.sum())
+        input_ids, labels = inputs["input_ids"], inputs.get("labels")
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        if pad_id is None or labels is None:
+            return input_ids.numel()
+        return int(((input_ids != pad_id) | (labels != IGNORE_INDEX)).sum())
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
