@@ -181,6 +181,11 @@ def _check_stage_data(config: RunConfig) -> None:
             f"stride must be between 1 and cutoff_len ({data.cutoff_len}), got {data.stride}; "
             "stride < cutoff_len overlaps windows, stride = cutoff_len (the default) does not"
         )
+    if data.packing and (data.stride is not None or data.tail != "keep"):
+        raise ConfigError(
+            "stride and tail shape concatenated windows; with packing: true each document is cut at cutoff_len "
+            "and packed in isolation: remove stride/tail or packing"
+        )
     if data.min_length < 1:
         raise ConfigError(f"min_length must be at least 1 (empty documents are always dropped), got {data.min_length}")
     if config.generation.eval_generation:

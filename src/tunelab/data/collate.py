@@ -139,3 +139,9 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.flo
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     allowed = (same_sample & causal).unsqueeze(1)
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def build_collator(model, pad_token_id: int, packing: bool) -> SupervisedCollator | PackedCollator:
+    """The training collator of every stage: packed rows need the mechanism that isolates samples in
+    this model's attention backend; plain examples are padded."""
+    return PackedCollator.for_model(model, pad_token_id) if packing else SupervisedCollator(pad_token_id)

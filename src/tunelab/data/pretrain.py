@@ -37,6 +37,11 @@ Windows over the concatenated stream of T tokens, window W = cutoff_len, stride 
   first token of each window is not a target (nothing precedes it in the window), as in any chunking.
 - Windows cross document boundaries (documents are separated by EOS only); attention is not
   isolated between documents here, as in standard concatenated pretraining.
+
+With `packing: true` documents are not concatenated: each document (+ EOS) is cut into chunks of
+at most cutoff_len, and the chunks are packed into rows with isolation (data/packing.py), so a
+token attends only to its own document and positions restart per document. Loss and gradients then
+equal training on every chunk as a row of its own (tested), with a fraction of the padding.
 """
 
 from __future__ import annotations
@@ -317,6 +322,28 @@ def _window_report(name: str, documents: datasets.Dataset, data_args: DataArgume
     return windows
 
 
+def document_chunks(documents: datasets.Dataset, cutoff_len: int) -> datasets.Dataset:
+    """Each document's tokens (EOS included) cut into consecutive chunks of at most cutoff_len; labels = ids."""
+
+    def chunk(batch: dict[str, list]) -> dict[str, list]:
+        pieces = [ids[i : i + cutoff_len] for ids in batch["input_ids"] for i in range(0, len(ids), cutoff_len)]
+        return {"input_ids": pieces, "labels": pieces}
+
+    return documents.map(
+        chunk, batched=True, remove_columns=documents.column_names, desc="Cutting documents for packing"
+    )
+
+
+def _packed_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+    from tunelab.data.packing import log_packing, pack_dataset  # noqa: PLC0415 - packing imports pipeline modules
+
+    chunks = document_chunks(documents, data_args.cutoff_len)
+    rows, stats = pack_dataset(chunks, data_args.cutoff_len)
+    report[name] = {"documents": len(documents), "chunks": len(chunks), "packing": stats.as_dict()}
+    log_packing(name, stats)
+    return rows
+
+
 def build_pretrain_datasets(data_args: DataArguments, tokenizer, seed: int) -> DatasetBundle:
     """Train and eval windows for stage pt, with a report of every count (sources, cleaning, windows)."""
     if tokenizer.eos_token_id is None:
@@ -336,6 +363,7 @@ def build_pretrain_datasets(data_args: DataArguments, tokenizer, seed: int) -> D
     for name in data_args.eval_dataset or []:
         (eval_docs[name],) = _load_documents([name], data_args, tokenizer, report)
 
-    train = _window_report("train", train_docs, data_args, report)
-    evals = {name: _window_report(f"eval:{name}", docs, data_args, report) for name, docs in eval_docs.items()}
+    cut = _packed_report if data_args.packing else _window_report
+    train = cut("train", train_docs, data_args, report)
+    evals = {name: cut(f"eval:{name}", docs, data_args, report) for name, docs in eval_docs.items()}
     return DatasetBundle(train=train, eval=evals, eval_rows={}, report=report)

@@ -12,7 +12,7 @@ import math
 
 from tunelab.config.args import RunConfig
 from tunelab.data.cache import cached_bundle
-from tunelab.data.collate import SupervisedCollator
+from tunelab.data.collate import build_collator
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
@@ -48,7 +48,7 @@ def run_pt(config: RunConfig) -> dict:
         train_dataset=data.train,
         eval_dataset=evals,
         # Windows are cutoff_len long except a kept tail, so padding only ever touches that one.
-        data_collator=SupervisedCollator(tokenizer.pad_token_id),
+        data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing),
         processing_class=tokenizer,
         callbacks=[JsonlLogCallback(args.output_dir)],
     )

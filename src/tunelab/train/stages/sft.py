@@ -10,7 +10,7 @@ import logging
 
 from tunelab.config.args import RunConfig
 from tunelab.data.cache import cached_bundle
-from tunelab.data.collate import PackedCollator, SupervisedCollator
+from tunelab.data.collate import build_collator
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import exact_match, generate_predictions
@@ -37,10 +37,7 @@ def run_sft(config: RunConfig) -> dict:
     trainable, total = count_parameters(model)
     logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
-    if config.data.packing:  # the mechanism that keeps packed samples isolated depends on the attention backend
-        collator = PackedCollator.for_model(model, tokenizer.pad_token_id)
-    else:
-        collator = SupervisedCollator(tokenizer.pad_token_id)
+    collator = build_collator(model, tokenizer.pad_token_id, config.data.packing)
     evals = data.eval or None
     if evals and len(evals) == 1:
         evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
