@@ -23,7 +23,7 @@ def _help(text: str, **kwargs):
 class ModelArguments:
     model_name_or_path: str = _help(
         "Local Hugging Face model folder (config.json + weights). 'tiny' is the embedded tiny Llama.",
-        default=str(TINY_MODEL_DIR),
+        default="tiny",
     )
     adapter_name_or_path: str | None = _help("LoRA adapter folder to load on top of the model.", default=None)
     trust_remote_code: bool = _help("Run custom modelling code shipped in the model folder.", default=False)
