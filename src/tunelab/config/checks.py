@@ -38,6 +38,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_template,
         _check_data,
         _check_stage_data,
+        _check_streaming,
         _check_dedup,
         _check_eval,
         _check_output_dir,
@@ -191,6 +192,38 @@ def _check_stage_data(config: RunConfig) -> None:
     if config.generation.eval_generation:
         raise ConfigError(
             "eval_generation: stage pt has no answers to match; remove it (eval_loss and eval_perplexity are reported)"
+        )
+
+
+def _check_streaming(config: RunConfig) -> None:
+    """streaming: true reads the train set as it trains (data/streaming.py): no length, no split, no global pass."""
+    data = config.data
+    if data.buffer_size < 1:
+        raise ConfigError(f"buffer_size must be at least 1, got {data.buffer_size}")
+    if not data.streaming:
+        default = next(f.default for f in dataclasses.fields(DataArguments) if f.name == "buffer_size")
+        if data.buffer_size != default:
+            raise ConfigError("buffer_size only applies to streaming: true: remove it or set streaming: true")
+        return
+    if config.training.max_steps <= 0:
+        raise ConfigError(
+            "streaming: true needs max_steps > 0: a stream has no length to derive the number of steps from; "
+            "set max_steps"
+        )
+    if data.val_size > 0:
+        raise ConfigError(
+            "val_size cannot hold out rows of a stream (streaming: true); "
+            "set eval_dataset to a held-out dataset and remove val_size"
+        )
+    if data.dedup != "none":
+        raise ConfigError(
+            f"dedup: {data.dedup} compares every row with every other and cannot run with streaming: true; "
+            "remove dedup or set streaming: false"
+        )
+    if getattr(config.training.accelerator_config, "dispatch_batches", None):
+        raise ConfigError(
+            "accelerator_config.dispatch_batches: true makes rank 0 read the whole stream and needs batches of one "
+            "shape; remove it with streaming: true (each rank then reads its own shard)"
         )
 
 

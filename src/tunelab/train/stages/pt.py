@@ -14,6 +14,7 @@ from tunelab.config.args import RunConfig
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
 from tunelab.data.pretrain import build_pretrain_datasets
+from tunelab.data.streaming import build_streaming_pretrain
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import JsonlLogCallback
@@ -28,11 +29,14 @@ def run_pt(config: RunConfig) -> dict:
     if config.data.template:
         logger.info("stage pt trains on raw text: template %r is not used", config.data.template)
     tokenizer = load_tokenizer(config.model)
-    data = cached_bundle(
-        config.data, tokenizer, None, "pt", args.seed,
-        build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
-        is_main_process=args.local_process_index == 0,
-    )
+    if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
+        data = build_streaming_pretrain(config.data, tokenizer, args)
+    else:
+        data = cached_bundle(
+            config.data, tokenizer, None, "pt", args.seed,
+            build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
+            is_main_process=args.local_process_index == 0,
+        )
     outputs.write_json(args.output_dir, "data_report.json", data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)

@@ -12,6 +12,7 @@ from tunelab.config.args import RunConfig
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
 from tunelab.data.pipeline import build_datasets
+from tunelab.data.streaming import build_streaming_supervised
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import exact_match, generate_predictions
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
@@ -26,11 +27,14 @@ def run_sft(config: RunConfig) -> dict:
     args = config.training
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
-    data = cached_bundle(
-        config.data, tokenizer, template.jinja, "sft", args.seed,
-        build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
-        is_main_process=args.local_process_index == 0,
-    )
+    if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
+        data = build_streaming_supervised(config.data, tokenizer, template, args)
+    else:
+        data = cached_bundle(
+            config.data, tokenizer, template.jinja, "sft", args.seed,
+            build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
+            is_main_process=args.local_process_index == 0,
+        )
     outputs.write_json(args.output_dir, "data_report.json", data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
