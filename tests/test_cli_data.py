@@ -125,10 +125,21 @@ def test_verify_fails_with_one_line_and_exit_1(demo: Path, capsys, monkeypatch) 
 def test_coverage_on_a_byte_level_tokenizer(demo: Path, capsys) -> None:
     code, lines, _ = run(capsys, "coverage", str(demo))
     assert code == 0
+    from transformers import AutoTokenizer
+
+    from tunelab.assets import TINY_MODEL_DIR
+    from tunelab.config.args import DataArguments
+    from tunelab.data.pipeline import build_datasets
+    from tunelab.data.templates import get_template
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    args = DataArguments(dataset=["demo_reverse"], max_samples=64, template="chatml", cutoff_len=1024)
+    train = build_datasets(args, tokenizer, get_template("chatml", tokenizer), seed=0).train
+    largest = max(max(ids) for ids in train["input_ids"])
     assert lines == [
         "train: 64 samples, 1820 tokens (tokenizer: byte-level, 864 entries; model vocab_size 864 from config.json)",
         "unk: the tokenizer has no unk token (byte pieces spell any text)",
-        "ids out of range (>= vocab_size 864): 0 tokens (largest id 750)",
+        f"ids out of range (>= vocab_size 864): 0 tokens (largest id {largest})",
         "vocabulary used: 36 distinct ids of 864 (4.2%)",
         "characters spelled in several byte-level pieces: 0 of 3292 (0.00%)",
     ]
