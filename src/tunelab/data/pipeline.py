@@ -64,6 +64,17 @@ def _mix(parts: list[datasets.Dataset], data_args: DataArguments, seed: int) -> 
     )
 
 
+def split_validation(
+    dataset: datasets.Dataset, val_size: float, seed: int, unit: str
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Hold out val_size (a fraction < 1, or a count >= 1) of a dataset: (train, val)."""
+    size = int(val_size) if val_size >= 1 else val_size
+    if isinstance(size, int) and size >= len(dataset):
+        raise DataError(f"val_size={size} leaves no training {unit} (the train set has {len(dataset)})")
+    split = dataset.train_test_split(test_size=size, seed=seed)
+    return split["train"], split["test"]
+
+
 def encode_dataset(
     canonical: datasets.Dataset, encoder: SupervisedEncoder, name: str, num_proc: int | None
 ) -> tuple[datasets.Dataset, EncodeStats]:
@@ -106,11 +117,7 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
     train_rows = _mix(sources, data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
-        size = int(data_args.val_size) if data_args.val_size >= 1 else data_args.val_size
-        if isinstance(size, int) and size >= len(train_rows):
-            raise DataError(f"val_size={size} leaves no training rows (the train set has {len(train_rows)})")
-        split = train_rows.train_test_split(test_size=size, seed=seed)
-        train_rows, eval_rows[VAL_SPLIT_NAME] = split["train"], split["test"]
+        train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
         (eval_rows[name],) = _load_canonical([name], data_args, report)
 

@@ -57,7 +57,7 @@ from datasets.fingerprint import Hasher
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX
-from tunelab.data.pipeline import VAL_SPLIT_NAME, DatasetBundle, _mix
+from tunelab.data.pipeline import VAL_SPLIT_NAME, DatasetBundle, _mix, split_validation
 from tunelab.data.registry import DatasetSpec, describe, load_registry, load_rows
 from tunelab.errors import ConfigError, DataError
 
@@ -354,12 +354,8 @@ def build_pretrain_datasets(data_args: DataArguments, tokenizer, seed: int) -> D
     report: dict[str, Any] = {}
     train_docs = _mix(_load_documents(data_args.dataset or [], data_args, tokenizer, report), data_args, seed)
     eval_docs: dict[str, datasets.Dataset] = {}
-    if data_args.val_size > 0:
-        size = int(data_args.val_size) if data_args.val_size >= 1 else data_args.val_size
-        if isinstance(size, int) and size >= len(train_docs):
-            raise DataError(f"val_size={size} leaves no training documents (the train set has {len(train_docs)})")
-        split = train_docs.train_test_split(test_size=size, seed=seed)
-        train_docs, eval_docs[VAL_SPLIT_NAME] = split["train"], split["test"]
+    if data_args.val_size > 0:  # split by whole documents: no val text is trained on
+        train_docs, eval_docs[VAL_SPLIT_NAME] = split_validation(train_docs, data_args.val_size, seed, "documents")
     for name in data_args.eval_dataset or []:
         (eval_docs[name],) = _load_documents([name], data_args, tokenizer, report)
 
