@@ -47,6 +47,13 @@ def test_test_split_is_disjoint_from_train_whatever_the_seeds(name: str) -> None
     assert not train & test
 
 
+def test_no_test_question_appears_in_any_generators_train_split() -> None:
+    names = ("reverse", "sort", "add", "multiturn", "preference")
+    train = set().union(*(_questions(n, synthetic.generate(n, "train", 1000)) for n in names))
+    test = set().union(*(_questions(n, synthetic.generate(n, "test", 200)) for n in names))
+    assert not train & test
+
+
 def test_pinned_rows_do_not_drift_across_machines() -> None:
     # The test split is what `make demo` reports on: pin its first rows so a change is deliberate.
     sort = "Sort the numbers from smallest to largest."
