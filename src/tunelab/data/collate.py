@@ -43,19 +43,27 @@ class SupervisedCollator:
     pad_to_multiple_of: int | None = None
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(e["input_ids"]) for e in examples)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = len(examples)
-        input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros((batch, longest), dtype=torch.long)
-        for row, example in enumerate(examples):
-            n = len(example["input_ids"])
-            input_ids[row, :n] = torch.as_tensor(example["input_ids"], dtype=torch.long)
-            labels[row, :n] = torch.as_tensor(example["labels"], dtype=torch.long)
-            attention_mask[row, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        width = _padded_width(examples, self.pad_to_multiple_of)
+        lengths = torch.tensor([len(e["input_ids"]) for e in examples])
+        return {
+            "input_ids": _pad(examples, "input_ids", width, self.pad_token_id),
+            "labels": _pad(examples, "labels", width, IGNORE_INDEX),
+            "attention_mask": (torch.arange(width)[None, :] < lengths[:, None]).long(),
+        }
+
+
+def _padded_width(rows: list[dict], multiple: int | None) -> int:
+    """The longest row, rounded up to a multiple of `multiple` when asked."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    return -(-longest // multiple) * multiple if multiple else longest
+
+
+def _pad(rows: list[dict], key: str, width: int, value: int) -> torch.Tensor:
+    """(batch, width) long tensor of rows[i][key], right-padded with `value`."""
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row[key])] = torch.as_tensor(row[key], dtype=torch.long)
+    return out
 
 
 @dataclass
@@ -98,20 +106,16 @@ class PackedCollator:
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
         if self.attention == "varlen":
             return self._flattened(rows)
-        longest = max(len(r["input_ids"]) for r in rows)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = len(rows)
-        input_ids = torch.full((batch, longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.long)
-        position_ids = torch.zeros((batch, longest), dtype=torch.long)
+        longest = _padded_width(rows, self.pad_to_multiple_of)
+        position_ids = _pad(rows, "position_ids", longest, 0)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
-            input_ids[i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            labels[i, :n] = torch.as_tensor(row["labels"], dtype=torch.long)
-            position_ids[i, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
             position_ids[i, n:] = torch.arange(longest - n)  # padding restarts at 0: a sample of its own
-        out: dict[str, torch.Tensor | int] = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        out: dict[str, torch.Tensor | int] = {
+            "input_ids": _pad(rows, "input_ids", longest, self.pad_token_id),
+            "labels": _pad(rows, "labels", longest, IGNORE_INDEX),
+            "position_ids": position_ids,
+        }
         if self.attention == "block_mask":
             out["attention_mask"] = block_causal_mask(position_ids, self.mask_dtype)
         return out
