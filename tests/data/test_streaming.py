@@ -200,7 +200,8 @@ def test_sft_packing_holds_at_most_buffer_size_examples(tiny_tokenizer, template
     for consumed, _ in enumerate(stream, 1):
         assert len(entered) - sum(left) <= 10  # the look-ahead
         rows_held.append(len(left) - consumed)  # the shuffle buffer
-    assert max(rows_held) <= 10 and len(entered) == 80
+    # The buffer, plus the row being swapped in; how far ahead datasets reads varies with the process's hash seed.
+    assert max(rows_held) <= 10 + 1 and len(entered) == 80
 
 
 # --- distributed: every rank reads its own shard ------------------------------------------------
