@@ -1,0 +1,135 @@
+"""Multi-process launching: `tunelab train cfg.yaml nproc_per_node=2` runs itself under torchrun.
+
+The parent process loads and checks the config (a bad config fails once, in under a second), then
+runs torchrun's own launcher in-process with the same command:
+
+    python -m torch.distributed.run --nproc_per_node N [--nnodes ...] -m tunelab.cli train cfg.yaml k=v ...
+
+and returns the exit code of the first worker that failed (2 for a tunelab error, as without
+torchrun), or 0. A process started by a launcher (torchrun, accelerate launch, deepspeed) has
+LOCAL_RANK / WORLD_SIZE in its environment and trains directly; it never launches again.
+
+This module owns the decision and the command line; the process group itself is set up by
+transformers/accelerate when TrainingArguments is built (gloo on CPU, nccl on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+from tunelab.config.args import TrainingArguments
+from tunelab.errors import ConfigError
+
+NPROC_ENV = "TUNELAB_NPROC_PER_NODE"
+
+
+def under_launcher() -> bool:
+    """True in a worker that torchrun, accelerate launch or deepspeed started."""
+    return "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def nproc_per_node(args: TrainingArguments) -> int:
+    """The config's nproc_per_node, else $TUNELAB_NPROC_PER_NODE, else 1."""
+    if args.nproc_per_node is not None:
+        value, where = args.nproc_per_node, "nproc_per_node"
+    else:
+        raw = os.environ.get(NPROC_ENV, "").strip()
+        if not raw:
+            return 1
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{NPROC_ENV}: expected a whole number of processes, got {raw!r}") from None
+        where = NPROC_ENV
+    if value < 1:
+        raise ConfigError(f"{where}: expected at least 1 process, got {value}")
+    return value
+
+
+def check_launch(args: TrainingArguments) -> None:
+    """Launch options that contradict each other or the launcher that started this process."""
+    if args.nnodes < 1:
+        raise ConfigError(f"nnodes: expected at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"node_rank: expected 0 to {args.nnodes - 1} (nnodes {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and not args.master_addr:
+        raise ConfigError("nnodes > 1 needs master_addr: the address of the node_rank 0 machine")
+    if under_launcher():
+        wanted = args.nproc_per_node
+        started = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        if wanted is not None and wanted != started:
+            raise ConfigError(
+                f"nproc_per_node: {wanted}, but the launcher started {started} processes per node; "
+                "remove nproc_per_node when you launch with torchrun / accelerate launch yourself"
+            )
+
+
+def needs_launch(args: TrainingArguments) -> bool:
+    check_launch(args)
+    return not under_launcher() and (nproc_per_node(args) > 1 or args.nnodes > 1)
+
+
+def wants_launch(config_path: str, overrides: list[str]) -> bool:
+    """Whether this command asks for several processes, read from the raw YAML and overrides, before
+    TrainingArguments is built (building it selects a GPU in this process; see `devices_untouched`).
+    Values that do not parse answer False here; load_config then reports them."""
+    from tunelab.config.loader import parse_overrides, read_yaml  # noqa: PLC0415
+
+    if under_launcher():
+        return False
+    try:
+        raw = {**read_yaml(config_path), **parse_overrides(list(overrides))}
+        nproc = raw.get("nproc_per_node") or os.environ.get(NPROC_ENV) or 1
+        return int(nproc) > 1 or int(raw.get("nnodes") or 1) > 1
+    except (ConfigError, TypeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def devices_untouched():
+    """Build the config in the launching process without selecting a device: transformers would call
+    torch.cuda.set_device(0) and this process would hold a CUDA context on GPU 0 while the workers train.
+    ACCELERATE_USE_CPU is transformers' own switch for that, and it is removed before any worker starts."""
+    previous = os.environ.get("ACCELERATE_USE_CPU")
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("ACCELERATE_USE_CPU", None)
+        else:
+            os.environ["ACCELERATE_USE_CPU"] = previous
+
+
+def torchrun_argv(args: TrainingArguments, cli_args: list[str]) -> list[str]:
+    """torchrun's arguments for this run; `cli_args` is what follows `tunelab` (train cfg.yaml k=v ...)."""
+    argv = [f"--nproc_per_node={nproc_per_node(args)}", f"--nnodes={args.nnodes}"]
+    if args.nnodes > 1:
+        argv += [f"--node_rank={args.node_rank}", f"--master_addr={args.master_addr}"]
+    if args.master_port is not None or args.nnodes > 1:
+        # Static rendezvous at master_addr:master_port; one node without a port gets a free one.
+        argv.append(f"--master_port={args.master_port or 29500}")
+    return [*argv, "-m", "tunelab.cli", *cli_args]
+
+
+def launch(args: TrainingArguments, cli_args: list[str]) -> int:
+    """Run `cli_args` under torchrun; the exit code of the first failed worker, or 0."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
+    from torch.distributed.run import get_args_parser  # noqa: PLC0415
+    from torch.distributed.run import run as torchrun  # noqa: PLC0415
+
+    argv = torchrun_argv(args, cli_args)
+    print(f"tunelab: launching {sys.executable} -m torch.distributed.run {' '.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        torchrun(get_args_parser().parse_args(argv))
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 1  # negative: killed by a signal
+        print(f"tunelab: error: rank {rank} exited with code {failure.exitcode} (its output is above)", file=sys.stderr)
+        return code
+    except SignalException as exc:  # SIGTERM / SIGINT to this process: torchrun has stopped the workers
+        return 128 + int(exc.sigval)
+    return 0

@@ -1,0 +1,223 @@
+"""Bad input → exact behaviour, through the real CLI (`tunelab.cli.main`).
+
+Errors: exit code 2 and exactly one line on stderr, naming the file and line or the key, and the fix.
+Rows that are dropped, skipped or truncated instead: exit 0 and an explicit count in data_report.json.
+The data files live beside this module in data/<case>/ (dataset_info.json + data.jsonl).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import transformers
+import yaml
+
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.cli import main
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.fixture(autouse=True)
+def quiet_progress_bars():
+    """Progress bars write to stderr too; the assertions below read stderr whole."""
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    datasets.enable_progress_bars()
+    transformers.utils.logging.enable_progress_bar()
+
+
+def write_config(tmp_path: Path, **options) -> Path:
+    config = {
+        "model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse", "max_samples": 8,
+        "cutoff_len": 64, "output_dir": str(tmp_path / "out"), "max_steps": 1, "per_device_train_batch_size": 2,
+        "disable_tqdm": True, "plot_loss": False, **options,
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def train(tmp_path: Path, capsys, **options) -> tuple[int, str]:
+    code = main(["train", str(write_config(tmp_path, **options))])
+    return code, capsys.readouterr().err
+
+
+def copy_of_tiny(tmp_path: Path, without: str) -> Path:
+    folder = tmp_path / f"tiny-without-{without}"
+    shutil.copytree(TINY_MODEL_DIR, folder)
+    (folder / without).unlink()
+    return folder
+
+
+# (case, options or a function of tmp_path giving them, the expected message with {data} / {tmp} placeholders)
+ERRORS = [
+    ("malformed JSON line", {"dataset": "mine", "dataset_dir": "{data}/malformed_json"},
+     "{data}/malformed_json/data.jsonl:2: Expecting value; fix or remove that line"),
+    ("missing mapped column", {"dataset": "mine", "dataset_dir": "{data}/missing_column"},
+     "dataset 'mine': column 'question' (mapped as prompt) is missing; the file has instruction, output — "
+     "set columns.prompt in dataset_info.json"),
+    ("wrong role order", {"dataset": "mine", "dataset_dir": "{data}/role_order"},
+     "dataset 'mine' row 0: turn 0 is assistant, expected a user/tool turn (roles must alternate)"),
+    ("non-UTF-8 bytes", {"dataset": "mine", "dataset_dir": "{data}/not_utf8"},
+     "{data}/not_utf8/data.jsonl:2: not UTF-8 (byte 0xe9); re-encode the file as UTF-8"),
+    ("images column mapped", {"dataset": "mine", "dataset_dir": "{data}/images_mapped"},
+     "{data}/images_mapped/dataset_info.json: dataset 'mine' maps columns.images, but tunelab trains text-only "
+     "models and would ignore the images: remove columns.images (and the images from the rows)"),
+    ("images in sharegpt rows", {"dataset": "mine", "dataset_dir": "{data}/images_in_rows"},
+     "dataset 'mine': 1 rows have images, but tunelab trains text-only models and would ignore them: remove the "
+     "'images' field from the rows (or use a multimodal trainer)"),
+    ("unknown template", {"template": "chatml2"},
+     "template: 'chatml2' does not exist; did you mean 'chatml'? built-ins: {templates}"),
+    ("missing model folder", {"model_name_or_path": "{tmp}/no-model"},
+     "model_name_or_path: {tmp}/no-model is not a folder; point it at a local Hugging Face model folder"),
+    ("config.json without weights", lambda tmp: {"model_name_or_path": str(copy_of_tiny(tmp, "model.safetensors"))},
+     "model_name_or_path: cannot load the model from {tmp}/tiny-without-model.safetensors: Error no file named "
+     "model.safetensors, or pytorch_model.bin, found in directory {tmp}/tiny-without-model.safetensors."),
+    ("weights without config.json", lambda tmp: {"model_name_or_path": str(copy_of_tiny(tmp, "config.json"))},
+     "model_name_or_path: {tmp}/tiny-without-config.json has no config.json; is it a complete Hugging Face model "
+     "folder?"),
+    ("typo'd key", {"learning_rat": 1e-3},
+     "unknown key 'learning_rat' in {tmp}/cfg.yaml; did you mean 'learning_rate'?"),
+    ("wrong type", {"learning_rate": "fast"}, "learning_rate: expected float, got 'fast'"),
+    ("wrong choice", {"finetuning_type": "lora2"}, "finetuning_type: 'lora2' is not one of lora, freeze, full"),
+    ("missing deepspeed file", {"deepspeed": "{tmp}/ds.json"},
+     "deepspeed: {tmp}/ds.json does not exist; point it at a DeepSpeed JSON config "
+     "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"),
+    ("fsdp on cpu", {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+     "fsdp needs GPUs: on CPU accelerate would silently train with plain DDP instead; remove fsdp "
+     "(nproc_per_node alone trains data-parallel on CPU)"),
+    ("fsdp with qlora", {"fsdp": "full_shard", "quantization_bit": 4, "use_cpu": False},
+     "fsdp cannot shard the 4-bit weights of quantization_bit (QLoRA); remove fsdp (QLoRA trains one copy per "
+     "process with DDP) or quantization_bit"),
+    ("nproc_per_node below 1", {"nproc_per_node": 0}, "nproc_per_node: expected at least 1 process, got 0"),
+    ("skip_bad_rows with streaming", {"skip_bad_rows": True, "streaming": True},
+     "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"),
+]
+
+
+@pytest.mark.parametrize("options, expected", [case[1:] for case in ERRORS], ids=[case[0] for case in ERRORS])
+def test_bad_input_fails_with_one_line(tmp_path, capsys, options, expected):
+    from tunelab.data.templates import TEMPLATE_NAMES
+
+    options = options(tmp_path) if callable(options) else options
+    options = {k: v.format(data=DATA, tmp=tmp_path) if isinstance(v, str) else v for k, v in options.items()}
+    code, err = train(tmp_path, capsys, **options)
+    message = expected.format(data=DATA, tmp=tmp_path, templates=", ".join(TEMPLATE_NAMES))
+    assert (code, err) == (2, f"tunelab: error: {message}\n")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
+def test_deepspeed_not_installed(tmp_path, capsys):
+    config = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z2_config.json"
+    code, err = train(tmp_path, capsys, deepspeed=str(config))
+    assert (code, err) == (
+        2, "tunelab: error: deepspeed is set but the deepspeed package is not installed: pip install deepspeed\n"
+    )
+
+
+def test_output_dir_not_writable(tmp_path, capsys):
+    """A read-only tmpfs where we may mount one (root), else a folder without write permission."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(locked)], capture_output=True
+    ).returncode == 0
+    if not mounted:
+        if os.geteuid() == 0:
+            pytest.skip("root without mount: permissions do not stop root")
+        locked.chmod(0o555)
+    try:
+        code, err = train(tmp_path, capsys, output_dir=str(locked / "out"))
+    finally:
+        subprocess.run(["umount", str(locked)], check=False) if mounted else locked.chmod(0o755)
+    assert (code, err) == (
+        2, f"tunelab: error: output_dir: {locked}/out is not writable (it would be created in {locked}); "
+        "choose a folder you can write to\n",
+    )
+
+
+@pytest.mark.slow
+def test_disk_full_during_save_is_one_line(tmp_path):
+    """RLIMIT_FSIZE in a child process: writing past 1 MB fails with EFBIG (SIGXFSZ ignored), as a full disk
+    fails with ENOSPC; the 3.9 MB model.safetensors is the first file that large. The cache lives in tmp."""
+    config = write_config(tmp_path, finetuning_type="full")
+    script = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20)); "
+        "import datasets, transformers; datasets.disable_progress_bars(); "
+        "transformers.utils.logging.disable_progress_bar(); "
+        f"from tunelab.cli import main; sys.exit(main(['train', {str(config)!r}]))"
+    )
+    env = {**os.environ, "TUNELAB_CACHE": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("tunelab:", "Traceback"))]
+    assert (result.returncode, errors) == (2, [
+        f"tunelab: error: file too large while writing {tmp_path}/out: a file-size limit (ulimit -f) or the file "
+        "system's maximum; raise the limit or change output_dir"
+    ])
+    assert not (tmp_path / "out" / "all_results.json").exists()  # the run is visibly unfinished
+
+
+@pytest.mark.slow
+def test_disk_full_on_a_tiny_tmpfs(tmp_path, capsys):
+    """The real thing where we may mount: output_dir on a 1 MB tmpfs → ENOSPC while saving the weights."""
+    out = tmp_path / "small"
+    out.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(out)], capture_output=True
+    ).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        code, err = train(tmp_path, capsys, finetuning_type="full", output_dir=str(out), overwrite_output_dir=True)
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+    assert (code, err) == (
+        2, f"tunelab: error: no space left on device while writing {out}: free space or change output_dir / "
+        "TUNELAB_CACHE\n",
+    )
+
+
+@pytest.mark.slow
+def test_skip_bad_rows_skips_and_counts(tmp_path, caplog):
+    code = main(["train", str(write_config(
+        tmp_path, dataset="mine", dataset_dir=str(DATA / "bad_lines"), skip_bad_rows=True,
+    ))])
+    assert code == 0
+    source = json.loads((tmp_path / "out" / "data_report.json").read_text())["sources"][0]
+    assert (source["rows"], source["skipped_bad_rows"]) == (3, 3)
+    path = DATA / "bad_lines" / "data.jsonl"
+    assert f"dataset mine: skipped 3 bad lines (skip_bad_rows), first: {path}:2: Expecting value" in caplog.messages
+
+
+@pytest.mark.slow
+def test_empty_responses_are_dropped_and_counted(tmp_path):
+    assert main(["train", str(write_config(tmp_path, dataset="mine", dataset_dir=str(DATA / "empty_response")))]) == 0
+    report = json.loads((tmp_path / "out" / "data_report.json").read_text())
+    assert (report["sources"][0]["rows"], report["sources"][0]["dropped_empty_answer"]) == (4, 2)
+    assert report["train"]["examples"] == 2
+
+
+@pytest.mark.slow
+def test_sample_longer_than_cutoff_is_truncated_and_counted(tmp_path):
+    assert main(["train", str(write_config(tmp_path, dataset="mine", dataset_dir=str(DATA / "long_answer")))]) == 0
+    train_report = json.loads((tmp_path / "out" / "data_report.json").read_text())["train"]
+    assert (train_report["examples"], train_report["truncated"], train_report["dropped_no_supervised"]) == (2, 1, 0)
+
+
+@pytest.mark.slow
+def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path, caplog, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tiny_llama_dir).pad_token is None
+    assert main(["train", str(write_config(tmp_path, model_name_or_path=str(tiny_llama_dir)))]) == 0
+    assert "The tokenizer has no pad token: padding with its eos token '</s>'." in caplog.messages

@@ -1,0 +1,94 @@
+"""`nproc_per_node` → the torchrun command line; a process started by a launcher never launches again.
+
+The launch itself (torchrun workers, gloo DDP) runs end to end in tests/train/test_ddp.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from tunelab.config.loader import load_config
+from tunelab.errors import ConfigError
+from tunelab.train import launch
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", launch.NPROC_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def training(tmp_path, **options):
+    config = {"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse",
+              "output_dir": str(tmp_path / "out"), **options}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return load_config(path).training
+
+
+def test_one_node_gets_a_free_port(tmp_path, clean_env):
+    args = training(tmp_path, nproc_per_node=2)
+    assert launch.needs_launch(args)
+    assert launch.torchrun_argv(args, ["train", "cfg.yaml", "nproc_per_node=2"]) == [
+        "--nproc_per_node=2", "--nnodes=1", "-m", "tunelab.cli", "train", "cfg.yaml", "nproc_per_node=2",
+    ]
+
+
+def test_several_nodes_pass_rank_address_and_port(tmp_path, clean_env):
+    args = training(tmp_path, nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501)
+    assert launch.torchrun_argv(args, ["train", "cfg.yaml"]) == [
+        "--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501",
+        "-m", "tunelab.cli", "train", "cfg.yaml",
+    ]
+
+
+def test_environment_variable_and_its_errors(tmp_path, clean_env):
+    args = training(tmp_path)
+    assert not launch.needs_launch(args)
+    clean_env.setenv(launch.NPROC_ENV, "2")
+    assert launch.needs_launch(args) and launch.nproc_per_node(args) == 2
+    assert launch.nproc_per_node(training(tmp_path, nproc_per_node=1)) == 1  # the config key wins
+    clean_env.setenv(launch.NPROC_ENV, "two")
+    with pytest.raises(ConfigError) as error:
+        launch.needs_launch(args)
+    assert str(error.value) == "TUNELAB_NPROC_PER_NODE: expected a whole number of processes, got 'two'"
+
+
+def test_multi_node_needs_master_addr(tmp_path, clean_env):
+    with pytest.raises(ConfigError) as error:
+        launch.needs_launch(training(tmp_path, nproc_per_node=2, nnodes=2, node_rank=0))
+    assert str(error.value) == "nnodes > 1 needs master_addr: the address of the node_rank 0 machine"
+
+
+def test_under_a_launcher_nothing_is_launched_and_counts_must_agree(tmp_path, clean_env):
+    args, mismatched = training(tmp_path, nproc_per_node=2), training(tmp_path, nproc_per_node=4)
+    # What torchrun and accelerate launch put in each worker's environment:
+    for name, value in {"LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        clean_env.setenv(name, value)
+    assert launch.under_launcher() and not launch.needs_launch(args)
+    with pytest.raises(ConfigError) as error:
+        launch.needs_launch(mismatched)
+    assert str(error.value) == (
+        "nproc_per_node: 4, but the launcher started 2 processes per node; remove nproc_per_node when you launch "
+        "with torchrun / accelerate launch yourself"
+    )
+
+
+def test_the_launching_process_decides_before_building_the_config(tmp_path, clean_env):
+    """The parent reads nproc_per_node from the raw YAML and overrides, and builds its config without
+    selecting a device (on a GPU machine it would otherwise hold a CUDA context on GPU 0 all run)."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "nproc_per_node": 2}))
+    assert launch.wants_launch(str(cfg), []) and not launch.wants_launch(str(cfg), ["nproc_per_node=1"])
+    assert launch.wants_launch(str(cfg), ["nproc_per_node=1", "nnodes=2"])
+    assert not launch.wants_launch(str(cfg), ["nproc_per_node=two"])  # load_config reports it
+    clean_env.setenv("ACCELERATE_USE_CPU", "false")
+    with launch.devices_untouched():
+        args = training(tmp_path, nproc_per_node=2)
+    assert args.device.type == "cpu" and launch.needs_launch(args)
+    assert os.environ["ACCELERATE_USE_CPU"] == "false"  # restored before any worker starts
+
