@@ -1,0 +1,66 @@
+"""`tunelab chat`: a terminal conversation with a loaded ChatEngine, answers streamed as they are generated.
+
+Reads one line per user turn from stdin (a terminal or a script), keeps the history, and understands
+`/clear` (forget the history, keep the system prompt) and `/exit` (or end of input, Ctrl-D). Ctrl-C while
+an answer streams stops that answer and drops the turn. Only the conversation goes to stdout (the `>>> `
+prompt and the answers); the banner and errors go to stderr, so a scripted session's stdout is exact.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from tunelab.errors import InferenceError
+from tunelab.infer.engine import ChatEngine, Message, SamplingOptions
+
+PROMPT = ">>> "
+COMMANDS = "/clear resets the history, /exit or Ctrl-D quits"
+
+
+def chat_loop(
+    engine: ChatEngine, options: SamplingOptions, system: str | None = None,
+    out: TextIO | None = None, err: TextIO | None = None,
+) -> int:
+    out, err = out or sys.stdout, err or sys.stderr
+    print(f"chatting with {engine.name} (template {engine.template.name}); {COMMANDS}", file=err)
+    head: list[Message] = [{"role": "system", "content": system}] if system else []
+    history: list[Message] = []
+    while True:
+        try:
+            line = input(PROMPT)  # writes the prompt to stdout; line editing when readline is loaded
+        except EOFError:
+            print(file=out)
+            return 0
+        except KeyboardInterrupt:  # like a shell: Ctrl-C at the prompt drops the line
+            print(file=out)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/exit":
+            return 0
+        if text == "/clear":
+            history.clear()
+            print("(history cleared)", file=out)
+            continue
+        if text.startswith("/") and " " not in text:
+            print(f"unknown command {text}; {COMMANDS}", file=err)
+            continue
+        turn = {"role": "user", "content": text}
+        try:
+            generation = engine.generate([*head, *history, turn], options)
+        except InferenceError as exc:
+            print(f"error: {exc}", file=err)
+            continue
+        try:
+            for piece in generation:
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            print("\n(interrupted; this turn is not kept)", file=out)
+            continue
+        print(file=out)
+        if generation.finish_reason == "length":
+            print(f"(the answer reached the limit of {generation.max_new_tokens} new tokens)", file=err)
+        history += [turn, {"role": "assistant", "content": generation.text}]

@@ -1,0 +1,366 @@
+"""The inference engine behind `tunelab chat` and `tunelab api`: load a trained folder, stream answers.
+
+    model folder | adapter folder (+ its base from adapter_config.json, or --model)
+      → tokenizer (the adapter's own when it saved one) + chat template (the folder's, or --template NAME)
+      → messages rendered with the generation prompt → token ids (prompt_tokens)
+      → model.generate in a worker thread, one token at a time through a queue
+      → incremental decode (never splits a multi-byte character) → stop strings → text pieces
+
+Generation ends at the template's end-of-turn ids (finish_reason "stop"), at a stop string ("stop"), or
+after max_new_tokens ("length"). The engine serves one generation at a time: callers serialise (the chat
+loop is sequential; the API holds a lock). It owns no terminal or HTTP code (chat.py, api.py do).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.config.args import ModelArguments
+from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tunelab.data.templates.builtin import builtin_source
+from tunelab.data.templates.template import tokenizer_source
+from tunelab.errors import ConfigError, InferenceError, ModelError
+from tunelab.infer.generate import stop_token_ids
+from tunelab.model.adapters import first_line, load_adapter
+from tunelab.model.load import load_tokenizer
+
+Message = dict[str, Any]
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class SamplingOptions:
+    """How the next answer is drawn. temperature 0 means greedy decoding (the other sampling options then do nothing)."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    max_new_tokens: int | None = None  # None: up to the end of the model's context
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        checks = (
+            ("temperature", self.temperature >= 0, "a number >= 0 (0: greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", self.top_k >= 0, "an integer >= 0 (0: off)"),
+            ("max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, "an integer >= 1"),
+            ("repetition_penalty", self.repetition_penalty > 0, "a number > 0 (1: off)"),
+        )
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+        self.stop = tuple(s for s in self.stop if s)
+
+
+# ---- loading -------------------------------------------------------------------------------------------------
+
+
+def resolve_folders(path: str, base_model: str | None = None) -> tuple[str, str | None]:
+    """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model."""
+    folder = TINY_MODEL_DIR if path == "tiny" else Path(path)
+    if not folder.is_dir():
+        raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
+    adapter_config = folder / "adapter_config.json"
+    if adapter_config.is_file():
+        if base_model is None:
+            try:
+                base_model = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise ModelError(f"{adapter_config}: unreadable ({first_line(exc)}); repair it or retrain") from None
+            if not base_model:
+                raise ModelError(f"{adapter_config} names no base_model_name_or_path; pass the base model with --model")
+        return ModelArguments(model_name_or_path=base_model).model_name_or_path, str(folder)
+    if (folder / "config.json").is_file():
+        if base_model is not None:
+            raise ConfigError(f"--model: {path} is a whole model (config.json), not a LoRA adapter; drop --model")
+        return str(folder), None
+    raise ModelError(
+        f"{path} is neither a model folder (config.json) nor a LoRA adapter folder (adapter_config.json); "
+        "pass the output_dir of a training run or a Hugging Face model folder"
+    )
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32
+
+
+def load_engine(
+    path: str,
+    base_model: str | None = None,
+    template: str | None = None,
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> ChatEngine:
+    """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`)."""
+    model_dir, adapter_dir = resolve_folders(path, base_model)
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    # An adapter folder written by tunelab holds the tokenizer with the chat template it trained with.
+    tokenizer_dir = adapter_dir if adapter_dir and (Path(adapter_dir) / "tokenizer_config.json").is_file() else model_dir
+    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=tokenizer_dir, trust_remote_code=trust_remote_code))
+    if template is not None:
+        chat_template = get_template(template, tokenizer)
+    elif tokenizer_source(tokenizer) is None:
+        raise ConfigError(
+            f"{tokenizer_dir} has no chat_template (a pretraining run or a base model); "
+            f"pass --template NAME, one of {', '.join(TEMPLATE_NAMES)}"
+        )
+    else:
+        # A saved built-in (every tunelab run saves its template) keeps its name and curated stop words.
+        source = tokenizer_source(tokenizer)
+        builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == source), None)
+        chat_template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        )
+    except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, a hub id offline)
+        hint = "; pass the base model folder with --model" if adapter_dir else ""
+        raise ModelError(f"{model_dir}: cannot load the model: {first_line(exc)}{hint}") from exc
+    if info.get("missing_keys"):  # transformers would fill them with random values and answer nonsense
+        missing = sorted(info["missing_keys"])
+        raise ModelError(f"{model_dir}: the weights lack {', '.join(missing[:3])} ({len(missing)} in all); "
+                         "the checkpoint is incomplete")
+    if adapter_dir:
+        model = load_adapter(model, adapter_dir, is_trainable=False)
+    model.to(device).eval()
+    name = Path(adapter_dir or model_dir).resolve().name
+    return ChatEngine(model, tokenizer, chat_template, name)
+
+
+# ---- generation ----------------------------------------------------------------------------------------------
+
+
+class IncrementalDecoder:
+    """Token ids in, text out, never splitting a multi-byte character across pieces.
+
+    Decodes a short window (the previous piece's tokens + the new ones) and emits what the new tokens added,
+    so tokenizers that drop a leading space at the start of a decode still join up. A piece that ends in
+    U+FFFD (a character whose bytes have not all arrived) waits for the next token.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the window
+        self.read = 0  # tokens before this one have been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """What is still held back (an incomplete character at the very end decodes as U+FFFD)."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :]
+
+
+class _TokenQueue(BaseStreamer):
+    """generate()'s streamer: the first put() is the prompt (skipped), then one tensor per step."""
+
+    def __init__(self):
+        self.queue: queue.Queue = queue.Queue()
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for token_id in value.reshape(-1).tolist():
+            self.queue.put(token_id)
+
+    def end(self) -> None:
+        pass  # the worker thread puts the end marker, also after an exception
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+_END = object()
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of `text` that could still grow into a stop string."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass
+class Generation:
+    """One answer: iterate for its text pieces; afterwards `text`, `finish_reason` and the token counts are final.
+
+    Stopping the iteration early (closing it, Ctrl-C, a client that went away) or calling `cancel()` ends
+    the generation at the next token.
+    """
+
+    engine: ChatEngine
+    prompt_ids: list[int]
+    options: SamplingOptions
+    max_new_tokens: int
+    text: str = ""
+    finish_reason: str | None = None  # "stop" | "length"
+    completion_tokens: int = 0
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def wait(self) -> None:
+        """Block until the worker thread has finished (after `cancel()`: within one token)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def __iter__(self) -> Iterator[str]:
+        if self._thread is not None:
+            raise RuntimeError("a Generation can be iterated once")
+        streamer = _TokenQueue()
+        self._thread = threading.Thread(target=self._run, args=(streamer,), name="tunelab-generate", daemon=True)
+        self._thread.start()
+        stops = self.engine.stop_ids
+        decoder = IncrementalDecoder(self.engine.tokenizer)
+        pending = ""  # decoded text not yet given out: it may be the start of a stop string
+        try:
+            while (item := streamer.queue.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                if self.finish_reason is not None:
+                    continue  # a token generated after the end of turn or a stop string, before generation noticed
+                self.completion_tokens += 1
+                if item in stops:
+                    self.finish_reason = "stop"
+                    continue
+                pending += decoder.push(item)
+                hits = [i for i in (pending.find(s) for s in self.options.stop) if i >= 0]
+                if hits:
+                    yield from self._emit(pending[: min(hits)])
+                    pending, self.finish_reason = "", "stop"
+                    self._cancel.set()
+                    decoder = None  # nothing after a stop string is given out
+                    continue
+                keep = _held_back(pending, self.options.stop)
+                yield from self._emit(pending[: len(pending) - keep])
+                pending = pending[len(pending) - keep :]
+            if decoder is not None:  # what was held back: a possible stop string's start, or bytes of no full character
+                yield from self._emit(pending + decoder.flush())
+            self.finish_reason = self.finish_reason or "length"
+        finally:
+            self._cancel.set()  # no-op when generation already ended
+            self._thread.join()
+
+    def _emit(self, piece: str) -> Iterator[str]:
+        if piece:
+            self.text += piece
+            yield piece
+
+    @torch.no_grad()
+    def _run(self, streamer: _TokenQueue) -> None:
+        engine, options = self.engine, self.options
+        kwargs: dict[str, Any] = {"do_sample": options.temperature > 0}
+        if options.temperature > 0:
+            kwargs.update(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k)
+        if options.repetition_penalty != 1.0:
+            kwargs["repetition_penalty"] = options.repetition_penalty
+        try:
+            if options.seed is not None:
+                torch.manual_seed(options.seed)
+            input_ids = torch.tensor([self.prompt_ids], device=engine.device)
+            engine.model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.max_new_tokens,
+                eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id, streamer=streamer,
+                stopping_criteria=StoppingCriteriaList([_Cancelled(self._cancel)]), **kwargs,
+            )
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the consuming thread)
+            streamer.queue.put(exc)
+        finally:
+            streamer.queue.put(_END)
+
+
+class ChatEngine:
+    """A loaded model, its tokenizer and chat template; `generate(messages)` streams the next answer."""
+
+    def __init__(self, model, tokenizer, template: Template, name: str):
+        self.model, self.tokenizer, self.template, self.name = model, tokenizer, template, name
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        # The template's end-of-turn ids, the tokenizer's eos and whatever the folder's generation_config adds.
+        self.stop_ids = sorted(set(stop_token_ids(tokenizer, template)) | set(eos))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.context_length = _context_length(model, tokenizer)
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The conversation rendered with the generation prompt, tokenised as training tokenised it."""
+        tok = self.tokenizer
+        prompt = self.template.prompt(messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+
+    def generate(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:
+        """The next assistant answer (not started until iterated). InferenceError when the prompt fills the context."""
+        ids = self.prompt_ids(messages)
+        room = self.context_length - len(ids) if self.context_length else None
+        if room is not None and room < 1:
+            raise InferenceError(
+                f"the conversation is {len(ids)} tokens; {self.name} reads at most {self.context_length}: "
+                "start a new conversation or shorten it"
+            )
+        max_new = options.max_new_tokens or room or 2048
+        return Generation(self, ids, options, min(max_new, room) if room else max_new)
+
+    def complete(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:
+        """generate(), run to the end."""
+        generation = self.generate(messages, options)
+        for _ in generation:
+            pass
+        return generation
+
+
+def _context_length(model, tokenizer) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    length = getattr(config, "max_position_embeddings", None)
+    if isinstance(length, int) and length > 0:
+        return length
+    length = getattr(tokenizer, "model_max_length", None)
+    return length if isinstance(length, int) and 0 < length < 10**8 else None  # 1e30: "no limit recorded"

@@ -1,0 +1,114 @@
+"""Batch prediction: greedy answers for an eval set, written out and scored (`tunelab eval`, `do_predict`).
+
+    eval rows (eval_dataset, or the val split of the training data, exactly as training split it)
+    → prompts rendered with the training template → batched greedy generation that stops at the
+    template's end-of-turn (infer/generate.py) → predictions.jsonl + predict_results.json in output_dir.
+
+predictions.jsonl has one object per answer: dataset, prompt, reference, prediction.
+predict_results.json has `predict_exact_match` (0-1), `predict_bleu`, `predict_rouge_l` (0-100) and
+`predict_samples` (see infer/metrics.py); with several eval sets each gets its own
+`predict_{name}_...` keys.
+
+Which template: a folder written by tunelab (it holds tunelab_config.yaml: a training run's output,
+model or adapter) is evaluated with the chat template it saved — the one it trained with. Any other
+folder uses the config's `template`, as training would. An adapter's folder also provides the
+tokenizer when it saved one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tunelab.data.templates.builtin import builtin_source
+from tunelab.data.templates.template import tokenizer_source
+from tunelab.infer.generate import Prediction, generate_predictions
+from tunelab.infer.metrics import generation_metrics
+
+logger = logging.getLogger(__name__)
+
+PREDICTIONS_FILE = "predictions.jsonl"
+RESULTS_FILE = "predict_results.json"
+RUN_MARKER = "tunelab_config.yaml"  # every tunelab training run writes it into its output folder
+
+
+def trained_folder(model_args: ModelArguments) -> Path:
+    """The folder that holds the trained weights: the adapter's, else the model's."""
+    return Path(model_args.adapter_name_or_path or model_args.model_name_or_path)
+
+
+def load_inference_tokenizer(model_args: ModelArguments):
+    """The tokenizer saved beside the adapter when there is one (it carries the trained chat template), else the model's."""
+    from tunelab.model.load import load_tokenizer  # noqa: PLC0415
+
+    adapter = model_args.adapter_name_or_path
+    if adapter and (Path(adapter) / "tokenizer_config.json").is_file():
+        model_args = dataclasses.replace(model_args, model_name_or_path=adapter)
+    return load_tokenizer(model_args)
+
+
+def inference_template(template_name: str | None, tokenizer, folder: Path) -> Template:
+    """The chat template a trained folder saved (a tunelab run), else the configured one (see module doc)."""
+    saved = tokenizer_source(tokenizer)
+    if saved is None or not (folder / RUN_MARKER).is_file():
+        return get_template(template_name, tokenizer)
+    builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == saved), None)
+    template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
+    if template_name not in (None, "model", template.name):
+        logger.warning(
+            "template: %s trained with %s, not the configured '%s'; evaluating with the template it trained with",
+            folder, f"'{builtin}'" if builtin else "its own chat template", template_name,
+        )
+    return template
+
+
+def eval_rows(config: RunConfig) -> dict:
+    """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
+    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
+
+    _, rows = load_canonical_splits(config.data, config.training.seed, report={})
+    return rows
+
+
+def predict(model, tokenizer, template: Template, rows_by_name: dict, output_dir: str | Path,
+            max_new_tokens: int, batch_size: int) -> dict[str, float]:
+    """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, float] = {}
+    with (out / PREDICTIONS_FILE).open("w", encoding="utf-8") as handle:
+        for name, rows in rows_by_name.items():
+            predictions = generate_predictions(model, tokenizer, template, rows, max_new_tokens, batch_size)
+            for p in predictions:
+                record = {"dataset": name, "prompt": p.prompt, "reference": p.reference, "prediction": p.prediction}
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            prefix = "predict" if len(rows_by_name) == 1 else f"predict_{name}"
+            metrics.update({f"{prefix}_{k}": v for k, v in score(predictions).items()})
+    (out / RESULTS_FILE).write_text(json.dumps(metrics, indent=2) + "\n", encoding="utf-8")
+    return metrics
+
+
+def score(predictions: list[Prediction]) -> dict[str, float]:
+    return generation_metrics([p.prediction for p in predictions], [p.reference for p in predictions])
+
+
+def run_predict(config: RunConfig) -> dict[str, float]:
+    """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
+    from tunelab.model.load import load_model  # noqa: PLC0415
+
+    tokenizer = load_inference_tokenizer(config.model)
+    template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
+    rows = eval_rows(config)
+    model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=False)
+    if config.model.quantization_bit is None:  # bitsandbytes places quantized weights itself
+        model.to(config.training.device)
+    metrics = predict(
+        model, tokenizer, template, rows, config.training.output_dir,
+        max_new_tokens=config.generation.max_new_tokens, batch_size=config.training.per_device_eval_batch_size,
+    )
+    logger.info("predictions: %s", Path(config.training.output_dir) / PREDICTIONS_FILE)
+    return metrics

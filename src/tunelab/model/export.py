@@ -1,0 +1,117 @@
+"""`tunelab export`: a plain Hugging Face model folder from a base model and (optionally) a LoRA adapter.
+
+    base (float32) + adapter → PEFT merge_and_unload → export_dtype → save_pretrained (safetensors,
+    sharded above export_size, with model.safetensors.index.json) + tokenizer with the chat template
+    + generation_config.json whose eos ids are the template's end-of-turn tokens.
+
+The folder loads with `AutoModelForCausalLM.from_pretrained` alone (no peft, no tunelab). The merge runs
+in float32 so rounding happens once, when casting to export_dtype. A reward model (an adapter with
+task_type SEQ_CLS, or a base whose architecture is *ForSequenceClassification) is loaded and saved as
+AutoModelForSequenceClassification, so its `score` head (saved by PEFT as a module to save) is kept.
+
+It does not quantize (export a merged model, then quantize it with the tool that serves it), and does
+not merge into a 4-bit base (the config check refuses quantization_bit).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers.utils.hub import convert_file_size_to_int
+
+from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.errors import ConfigError, ModelError
+from tunelab.model.adapters import first_line, load_adapter
+
+logger = logging.getLogger(__name__)
+
+
+def shard_size_bytes(export_size: float | str) -> int:
+    """export_size as bytes: a number is GB (10^9 bytes), a string is a size like '500MB' or '2GiB'."""
+    if isinstance(export_size, (int, float)):
+        return int(export_size * 10**9)
+    try:
+        return convert_file_size_to_int(export_size.strip())
+    except (ValueError, AttributeError):
+        raise ConfigError(
+            f"export_size: cannot read {export_size!r}; give GB as a number (e.g. 2) or a size like 500MB or 2GiB"
+        ) from None
+
+
+def is_sequence_classification(model_args: ModelArguments) -> bool:
+    """A reward-model export: the adapter says task_type SEQ_CLS, or the base model is a *ForSequenceClassification."""
+    adapter = model_args.adapter_name_or_path
+    if adapter:
+        adapter_config = json.loads((Path(adapter) / "adapter_config.json").read_text(encoding="utf-8"))
+        if adapter_config.get("task_type") == "SEQ_CLS":
+            return True
+    config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
+    return any(name.endswith("ForSequenceClassification") for name in config.get("architectures") or [])
+
+
+def export_dtype(config: RunConfig) -> torch.dtype:
+    if config.export.export_dtype != "auto":
+        return getattr(torch, config.export.export_dtype)
+    base = AutoConfig.from_pretrained(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
+    dtype = getattr(base, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module:
+    """Base (+ adapter merged) in float32, ready to save."""
+    model_args = config.model
+    seq_cls = is_sequence_classification(model_args)
+    auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
+    kwargs: dict = {"dtype": torch.float32, "trust_remote_code": model_args.trust_remote_code}
+    if seq_cls:
+        kwargs["pad_token_id"] = pad_token_id  # sequence classifiers find each row's last token by it
+        base_config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
+        if "num_labels" not in base_config and "id2label" not in base_config:
+            kwargs["num_labels"] = 1  # a reward model: one score per sequence
+    try:
+        model = auto.from_pretrained(model_args.model_name_or_path, **kwargs)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(
+            f"model_name_or_path: cannot load {model_args.model_name_or_path} as {auto.__name__}: {first_line(exc)}"
+        ) from exc
+    if model_args.adapter_name_or_path:
+        model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False).merge_and_unload()
+    model.config.use_cache = True  # training runs save use_cache: false; the exported model serves generation
+    return model.eval()
+
+
+def export_model(config: RunConfig) -> Path:
+    """Write the merged model, tokenizer, chat template and generation config to export_dir."""
+    from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
+    from tunelab.infer.predict import inference_template, load_inference_tokenizer, trained_folder  # noqa: PLC0415
+
+    out = Path(config.export.export_dir)
+    max_shard_size = shard_size_bytes(config.export.export_size)
+    dtype = export_dtype(config)
+    tokenizer = load_inference_tokenizer(config.model)
+    template = None
+    if config.finetuning.stage != "pt" and (config.data.template or tokenizer.chat_template):
+        template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
+
+    model = merged_model(config, tokenizer.pad_token_id).to(dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    if template is not None:
+        tokenizer.chat_template = template.jinja
+    if model.can_generate():
+        tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
+    tokenizer.save_pretrained(out)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None and model.can_generate():
+        generation_config.eos_token_id = stop_token_ids(tokenizer, template) if template else tokenizer.eos_token_id
+        if generation_config.pad_token_id is None:
+            generation_config.pad_token_id = tokenizer.pad_token_id
+        generation_config.save_pretrained(out)
+    logger.info("exported %s (%s) to %s", type(model).__name__, str(dtype).removeprefix("torch."), out)
+    return out

@@ -1,0 +1,114 @@
+"""The chat model the serving tests talk to, and the plain transformers + peft reference it must equal.
+
+The model: the embedded tiny Llama plus a LoRA adapter that memorised four answers, built in seconds with
+plain LoRA steps (a `tunelab train` run that learns as much takes ~25 s on 2 CPU cores; here the serving
+code is under test, not training). Saved the way a tunelab run saves its output: the adapter folder holds
+the adapter, the tokenizer with the chatml chat template and a generation_config whose eos ids are the
+end-of-turn tokens; `merged` is the same model as a whole folder. The answers contain multi-byte
+characters that the byte-level tokenizer splits across several tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.data.collate import SupervisedCollator
+from tunelab.data.encode import SupervisedEncoder
+from tunelab.data.templates import get_template
+from tunelab.infer.generate import stop_token_ids
+from tunelab.train.losses import causal_lm_loss
+
+CONVERSATIONS = [
+    (None, [("Say hi", "Hi! 你好 🙂")]),
+    (None, [("Say hi", "Hi! 你好 🙂"), ("Again", "Hi again!")]),
+    (None, [("Count", "one two three")]),
+    ("Be brief.", [("Count", "1 2 3")]),
+]
+
+
+@dataclass(frozen=True)
+class ChatModel:
+    adapter: Path  # LoRA adapter folder on the embedded tiny Llama
+    merged: Path  # the same weights merged into a whole model folder
+
+
+def messages(system: str | None, turns: list[tuple[str, str | None]]) -> list[dict]:
+    """Chat messages; a turn whose answer is None ends the list (the prompt for that answer)."""
+    out = [{"role": "system", "content": system}] if system else []
+    for question, answer in turns:
+        out.append({"role": "user", "content": question})
+        if answer is not None:
+            out.append({"role": "assistant", "content": answer})
+    return out
+
+
+def build_chat_model(folder: Path) -> ChatModel:
+    """Train the adapter (80 LoRA steps, one thread) and save both folders under `folder`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    template = get_template("chatml", tokenizer)
+    rows = [{"system": system or "", "messages": messages(None, turns)} for system, turns in CONVERSATIONS]
+    encoder = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=128)
+    examples = [{"input_ids": e["input_ids"], "labels": e["labels"]} for kept in encoder.encode_rows(rows) for e in kept]
+    batch = SupervisedCollator(tokenizer.pad_token_id)(examples)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR),
+        LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear"),
+    )
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    for _ in range(80):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        causal_lm_loss(logits, batch["labels"]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+
+    tokenizer.chat_template = template.jinja
+    model.generation_config.eos_token_id = stop_token_ids(tokenizer, template)
+    adapter, merged = folder / "adapter", folder / "merged"
+    for out in (adapter, merged):
+        tokenizer.save_pretrained(out)
+        model.generation_config.save_pretrained(out)
+    model.save_pretrained(adapter)
+    model.merge_and_unload().save_pretrained(merged)
+    torch.set_num_threads(threads)
+    return ChatModel(adapter=adapter, merged=merged)
+
+
+class Reference:
+    """The adapter through plain transformers + peft: apply_chat_template, then model.generate."""
+
+    def __init__(self, adapter: Path):
+        self.tokenizer = AutoTokenizer.from_pretrained(adapter)
+        self.generation_config = GenerationConfig.from_pretrained(adapter)
+        self.model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR), adapter).eval()
+
+    def prompt_ids(self, chat: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, chat: list[dict], max_new_tokens: int = 48, seed: int | None = None, **sampling) -> list[int]:
+        """Generated ids, the end-of-turn id included when it came. Greedy unless sampling options are given."""
+        ids = torch.tensor([self.prompt_ids(chat)])
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), eos_token_id=self.generation_config.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id, max_new_tokens=max_new_tokens, do_sample=bool(sampling), **sampling,
+        )
+        return out[0, ids.shape[1]:].tolist()
+
+    def answer(self, chat: list[dict], **kwargs) -> str:
+        ids = self.generate(chat, **kwargs)
+        if ids and ids[-1] in self.generation_config.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)

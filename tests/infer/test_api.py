@@ -1,0 +1,208 @@
+"""`tunelab api` started as a real server on a loopback port, called with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import openai
+import pytest
+
+from tests.infer.chat_helpers import messages
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+API_KEY = "sk-tunelab-test"
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str  # http://127.0.0.1:PORT/v1
+
+    def client(self, api_key: str = API_KEY):
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(chat_model, tmp_path_factory):
+    """`tunelab api ADAPTER --port 0 --api-key KEY` in a subprocess; the port is read from uvicorn's start line."""
+    log = tmp_path_factory.mktemp("api") / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the test process (one_torch_thread): identical kernels
+    argv = [sys.executable, "-m", "tunelab.cli", "api", str(chat_model.adapter), "--port", "0", "--api-key", API_KEY]
+    with log.open("w") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (started := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())):
+            assert process.poll() is None, f"the server exited: {log.read_text()}"
+            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
+            time.sleep(0.2)
+        yield Server(started.group(1) + "/v1")
+    finally:
+        process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn's graceful shutdown
+        assert process.wait(timeout=60) == 0, log.read_text()
+    assert "Finished server process" in log.read_text()
+
+
+def raw_request(url: str, body: dict | None = None, api_key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+    data = json.dumps(body).encode() if body is not None else None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+HELLO = messages(None, [("Say hi", None)])
+AGAIN = messages(None, [("Say hi", "Hi! 你好 🙂"), ("Again", None)])
+
+
+def test_models_and_health(server):
+    assert [model.id for model in server.client().models.list()] == ["adapter"]
+    assert server.client().models.retrieve("adapter").owned_by == "tunelab"
+    assert raw_request(server.url.removesuffix("/v1") + "/health") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("chat", [HELLO, AGAIN], ids=["one turn", "history"])
+def test_greedy_completion_equals_model_generate(server, reference, chat):
+    expected_ids = reference.generate(chat)
+    response = server.client().chat.completions.create(model="adapter", messages=chat, temperature=0)
+    assert response.object == "chat.completion" and response.model == "adapter"
+    assert response.id.startswith("chatcmpl-")
+    [choice] = response.choices
+    assert (choice.message.role, choice.message.content, choice.finish_reason) == (
+        "assistant", reference.answer(chat), "stop"
+    )
+    assert choice.message.content == {"Say hi": "Hi! 你好 🙂", "Again": "Hi again!"}[chat[-1]["content"]]
+    usage = response.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(reference.prompt_ids(chat)), len(expected_ids))
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_streaming_chunks_join_to_the_same_answer(server, reference):
+    stream = server.client().chat.completions.create(
+        model="adapter", messages=HELLO, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert {chunk.object for chunk in chunks} == {"chat.completion.chunk"}
+    assert len({chunk.id for chunk in chunks}) == 1
+    first, *middle, last, usage = chunks
+    assert (first.choices[0].delta.role, first.choices[0].delta.content) == ("assistant", "")
+    pieces = [chunk.choices[0].delta.content for chunk in middle]
+    assert pieces == ["H", "i", "!", " ", "你", "好", " ", "🙂"]  # whole characters, never split bytes
+    assert "".join(pieces) == reference.answer(HELLO)
+    assert all(chunk.choices[0].finish_reason is None for chunk in [first, *middle])
+    assert (last.choices[0].delta.content, last.choices[0].finish_reason) == (None, "stop")
+    assert usage.choices == [] and (usage.usage.prompt_tokens, usage.usage.completion_tokens) == (
+        len(reference.prompt_ids(HELLO)), len(reference.generate(HELLO))
+    )
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(server):
+    request = urllib.request.Request(
+        server.url + "/chat/completions",
+        data=json.dumps({"model": "adapter", "messages": HELLO, "temperature": 0, "max_tokens": 2, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        events = response.read().decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    payloads = [json.loads(event.removeprefix("data: ")) for event in events[:-2]]
+    assert [p["choices"][0]["delta"] for p in payloads] == [{"role": "assistant", "content": ""}, {"content": "H"}, {"content": "i"}, {}]
+    assert [p["choices"][0]["finish_reason"] for p in payloads] == [None, None, None, "length"]
+
+
+def test_max_tokens_stop_and_seed(server, reference):
+    client = server.client()
+    cut = client.chat.completions.create(model="adapter", messages=HELLO, temperature=0, max_tokens=3)
+    assert (cut.choices[0].message.content, cut.choices[0].finish_reason, cut.usage.completion_tokens) == ("Hi!", "length", 3)
+    stopped = client.chat.completions.create(model="adapter", messages=HELLO, temperature=0, stop=["你好", "zz"])
+    assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == ("Hi! ", "stop")
+    chat = messages(None, [("What is the capital of France?", None)])
+    sampled = [
+        client.chat.completions.create(
+            model="adapter", messages=chat, temperature=1.3, top_p=0.95, max_tokens=12, seed=seed,
+        ).choices[0].message.content
+        for seed in (7, 7, 8)
+    ]
+    assert sampled[0] == sampled[1] == reference.answer(chat, max_new_tokens=12, seed=7, temperature=1.3, top_p=0.95, top_k=0)
+    assert sampled[2] != sampled[0]
+
+
+def test_api_key_is_required(server):
+    with pytest.raises(openai.AuthenticationError) as caught:
+        server.client(api_key="sk-wrong").models.list()
+    assert caught.value.status_code == 401
+    assert caught.value.body == {"message": "Incorrect API key provided.", "type": "invalid_request_error",
+                                 "param": None, "code": "invalid_api_key"}
+    status, body = raw_request(server.url + "/chat/completions", {"model": "adapter", "messages": HELLO})
+    assert (status, body["error"]["type"], body["error"]["code"]) == (401, "invalid_request_error", None)
+    assert body["error"]["message"].startswith("You didn't provide an API key")
+
+
+def test_refused_requests_say_why(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="adapter", messages=HELLO, n=2)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "n"
+    assert caught.value.body["message"].startswith("n: this server returns one choice per request, got n=2")
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert caught.value.body["code"] == "model_not_found"
+    assert caught.value.body["message"] == "The model 'gpt-4o' does not exist; this server serves 'adapter'"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="adapter", messages=HELLO, temperature=3)
+    assert caught.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="adapter", messages=messages(None, [("Say hi " * 300, None)]))
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert re.fullmatch(r"the conversation is \d+ tokens; adapter reads at most 512: .*", caught.value.body["message"])
+
+
+def test_a_client_leaving_mid_stream_cancels_its_generation(caplog):
+    """uvicorn in a thread of this process, serving the untrained tiny Llama: greedy, it writes newlines until
+    max_tokens. A client that leaves after three chunks must stop that generation and free the server."""
+    import threading  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    from tunelab.infer.api import create_app  # noqa: PLC0415
+    from tunelab.infer.engine import load_engine  # noqa: PLC0415
+
+    engine = load_engine("tiny")
+    steps = []  # one entry per forward pass of the model
+    engine.model.register_forward_hook(lambda *_: steps.append(1))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.chat.completions.create(
+            model="tiny-llama", messages=HELLO, temperature=0, max_tokens=480, stream=True
+        )
+        chunks = [next(stream) for _ in range(3)]
+        stream.close()  # the client leaves
+        assert [c.choices[0].delta.content for c in chunks] == ["", "\n", "\n"]
+        # The next request is served at once: the lock was released and the abandoned generation stopped.
+        after = client.chat.completions.create(model="tiny-llama", messages=HELLO, temperature=0, max_tokens=2)
+        assert (after.choices[0].message.content, after.choices[0].finish_reason) == ("\n\n", "length")
+        assert len(steps) < 480 // 2
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -1,0 +1,114 @@
+"""`tunelab chat`: a scripted session on stdin, and an interactive one in a pseudo-terminal, with exact transcripts."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import sys
+import time
+
+import pytest
+
+from tests.infer.chat_helpers import messages
+from tunelab.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def chat(monkeypatch, capsys, args: list[str], script: str) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    code = main(["chat", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_scripted_session_keeps_history_and_clears_it(chat_model, reference, monkeypatch, capsys):
+    script = "Say hi\nAgain\n/clear\nAgain\n\n/nonsense\n/clear\nCount\n"
+    code, out, err = chat(monkeypatch, capsys, [str(chat_model.adapter), "--temperature", "0"], script)
+    # "Again" after "Say hi" continues the conversation; after /clear it is a first message (a different answer).
+    fresh_again = reference.answer(messages(None, [("Again", None)]))
+    assert fresh_again != "Hi again!"
+    assert code == 0
+    assert out == (
+        f">>> Hi! 你好 🙂\n>>> Hi again!\n>>> (history cleared)\n>>> {fresh_again}\n"
+        ">>> >>> >>> (history cleared)\n>>> one two three\n>>> \n"
+    )
+    assert err.splitlines() == [
+        "chatting with adapter (template chatml); /clear resets the history, /exit or Ctrl-D quits",
+        "unknown command /nonsense; /clear resets the history, /exit or Ctrl-D quits",
+    ]
+
+
+def test_system_prompt_limit_and_exit(chat_model, reference, monkeypatch, capsys):
+    args = [str(chat_model.merged), "--temperature", "0", "--system", "Be brief.", "--max-new-tokens", "2"]
+    code, out, err = chat(monkeypatch, capsys, args, "Count\n/exit\nSay hi\n")
+    expected = reference.tokenizer.decode(reference.generate(messages("Be brief.", [("Count", None)]))[:2])
+    assert expected == "1 "
+    assert (code, out) == (0, ">>> 1 \n>>> ")  # stops at /exit: "Say hi" is never read
+    assert err.splitlines()[1] == "(the answer reached the limit of 2 new tokens)"
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    assert main(["chat", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"tunelab: error: {tmp_path} is neither a model folder (config.json) nor a LoRA adapter folder "
+        "(adapter_config.json); pass the output_dir of a training run or a Hugging Face model folder\n"
+    )
+    assert main(["chat", "tiny", "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err == "tunelab: error: temperature: expected a number >= 0 (0: greedy), got -1.0\n"
+
+
+class Terminal:
+    """A child process on a pseudo-terminal: what it writes, read up to an expected text."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child
+            os.execve(argv[0], argv, env)
+        self.seen = b""
+
+    def read_until(self, expected: str, timeout: float = 120) -> str:
+        deadline = time.monotonic() + timeout
+        while expected.encode() not in self.seen:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"no {expected!r} after {timeout}s; the terminal shows {self.seen!r}")
+            try:
+                self.seen += os.read(self.fd, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                raise AssertionError(f"the child exited before {expected!r}; the terminal shows {self.seen!r}") from None
+        return self.seen.decode()
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def exit_code(self) -> int:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except OSError:
+            pass
+        _, status = os.waitpid(self.pid, 0)
+        return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.slow
+def test_interactive_session_in_a_terminal(chat_model):
+    env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "tunelab.cli", "chat", str(chat_model.adapter), "--temperature", "0"]
+    terminal = Terminal(argv, env)
+    terminal.read_until(">>> ")
+    terminal.send("Say hi\r")  # Enter sends a carriage return; the terminal turns it into a newline
+    terminal.read_until("🙂\r\n>>> ")
+    terminal.send("Again\r")
+    terminal.read_until("again!\r\n>>> ")
+    terminal.send("\x04")  # Ctrl-D on an empty line: end of input
+    terminal.read_until(">>> \r\n")
+    assert terminal.exit_code() == 0
+    # The banner (stderr) and the conversation share the terminal; the typed lines are echoed.
+    assert terminal.seen.decode().replace("\r\n", "\n") == (
+        "chatting with adapter (template chatml); /clear resets the history, /exit or Ctrl-D quits\n"
+        ">>> Say hi\nHi! 你好 🙂\n>>> Again\nHi again!\n>>> \n"
+    )

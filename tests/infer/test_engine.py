@@ -1,0 +1,139 @@
+"""The inference engine: folders it loads, answers equal to plain model.generate, streaming that never splits a character."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.infer.chat_helpers import messages
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.errors import ConfigError, InferenceError, ModelError
+from tunelab.infer.engine import IncrementalDecoder, SamplingOptions, load_engine, resolve_folders
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingOptions(temperature=0, max_new_tokens=48)
+
+CHATS = {
+    "one turn": messages(None, [("Say hi", None)]),
+    "history": messages(None, [("Say hi", "Hi! 你好 🙂"), ("Again", None)]),
+    "system": messages("Be brief.", [("Count", None)]),
+    "untrained": messages(None, [("What is the capital of France?", None)]),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model):
+    return load_engine(str(chat_model.adapter))
+
+
+@pytest.fixture(scope="module")
+def merged_engine(chat_model):
+    return load_engine(str(chat_model.merged))
+
+
+def test_folders_model_adapter_and_neither(chat_model, tmp_path):
+    assert resolve_folders(str(chat_model.merged)) == (str(chat_model.merged), None)
+    assert resolve_folders(str(chat_model.adapter)) == (str(TINY_MODEL_DIR), str(chat_model.adapter))
+    assert resolve_folders(str(chat_model.adapter), "tiny") == (str(TINY_MODEL_DIR), str(chat_model.adapter))
+    assert resolve_folders("tiny") == (str(TINY_MODEL_DIR), None)
+    with pytest.raises(ModelError, match=f"^{tmp_path} is neither a model folder .* nor a LoRA adapter folder"):
+        resolve_folders(str(tmp_path))
+    with pytest.raises(ModelError, match="no such folder"):
+        resolve_folders(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="^--model: .* is a whole model .*; drop --model"):
+        resolve_folders(str(chat_model.merged), "tiny")
+
+
+def test_a_folder_without_chat_template_needs_template_option(tiny_llama_dir):
+    with pytest.raises(ConfigError, match=r"has no chat_template .*; pass --template NAME, one of .*chatml"):
+        load_engine(str(tiny_llama_dir))
+    assert load_engine(str(tiny_llama_dir), template="chatml").template.name == "chatml"
+
+
+def test_engine_reads_the_saved_template_and_stop_ids(engine, reference):
+    assert engine.name == "adapter" and engine.template.name == "chatml"
+    assert engine.stop_ids == sorted(reference.generation_config.eos_token_id) == [2, 4]  # </s>, <|im_end|>
+    assert engine.context_length == 512
+
+
+@pytest.mark.parametrize("chat", CHATS.values(), ids=CHATS.keys())
+@pytest.mark.parametrize("folder", ["adapter", "merged"])
+def test_greedy_answer_equals_model_generate(request, reference, chat, folder):
+    engine = request.getfixturevalue("engine" if folder == "adapter" else "merged_engine")
+    expected_ids = reference.generate(chat)
+    generation = engine.generate(chat, GREEDY)
+    pieces = list(generation)
+    assert engine.prompt_ids(chat) == reference.prompt_ids(chat)
+    assert generation.text == "".join(pieces) == reference.answer(chat)
+    if "\ufffd" not in generation.text:  # an untrained model may emit invalid UTF-8, which decodes to U+FFFD
+        assert all("\ufffd" not in piece for piece in pieces)
+    assert generation.prompt_tokens == len(reference.prompt_ids(chat))
+    assert generation.completion_tokens == len(expected_ids)
+    assert generation.finish_reason == ("stop" if expected_ids[-1] in engine.stop_ids else "length")
+
+
+def test_the_memorised_answers(engine):
+    answers = {name: engine.complete(chat, GREEDY).text for name, chat in CHATS.items() if name != "untrained"}
+    assert answers == {"one turn": "Hi! 你好 🙂", "history": "Hi again!", "system": "1 2 3"}
+    generation = engine.generate(CHATS["one turn"], GREEDY)
+    # "你" and "好" are three byte-tokens each, "🙂" four: each character arrives whole, once complete.
+    assert list(generation) == ["H", "i", "!", " ", "你", "好", " ", "🙂"]
+    assert (generation.completion_tokens, generation.finish_reason) == (16, "stop")
+
+
+def test_max_new_tokens_ends_with_length(engine, reference):
+    generation = engine.complete(CHATS["one turn"], SamplingOptions(temperature=0, max_new_tokens=3))
+    assert (generation.text, generation.finish_reason, generation.completion_tokens) == ("Hi!", "length", 3)
+    # Cut inside "你" (3 byte-tokens): the incomplete character comes out as U+FFFD at the very end, as decode gives it.
+    generation = engine.complete(CHATS["one turn"], SamplingOptions(temperature=0, max_new_tokens=5))
+    assert generation.text == reference.tokenizer.decode(reference.generate(CHATS["one turn"])[:5]) == "Hi! \ufffd"
+
+
+def test_stop_strings_cut_the_answer_even_across_tokens(engine):
+    generation = engine.complete(CHATS["one turn"], SamplingOptions(temperature=0, stop=("你好",)))
+    assert (generation.text, generation.finish_reason) == ("Hi! ", "stop")
+    # "!" and " " could begin "! x": held back until "你" rules it out, then given out together.
+    pieces = list(engine.generate(CHATS["one turn"], SamplingOptions(temperature=0, stop=("! x",))))
+    assert pieces == ["H", "i", "! 你", "好", " ", "🙂"]
+
+
+def test_prompt_longer_than_the_context(engine):
+    chat = messages(None, [("Say hi " * 300, None)])
+    with pytest.raises(InferenceError, match=r"^the conversation is \d+ tokens; adapter reads at most 512"):
+        engine.generate(chat, GREEDY)
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_seeded_sampling_equals_model_generate(engine, reference, top_k):
+    chat = CHATS["untrained"]
+    options = SamplingOptions(temperature=1.3, top_p=0.95, top_k=top_k, max_new_tokens=12, seed=7)
+    expected = reference.answer(chat, max_new_tokens=12, seed=7, temperature=1.3, top_p=0.95, top_k=top_k)
+    generation = engine.complete(chat, options)
+    # top_k 0: the sample ends with bytes of no whole character, then <|im_end|>: the held-back bytes still come out.
+    assert (generation.text, generation.finish_reason) == (expected, "stop" if top_k == 0 else "length")
+    assert engine.complete(chat, options).text == expected  # the seed makes it repeatable
+    options.seed = 8
+    assert engine.complete(chat, options).text != expected
+
+
+def test_incremental_decoder_never_splits_a_character(engine):
+    text = "naïve 中文 🙂 ok"
+    ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # byte-level pieces: the multi-byte characters span several ids
+    decoder = IncrementalDecoder(engine.tokenizer)
+    pieces = [decoder.push(token_id) for token_id in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert [p for p in pieces if p] == ["na", "ï", "ve", " ", "中", "文", " ", "🙂", " ", "ok"]
+
+
+def test_an_incomplete_checkpoint_is_refused(chat_model, tmp_path):
+    import shutil  # noqa: PLC0415
+
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    folder = shutil.copytree(chat_model.merged, tmp_path / "broken")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"the weights lack model\.norm\.weight \(1 in all\); the checkpoint is incomplete"):
+        load_engine(str(folder))
