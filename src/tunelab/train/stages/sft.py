@@ -1,7 +1,7 @@
 """Supervised fine-tuning: the workflow, top to bottom.
 
 tokenizer + template → datasets → model (+ adapters) → [exact match before] → train → save
-→ [exact match after] → metrics. Everything written lands in output_dir.
+→ [exact match after] → [do_predict: predictions.jsonl, BLEU/ROUGE-L] → metrics. Everything written lands in output_dir.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tunelab.data.pipeline import build_datasets
 from tunelab.data.streaming import build_streaming_supervised
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import exact_match, generate_predictions
+from tunelab.infer.predict import predict
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import JsonlLogCallback
@@ -74,6 +75,11 @@ def run_sft(config: RunConfig) -> dict:
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
         )
+    if args.do_predict and trainer.is_world_process_zero():  # predictions.jsonl + predict_results.json
+        metrics.update(predict(
+            trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
+            max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
+        ))
     outputs.finish(trainer, metrics, config)
     return metrics
 

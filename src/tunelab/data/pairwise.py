@@ -1,0 +1,183 @@
+"""Preference data for stages rm, dpo (pairs) and kto (unpaired examples), encoded by the sft encoder.
+
+A ranking row (formats.py) ends its `messages` with the prompt turn and keeps the answers in
+`chosen` / `rejected`. Each answer is appended as the final assistant turn and the conversation goes
+through the same SupervisedEncoder as sft, with only that last answer supervised (mask_history), so
+rendering, masking and truncation are exactly sft's:
+
+    row: messages=[user: "Sort 3 1 2"], chosen="1 2 3", rejected="2 1 3"
+      chosen_input_ids   <|im_start|>user\\nSort 3 1 2<|im_end|>\\n<|im_start|>assistant\\n1 2 3<|im_end|>\\n
+      chosen_labels      -100 ...                                                       1 2 3<|im_end|>  -100
+      rejected_...       the same with "2 1 3"
+
+A pair is dropped (and counted) when either side has no supervised token left after truncation.
+
+KTO rows are single examples with a `kto_tag` (desirable or not): a ranking row gives two (chosen →
+desirable, rejected → undesirable); a supervised row with a `kto_tag` column (mapped in
+dataset_info.json, `"columns": {"kto_tag": "label"}`) gives one. Each example also carries its KL
+example: its own prompt with the answer of the next row in the map batch (cycling), as in the KTO
+paper's mismatched pairs, so the reference point z0 can be estimated from the same batch.
+Columns: input_ids, labels, kl_input_ids, kl_labels, kto_tag.
+
+This module owns turning canonical rows into these columns; padding is collate.py's PairedCollator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+
+from tunelab.data.encode import SupervisedEncoder
+from tunelab.errors import DataError
+
+PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+KTO_COLUMNS = ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tag")
+
+
+def _assistant(content: str) -> dict[str, str]:
+    return {"role": "assistant", "content": content, "tool_calls": "", "tool_call_id": ""}
+
+
+def with_answer(row: dict, answer: dict) -> dict:
+    """The row with `answer` (a canonical message) appended as its final assistant turn."""
+    return {**row, "messages": [*row["messages"], answer]}
+
+
+def _rows(batch: dict[str, list]) -> list[dict]:
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
+
+
+def _stats(kept: list[dict]) -> dict[str, Any]:
+    return {
+        "truncated": any(e["truncated"] for e in kept),
+        "num_supervised": kept[0]["num_supervised"],
+        "num_tokens": sum(len(e["input_ids"]) for e in kept),
+        "expanded": 0,
+    }
+
+
+@dataclass(frozen=True)
+class PairwiseEncoder:
+    """Batched datasets.map function: ranking rows → chosen_/rejected_ input_ids and labels.
+
+    `encoder` is the sft SupervisedEncoder with mask_history=True (only the appended answer trains).
+    Also writes the columns pipeline.encode_dataset counts and removes (truncated, num_supervised of
+    both sides, num_tokens, expanded).
+    """
+
+    encoder: SupervisedEncoder
+
+    @property
+    def cutoff_len(self) -> int:
+        return self.encoder.cutoff_len
+
+    def examples(self, row: dict):
+        """The rendered prompt (for dedup): rows with the same prompt are duplicates."""
+        return self.encoder.examples(row)
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        rows = _rows(batch)
+        for row in rows:
+            if not (row["chosen"] and row["rejected"]):
+                raise DataError("pairwise data needs ranking rows (chosen and rejected); set ranking: true in dataset_info.json")
+        n = len(rows)
+        encoded = self.encoder.encode_rows(
+            [with_answer(r, _assistant(r["chosen"])) for r in rows]
+            + [with_answer(r, _assistant(r["rejected"])) for r in rows]
+        )
+        out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "truncated", "num_supervised", "num_tokens", "expanded")}
+        for chosen, rejected in zip(encoded[:n], encoded[n:]):
+            if not chosen or not rejected:
+                continue  # a side lost every supervised token to truncation: the pair is dropped
+            (chosen,), (rejected,) = chosen, rejected  # mask_history: one example per conversation
+            for side, example in (("chosen", chosen), ("rejected", rejected)):
+                out[f"{side}_input_ids"].append(example["input_ids"])
+                out[f"{side}_labels"].append(example["labels"])
+            stats = _stats([chosen, rejected])
+            stats["num_supervised"] = chosen["num_supervised"] + rejected["num_supervised"]
+            for key, value in stats.items():
+                out[key].append(value)
+        return out
+
+
+@dataclass(frozen=True)
+class KTOEncoder:
+    """Batched datasets.map function: ranking rows or kto_tag rows → KTO examples with their KL examples."""
+
+    encoder: SupervisedEncoder
+
+    @property
+    def cutoff_len(self) -> int:
+        return self.encoder.cutoff_len
+
+    def examples(self, row: dict):
+        return self.encoder.examples(row)
+
+    @staticmethod
+    def _split(row: dict, where: str) -> tuple[dict, list[tuple[dict, bool]]]:
+        """(prompt row, [(answer message, desirable)]) of one canonical row."""
+        if row["chosen"] or row["rejected"]:
+            return row, [(_assistant(row["chosen"]), True), (_assistant(row["rejected"]), False)]
+        tag = row.get("kto_tag")
+        if tag is None or not row["messages"] or row["messages"][-1]["role"] != "assistant":
+            raise DataError(
+                f"{where}: stage kto needs ranking rows or a kto_tag column; map it in dataset_info.json "
+                '("columns": {"kto_tag": "<your column>"}) or use a ranking dataset'
+            )
+        return {**row, "messages": row["messages"][:-1]}, [(row["messages"][-1], bool(tag))]
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        split = [self._split(row, "kto data") for row in _rows(batch)]
+        items, kl_items = [], []
+        for i, (prompt, answers) in enumerate(split):
+            others = split[(i + 1) % len(split)][1]  # the next row's answers: mismatched with this prompt
+            for j, (answer, desirable) in enumerate(answers):
+                items.append((with_answer(prompt, answer), desirable))
+                kl_items.append(with_answer(prompt, others[j % len(others)][0]))
+        encoded = self.encoder.encode_rows([row for row, _ in items] + kl_items)
+        n = len(items)
+        out: dict[str, list] = {k: [] for k in (*KTO_COLUMNS, "truncated", "num_supervised", "num_tokens", "expanded")}
+        for (_, desirable), example, kl_example in zip(items, encoded[:n], encoded[n:]):
+            if not example or not kl_example:
+                continue
+            (example,), (kl_example,) = example, kl_example
+            out["input_ids"].append(example["input_ids"])
+            out["labels"].append(example["labels"])
+            out["kl_input_ids"].append(kl_example["input_ids"])
+            out["kl_labels"].append(kl_example["labels"])
+            out["kto_tag"].append(desirable)
+            for key, value in _stats([example, kl_example]).items():
+                out[key].append(value)
+        return out
+
+
+def preference_encoder(stage: str, tokenizer, template, data_args) -> PairwiseEncoder | KTOEncoder:
+    """The encoder of stage rm / dpo (pairs) or kto: the sft encoder, supervising only the final answer."""
+    inner = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len, mask_history=True)
+    return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
+
+
+def generation_rows(rows: datasets.Dataset) -> datasets.Dataset:
+    """Ranking rows as supervised rows whose reference answer is the chosen one (for exact match)."""
+    def append_chosen(row: dict) -> dict:
+        if row["chosen"]:
+            return {"messages": [*row["messages"], _assistant(row["chosen"])]}
+        return {"messages": row["messages"]}
+
+    return rows.map(append_chosen, desc="Reference answers")
+
+
+def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_main_process: bool = True):
+    """The encoded datasets of stage rm / dpo / kto, through the tokenized cache (rm and dpo share
+    their entries: the same pairs), with the val split and eval sets as for sft."""
+    from tunelab.data.cache import cached_bundle  # noqa: PLC0415
+    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
+
+    encoder = preference_encoder(stage, tokenizer, template, data_args)
+    return cached_bundle(
+        data_args, tokenizer, template.jinja, "kto" if stage == "kto" else "pairwise", seed,
+        build=lambda: build_datasets(data_args, tokenizer, template, seed, encoder=encoder),
+        is_main_process=is_main_process,
+    )

@@ -1,0 +1,83 @@
+"""Canonical rows → generation prompts and reference answers, for the stages that generate (grpo, ppo).
+
+The rows come from the same registry, formats, mixing and val split as every other stage
+(pipeline.load_canonical_splits); the prompt is the conversation up to its last answer, rendered by
+the run's template with the generation prompt — exactly what `infer/generate.py` and a served model
+see. The reference is that last answer (for a ranking row, its chosen answer).
+
+    row:       user "Sort...\\n3 1 2" → assistant "1 2 3"
+    prompt:    <|im_start|>user\\nSort...\\n3 1 2<|im_end|>\\n<|im_start|>assistant\\n
+    reference: 1 2 3
+
+Prompts are never cut (a truncated question has another answer): a prompt longer than cutoff_len
+is dropped and counted in the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+
+from tunelab.config.args import DataArguments
+from tunelab.data.encode import _parse_tools
+from tunelab.data.formats import template_messages
+from tunelab.data.pipeline import load_canonical_splits
+from tunelab.data.templates import Template
+from tunelab.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptBundle:
+    train: datasets.Dataset  # columns: prompt (text), prompt_ids, reference, messages (JSON), tools
+    eval_rows: dict[str, datasets.Dataset]  # canonical rows, for the exact-match check before/after
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptEncoder:
+    """Picklable row → {prompt, prompt_ids, reference, messages, tools}, for datasets.map.
+
+    `messages` (the prompt's template messages as JSON) and `tools` let a reward model score the full
+    render of prompt + answer, as the rm stage trained it."""
+
+    tokenizer: Any
+    template: Template
+
+    def __call__(self, row: dict) -> dict:
+        messages = template_messages(row)
+        if row.get("chosen"):
+            reference = row["chosen"]
+        elif messages and messages[-1]["role"] == "assistant":
+            reference = messages.pop()["content"]
+        else:
+            reference = ""
+        prompt = self.template.prompt(
+            messages, _parse_tools(row.get("tools") or None),
+            bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
+        )
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return {"prompt": prompt, "prompt_ids": ids, "reference": reference,
+                "messages": json.dumps(messages, ensure_ascii=False), "tools": row.get("tools") or ""}
+
+
+def build_prompt_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int) -> PromptBundle:
+    report: dict[str, Any] = {}
+    train_rows, eval_rows = load_canonical_splits(data_args, seed, report)
+    encoded = train_rows.map(
+        PromptEncoder(tokenizer, template), remove_columns=list(train_rows.column_names),
+        num_proc=data_args.preprocessing_num_workers, desc="Rendering prompts",
+    )
+    kept = encoded.filter(lambda row: len(row["prompt_ids"]) <= data_args.cutoff_len)
+    report["train"] = {"prompts": len(kept), "dropped_longer_than_cutoff": len(encoded) - len(kept)}
+    if len(kept) < len(encoded):
+        logger.warning("dropped %d of %d prompts longer than cutoff_len=%d", len(encoded) - len(kept), len(encoded),
+                       data_args.cutoff_len)
+    if len(kept) == 0:
+        raise DataError(f"every prompt is longer than cutoff_len ({data_args.cutoff_len}); raise cutoff_len")
+    return PromptBundle(train=kept, eval_rows=eval_rows, report=report)

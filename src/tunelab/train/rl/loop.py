@@ -1,0 +1,173 @@
+"""The training loop grpo and ppo share, written out on `accelerate.Accelerator`.
+
+One round: take `gradient_accumulation_steps` batches of prompts, roll each out (generate, score,
+compute old / reference log-probs — no gradients), then take `num_iterations` optimizer steps on
+those rollouts, accumulating the micro-batches' gradients into each step:
+
+    for round:
+        rollouts = [algorithm.rollout(prompts) for prompts in next accum batches]
+        repeat num_iterations:                       # μ in the GRPO paper
+            for rollout in rollouts: backward(algorithm.loss(rollout) / accum)
+            clip gradients, optimizer step, scheduler step          → global_step += 1
+
+Steps are optimizer steps: max_steps when set, else num_train_epochs passes over the prompts
+(× num_iterations). DDP comes from the Accelerator the launcher set up (torchrun / accelerate
+launch): each process draws its own prompts; gradients are averaged. Dropout stays off (the model is
+in eval mode throughout) so that the policy ratio compares the same function before and after a step.
+
+Logging writes trainer_log.jsonl in the Trainer's format through the same JsonlLogCallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+import transformers
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers.trainer_pt_utils import get_parameter_names
+
+from tunelab.config.args import RunConfig
+from tunelab.errors import DataError
+from tunelab.train.callbacks import JsonlLogCallback
+
+logger = logging.getLogger(__name__)
+
+# The names transformers.Trainer keeps out of weight decay (Trainer.get_decay_parameter_names).
+NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+class Algorithm(Protocol):
+    def rollout(self, rows: list[dict]) -> object: ...  # no gradients; records its own statistics
+
+    def loss(self, rollout: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def build_accelerator(config: RunConfig) -> Accelerator:
+    args = config.training
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+    return Accelerator(mixed_precision=precision, cpu=args.use_cpu)
+
+
+def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    """The optimizer transformers.Trainer would build: `optim` and its kwargs, no decay on biases and norms."""
+    decay = set(get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS))
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
+         "weight_decay": 0.0},
+    ]
+    optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+    return optimizer_cls([g for g in groups if g["params"]], **kwargs)
+
+
+class RLLoop:
+    """Prompt batches, optimizer and scheduler, step counting and logging for one run."""
+
+    def __init__(self, config: RunConfig, accelerator: Accelerator, model: nn.Module, prompts, num_iterations: int):
+        args = config.training
+        self.args, self.accelerator, self.num_iterations = args, accelerator, num_iterations
+        self.accum = args.gradient_accumulation_steps
+        generator = torch.Generator().manual_seed(args.seed)
+        loader = DataLoader(
+            prompts, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+            collate_fn=list, generator=generator,
+        )
+        self.loader = accelerator.prepare(loader)  # each process gets its own share of the prompts
+        self.rounds_per_epoch = len(self.loader) // self.accum
+        if self.rounds_per_epoch == 0:
+            raise DataError(
+                f"{len(prompts)} prompts are fewer than one step takes (per_device_train_batch_size × "
+                "gradient_accumulation_steps × processes); add data or lower the batch size"
+            )
+        if args.max_steps > 0:
+            self.max_steps = args.max_steps
+        else:
+            self.max_steps = math.ceil(args.num_train_epochs * self.rounds_per_epoch) * num_iterations
+        optimizer = build_optimizer(model, args)
+        scheduler = transformers.get_scheduler(
+            args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(self.max_steps),
+            num_training_steps=self.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
+        )
+        self.model, self.optimizer, self.scheduler = accelerator.prepare(model, optimizer, scheduler)
+        self.state = transformers.TrainerState(
+            max_steps=self.max_steps, logging_steps=args.logging_steps,
+            is_world_process_zero=accelerator.is_main_process, is_local_process_zero=accelerator.is_local_main_process,
+        )
+        self.log_callback = JsonlLogCallback(args.output_dir)
+        self.rounds = 0
+        self.pending: dict[str, list[float]] = defaultdict(list)
+        self._batches = self._endless_batches()
+
+    def _endless_batches(self) -> Iterator[list[dict]]:
+        epoch = 0
+        while True:
+            if hasattr(self.loader, "set_epoch"):
+                self.loader.set_epoch(epoch)
+            yield from self.loader
+            epoch += 1
+
+    def train(self, algorithm: Algorithm) -> dict[str, float]:
+        """Run to max_steps; returns the train metrics of the whole run."""
+        control = transformers.TrainerControl()
+        self.log_callback.on_train_begin(self.args, self.state, control)
+        self.model.eval()  # dropout off: see the module docstring
+        while self.state.global_step < self.max_steps:
+            rollouts = [algorithm.rollout(next(self._batches)) for _ in range(self.accum)]
+            self.rounds += 1
+            for _ in range(min(self.num_iterations, self.max_steps - self.state.global_step)):
+                for index, rollout in enumerate(rollouts):
+                    last = index == len(rollouts) - 1
+                    with self.accelerator.no_sync(self.model) if not last else contextlib.nullcontext():
+                        loss, stats = algorithm.loss(rollout)
+                        self.accelerator.backward(loss / self.accum)
+                    self.record({"loss": loss.detach(), **stats})
+                self._optimizer_step()
+        return {"train_steps": self.state.global_step, "train_rounds": self.rounds}
+
+    def _optimizer_step(self) -> None:
+        if self.args.max_grad_norm and self.args.max_grad_norm > 0:
+            grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            self.record({"grad_norm": grad_norm})
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.global_step += 1
+        self.state.epoch = self.rounds / self.rounds_per_epoch
+        if self.state.global_step % self.args.logging_steps == 0 or self.state.global_step == self.max_steps:
+            self._log()
+
+    def record(self, stats: dict[str, float | torch.Tensor]) -> None:
+        """Add statistics to the running averages of the next log line."""
+        for key, value in stats.items():
+            self.pending[key].append(float(value))
+
+    def _log(self) -> None:
+        keys = sorted(self.pending)
+        local = torch.tensor([sum(self.pending[k]) / len(self.pending[k]) for k in keys], device=self.accelerator.device)
+        values = self.accelerator.reduce(local, reduction="mean") if self.accelerator.num_processes > 1 else local
+        logs = {k: round(float(v), 6) for k, v in zip(keys, values)}
+        logs["learning_rate"] = self.scheduler.get_last_lr()[0]
+        self.pending.clear()
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        if self.accelerator.is_main_process:
+            logger.info("step %d/%d %s", self.state.global_step, self.max_steps,
+                        " ".join(f"{k}={v:.4g}" for k, v in logs.items()))
+        self.log_callback.on_log(self.args, self.state, transformers.TrainerControl(), logs=logs)
+
+    def final_metrics(self, keys: tuple[str, ...]) -> dict[str, float]:
+        """`<key>_first` / `<key>_last`: the value on the first and the last log line, to show a trend."""
+        out = {}
+        for key in keys:
+            values = [record[key] for record in self.state.log_history if key in record]
+            if values:
+                out[f"{key}_first"], out[f"{key}_last"] = values[0], values[-1]
+        return out

@@ -1,0 +1,158 @@
+"""Reward functions for stage grpo: the built-in verifiable rewards and loading the user's own.
+
+A reward function scores a batch of completions:
+
+    fn(prompts: list[str], completions: list[str], references: list[str]) -> list[float]
+
+- prompts: the rendered prompts (chat template with the generation prompt) the completions answer;
+- completions: the generated answers, decoded up to (not including) the end-of-turn token;
+- references: the dataset's reference answer of each prompt (the last assistant turn of its row).
+
+A function that also names a parameter `finished` (or takes **kwargs) receives
+`finished: list[bool]`: whether each completion ended at the end-of-turn token rather than at
+max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`), `path/to/file.py:fn`
+or `package.module:fn`; `reward_weights` weighs them (default 1 each), and a completion's reward is
+the weighted sum.
+
+This module owns naming, loading and calling reward functions; it knows nothing of models or tokens.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunelab.errors import ConfigError
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+def exact_match_reward(prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+    """1.0 when the answer equals the reference (surrounding whitespace ignored), else 0.0 —
+    the same rule as the exact-match metric of infer/generate.py."""
+    return [float(c.strip() == r.strip()) for c, r in zip(completions, references)]
+
+
+def answer_shape(text: str) -> str:
+    """The shape of an answer: every digit → 0, every letter → a, everything else kept.
+    "3 1 2" and "1 2 3" share the shape "0 0 0"; "c,b,a" has the shape "a,a,a"."""
+    return re.sub(r"[^\W\d_]", "a", re.sub(r"\d", "0", text.strip()))
+
+
+def format_reward(
+    prompts: list[str], completions: list[str], references: list[str], finished: list[bool]
+) -> list[float]:
+    """1.0 when the answer ended at the end-of-turn token and has the reference's shape, else 0.0.
+    It rewards a well-formed answer whether or not it is right."""
+    return [
+        float(done and answer_shape(c) == answer_shape(r)) for c, r, done in zip(completions, references, finished)
+    ]
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match_reward, "format": format_reward}
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # as written in reward_funcs; also the suffix of its log key (reward/<name>)
+    fn: RewardFn
+    weight: float
+    wants_finished: bool
+
+    def __call__(self, prompts: list[str], completions: list[str], references: list[str],
+                 finished: list[bool]) -> list[float]:
+        kwargs = {"finished": finished} if self.wants_finished else {}
+        scores = self.fn(prompts, completions, references, **kwargs)
+        scores = [float(s) for s in scores]
+        if len(scores) != len(completions):
+            raise ValueError(
+                f"reward function '{self.name}' returned {len(scores)} scores for {len(completions)} completions"
+            )
+        return scores
+
+
+def _accepts_finished(fn: RewardFn) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and C functions: call with the three lists only
+        return False
+    return any(p.name == "finished" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def resolve_reward_fn(spec: str, base_dir: str | Path | None = None) -> RewardFn:
+    """The callable `spec` names: a built-in, `file.py:fn` (relative to the working directory, then
+    to base_dir — the config file's folder), or `package.module:fn`. ConfigError naming the fix otherwise."""
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ConfigError(
+            f"reward_funcs: '{spec}' is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); "
+            "name your own as path/to/file.py:function or package.module:function"
+        )
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        module = _module_from_file(where, base_dir)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ConfigError(
+                f"reward_funcs: cannot import module '{where}' ({exc}); check the name or use path/to/file.py:{name}"
+            ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward_funcs: {where} has no function '{name}'; define {name}(prompts, completions, references)")
+    return fn
+
+
+def _module_from_file(where: str, base_dir: str | Path | None):
+    candidates = [Path(where)]
+    if base_dir is not None and not Path(where).is_absolute():
+        candidates.append(Path(base_dir) / where)
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        tried = " or ".join(str(p) for p in candidates)
+        raise ConfigError(f"reward_funcs: file {tried} does not exist; give a path relative to the working directory or the config file")
+    path = path.resolve()
+    module_name = f"tunelab_user_rewards_{abs(hash(str(path)))}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001  (the user's file failed to run: say where)
+        raise ConfigError(f"reward_funcs: importing {path} failed: {type(exc).__name__}: {exc}") from None
+    sys.modules[module_name] = module
+    return module
+
+
+def load_reward_functions(
+    specs: Sequence[str], weights: Sequence[float] | None = None, base_dir: str | Path | None = None
+) -> list[RewardFunction]:
+    if weights is not None and len(weights) != len(specs):
+        raise ConfigError(f"reward_weights has {len(weights)} values for {len(specs)} reward_funcs: give one weight per function")
+    weights = list(weights) if weights is not None else [1.0] * len(specs)
+    out = []
+    for spec, weight in zip(specs, weights):
+        fn = resolve_reward_fn(spec, base_dir)
+        out.append(RewardFunction(name=spec, fn=fn, weight=float(weight), wants_finished=_accepts_finished(fn)))
+    return out
+
+
+def score_completions(
+    functions: Sequence[RewardFunction], prompts: list[str], completions: list[str], references: list[str],
+    finished: list[bool],
+) -> tuple[list[float], dict[str, list[float]]]:
+    """(weighted total per completion, each function's raw scores by name)."""
+    per_function = {f.name: f(prompts, completions, references, finished) for f in functions}
+    totals = [
+        sum(f.weight * per_function[f.name][i] for f in functions) for i in range(len(completions))
+    ]
+    return totals, per_function

@@ -1,0 +1,107 @@
+"""Rollouts: sampled completions of a batch of prompts, and the per-token log-probabilities of them
+under the policy and under the reference.
+
+Layout of one rollout batch (N sequences; prompts left-padded so every completion starts at column P):
+
+    input_ids       [pad pad p0 p1 p2 | c0 c1 <eot> pad]      N × (P + C)
+    attention_mask  [ 0   0  1  1  1  |  1  1   1    0 ]
+    completion_mask                   [  1  1   1    0 ]      N × C   (through the end-of-turn token)
+    log_probs                         [ lp lp  lp    . ]      N × C   log p(c_t | prompt, c_<t) / temperature
+
+Position ids restart at the first real token (cumsum of the mask), as `generate` numbers them, so
+a forward over the padded batch gives the same log-probs the sampler drew from (tested). The
+log-probs are of the temperature-scaled distribution: the one the completions were sampled from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Rollout:
+    input_ids: torch.Tensor  # N × (P + C)
+    attention_mask: torch.Tensor  # N × (P + C)
+    completion_mask: torch.Tensor  # N × C, float: 1 on completion tokens through the end-of-turn token
+    prompt_width: int  # P
+    completions: list[str]  # decoded, without the end-of-turn token
+    finished: list[bool]  # ended at an end-of-turn token (not cut by max_new_tokens)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[pad_id] * (width - len(s)) + list(s) for s in sequences], device=device)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return ids, mask
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2... from each row's first real token (pads get 0): what `generate` uses for left padding."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def generate_rollout(
+    model, tokenizer, prompt_ids: list[list[int]], stop_ids: list[int], max_new_tokens: int,
+    temperature: float, pad_id: int,
+) -> Rollout:
+    """Sample one completion per prompt (repeat a prompt in prompt_ids for a group) with plain
+    temperature sampling: no top-k / top-p, so the sampled distribution is softmax(logits / T)."""
+    device = next(model.parameters()).device
+    input_ids, attention_mask = left_pad(prompt_ids, pad_id, device)
+    width = input_ids.shape[1]
+    output = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None,
+        eos_token_id=stop_ids, pad_token_id=pad_id, use_cache=True,
+    )
+    completion = output[:, width:]
+    is_stop = torch.isin(completion, torch.tensor(stop_ids, device=device))
+    # Tokens through the first stop token count; generate pads the rest (with pad_id, maybe also a stop id).
+    before_stop = (is_stop.long().cumsum(-1) - is_stop.long()) == 0
+    completion_mask = before_stop.float()
+    finished = is_stop.any(-1).tolist()
+    texts = []
+    for row, done in zip(completion.tolist(), finished):
+        cut = next((i for i, t in enumerate(row) if t in stop_ids), len(row))
+        texts.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    full_mask = torch.cat([attention_mask, completion_mask.long()], dim=1)
+    return Rollout(output, full_mask, completion_mask, width, texts, finished)
+
+
+def completion_log_probs(
+    model, rollout: Rollout, temperature: float, output_hidden: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs of the completion tokens (N × C) and, when asked, the last hidden state at
+    the positions that predict them (N × C × H, for a value head). Gradients flow when enabled."""
+    ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.prompt_width
+    length = ids.shape[1] - width
+    output = model(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+        logits_to_keep=length + 1, output_hidden_states=output_hidden, use_cache=False,
+    )
+    logits = output.logits[:, :-1].float() / temperature  # position t predicts token t + 1
+    log_probs = torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, width:, None]).squeeze(-1)
+    hidden = output.hidden_states[-1][:, width - 1 : -1] if output_hidden else None
+    return log_probs, hidden
+
+
+@contextlib.contextmanager
+def reference_mode(policy, reference):
+    """The model that gives reference log-probs: the frozen copy, or (LoRA, reference None) the
+    policy itself with its adapter disabled, i.e. the model training started from."""
+    if reference is not None:
+        yield reference
+        return
+    with policy.disable_adapter():
+        yield policy
+
+
+@torch.no_grad()
+def reference_log_probs(policy, reference, rollout: Rollout, temperature: float) -> torch.Tensor:
+    with reference_mode(policy, reference) as model:
+        return completion_log_probs(model, rollout, temperature)[0]

@@ -1,0 +1,118 @@
+"""Direct preference optimisation (and ipo, hinge, orpo, simpo): the workflow, top to bottom.
+
+tokenizer + template → pairs (data/pairwise.py) → policy (+ adapters) → reference: a frozen copy
+(full / freeze), the policy with its adapter disabled (LoRA), or none (orpo, simpo) →
+[precompute reference log-probs] → [preference accuracy and exact match before] → train → save →
+[after] → metrics. Stage kto (stages/kto.py) runs the same workflow on unpaired examples.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tunelab.config.args import RunConfig
+from tunelab.data.collate import PairedCollator
+from tunelab.data.pairwise import generation_rows, preference_bundle
+from tunelab.data.templates import get_template
+from tunelab.infer.generate import exact_match, generate_predictions
+from tunelab.model.adapters import is_quantized
+from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.train import outputs
+from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.preference_trainer import (
+    KTO_REFERENCE_COLUMNS, PAIR_REFERENCE_COLUMNS, PreferenceTrainer, needs_reference, precompute_reference_log_probs,
+)
+from tunelab.train.stages.rm import first_eval_set, single_or_named
+
+logger = logging.getLogger(__name__)
+
+
+def run_dpo(config: RunConfig) -> dict:
+    return train_against_reference(config, "dpo")
+
+
+def train_against_reference(config: RunConfig, stage: str) -> dict:
+    """Stage dpo or kto."""
+    args, ft = config.training, config.finetuning
+    tokenizer = load_tokenizer(config.model)
+    template = get_template(config.data.template, tokenizer)
+    data = preference_bundle(config.data, tokenizer, template, stage, args.seed, args.local_process_index == 0)
+    outputs.write_json(args.output_dir, "data_report.json", data.report)
+
+    model = load_model(config.model, ft, args, tokenizer, is_trainable=True)
+    trainable, total = count_parameters(model)
+    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
+    collator = PairedCollator(tokenizer.pad_token_id, *(("", "kl_") if stage == "kto" else ("chosen_", "rejected_")))
+
+    # LoRA: the reference is the policy with its adapter disabled; full / freeze: a frozen copy, except
+    # when precomputing, where the policy before training is the reference.
+    ref_model = None
+    uses_lora = ft.finetuning_type == "lora" or is_quantized(model)
+    if needs_reference(stage, ft) and not uses_lora and not ft.precompute_ref_log_probs:
+        ref_model = load_model(config.model, ft, args, tokenizer, is_trainable=False)
+    train_set, evals = data.train, dict(data.eval)
+    if needs_reference(stage, ft) and ft.precompute_ref_log_probs:
+        columns = KTO_REFERENCE_COLUMNS if stage == "kto" else PAIR_REFERENCE_COLUMNS
+        model.to(args.device)
+
+        def precompute(dataset):
+            return precompute_reference_log_probs(
+                dataset, model, None, collator, columns, args.per_device_eval_batch_size, args.device
+            )
+
+        train_set = precompute(train_set)
+        evals = {name: precompute(dataset) for name, dataset in evals.items()}
+        logger.info("reference log-probs precomputed for %d training rows", len(train_set))
+
+    trainer = PreferenceTrainer(
+        stage=stage, finetuning=ft, ref_model=ref_model,
+        model=model, args=args, train_dataset=train_set, eval_dataset=single_or_named(evals),
+        data_collator=collator, processing_class=tokenizer, callbacks=[JsonlLogCallback(args.output_dir)],
+    )
+
+    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
+    held_out = next(iter(evals.values())) if evals else None
+    rows = _generation_rows(data, config) if config.generation.eval_generation else None
+    if held_out is not None and stage == "dpo":
+        before = trainer.evaluate(held_out, metric_key_prefix="before")
+        metrics["preference_accuracy_before"] = before["before_logps/accuracies"]
+    if rows is not None:
+        metrics["exact_match_before"] = _exact_match(trainer.model, tokenizer, template, rows, config)
+
+    metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
+    outputs.save_model(trainer, tokenizer, template, config)
+
+    if held_out is not None:
+        after = trainer.evaluate(held_out, metric_key_prefix="after")
+        metrics.update(after)
+        if stage == "dpo":
+            metrics["preference_accuracy_after"] = after["after_logps/accuracies"]
+            logger.info(
+                "preference accuracy (log p(chosen) > log p(rejected)) on %d held-out pairs: %.1f%% → %.1f%%",
+                len(held_out), 100 * metrics["preference_accuracy_before"], 100 * metrics["preference_accuracy_after"],
+            )
+    if rows is not None:
+        metrics["exact_match_after"] = _exact_match(trainer.model, tokenizer, template, rows, config)
+        logger.info(
+            "exact match on %d held-out prompts: %.1f%% before training → %.1f%% after",
+            len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
+        )
+    outputs.finish(trainer, metrics, config)
+    return metrics
+
+
+def _generation_rows(data, config: RunConfig):
+    """Held-out prompts with the chosen answer as the reference, for greedy exact match."""
+    if not data.eval_rows:
+        return None
+    rows = next(iter(data.eval_rows.values()))
+    rows = rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
+    return generation_rows(rows)
+
+
+def _exact_match(model, tokenizer, template, rows, config: RunConfig) -> float:
+    predictions = generate_predictions(
+        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
+        batch_size=config.training.per_device_eval_batch_size * 4,
+    )
+    return exact_match(predictions)

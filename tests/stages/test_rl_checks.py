@@ -1,0 +1,72 @@
+"""Config checks of stages grpo and ppo: one line naming the key and the fix, before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunelab.config.loader import load_config
+from tunelab.errors import ConfigError
+
+
+def _check(tmp_path, **overrides) -> str:
+    base = {"stage": "grpo", "template": "chatml", "dataset": "demo_sort", "output_dir": str(tmp_path / "out"),
+            "reward_funcs": "exact_match,format"}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {**base, **overrides})
+    return str(info.value)
+
+
+def test_grpo_and_ppo_configs_that_pass(tmp_path):
+    (tmp_path / "rm").mkdir()
+    (tmp_path / "rm" / "config.json").write_text("{}")
+    grpo = load_config(None, {"stage": "grpo", "template": "chatml", "dataset": "demo_sort",
+                              "output_dir": str(tmp_path / "a"), "reward_funcs": "exact_match,format",
+                              "reward_weights": "1,0.5", "num_generations": "4", "temperature": "0.8"})
+    assert grpo.finetuning.reward_funcs == ["exact_match", "format"] and grpo.finetuning.reward_weights == [1.0, 0.5]
+    assert grpo.generation.temperature == 0.8
+    ppo = load_config(None, {"stage": "ppo", "template": "chatml", "dataset": "demo_sort",
+                             "output_dir": str(tmp_path / "b"), "reward_model": str(tmp_path / "rm")})
+    assert ppo.finetuning.reward_model == str(tmp_path / "rm")
+
+
+def test_rl_check_messages(tmp_path):
+    (tmp_path / "rewards.py").write_text("def score(prompts, completions, references):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "empty_rm").mkdir()
+    cases = [
+        ({"reward_funcs": None},
+         "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format (built-ins) or "
+         "path/to/file.py:function"),
+        ({"reward_funcs": "exact_match,accuracy"},
+         "reward_funcs: 'accuracy' is not a built-in reward (exact_match, format); name your own as "
+         "path/to/file.py:function or package.module:function"),
+        ({"reward_funcs": "nowhere/rewards.py:score"},
+         "reward_funcs: file nowhere/rewards.py does not exist; give a path relative to the working directory or "
+         "the config file"),
+        ({"reward_funcs": f"{tmp_path}/rewards.py:scores"},
+         f"reward_funcs: {tmp_path}/rewards.py has no function 'scores'; define scores(prompts, completions, references)"),
+        ({"reward_weights": "1,2,3"}, "reward_weights has 3 values for 2 reward_funcs: give one weight per function"),
+        ({"num_generations": "1"},
+         "num_generations must be at least 2 (advantages compare completions of the same prompt), got 1"),
+        ({"stage": "ppo", "reward_funcs": None},
+         "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its output_dir"),
+        ({"stage": "ppo", "reward_funcs": None, "reward_model": str(tmp_path / "none")},
+         f"reward_model: {tmp_path / 'none'} is not a folder; set it to the output_dir of a stage rm run"),
+        ({"stage": "ppo", "reward_funcs": None, "reward_model": str(tmp_path / "empty_rm")},
+         f"reward_model: {tmp_path / 'empty_rm'} has neither config.json nor adapter_config.json; set it to the "
+         "output_dir of a stage rm run"),
+        ({"stage": "ppo"}, "reward_funcs only applies to stage grpo (got stage: ppo): remove it"),
+        ({"stage": "sft", "reward_funcs": None, "kl_coef": "0.1"},
+         "kl_coef only applies to stage grpo / ppo (got stage: sft): remove it"),
+        ({"reward_model": str(tmp_path)}, "reward_model only applies to stage ppo (got stage: grpo): remove it"),
+        ({"temperature": "0"}, "temperature must be > 0 (rollouts are sampled), got 0.0"),
+        ({"kl_coef": "-1"}, "kl_coef must be >= 0, got -1.0"),
+        ({"epsilon": "0"}, "epsilon must be > 0 (the ratio is clipped to 1 ± epsilon), got 0.0"),
+        ({"num_iterations": "0"}, "num_iterations must be at least 1, got 0"),
+        ({"packing": "true"},
+         "packing: true does not apply to stage grpo (it trains on its own generations); set packing: false"),
+        ({"eval_strategy": "steps", "eval_dataset": "demo_sort_test"},
+         "eval_strategy: stage grpo has no eval loss; remove eval_strategy and use eval_generation (held-out exact "
+         "match before and after)"),
+    ]
+    for overrides, message in cases:
+        assert _check(tmp_path, **overrides) == message, overrides
