@@ -1,13 +1,17 @@
-"""The `tunelab` command: train | data | template | env.
+"""The `tunelab` command: train | data | template | eval | export | estimate | chat | api | env.
 
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
 anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
+A training run stopped by SIGTERM / SIGINT saves a checkpoint, prints the command that resumes it
+and exits 128 + the signal number (143 / 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 
 from tunelab.errors import TunelabError
@@ -21,7 +25,8 @@ def _options_help() -> str:
         lines.append(f"\n  {group.__name__}:")
         if group is TrainingArguments:
             lines.append("    every transformers.TrainingArguments option, plus:")
-            fields = [f for f in dataclasses.fields(group) if f.name in ("overwrite_output_dir", "plot_loss")]
+            theirs = {f.name for f in dataclasses.fields(group.__mro__[1])}  # transformers.TrainingArguments
+            fields = [f for f in dataclasses.fields(group) if f.name not in theirs or f.name in ("overwrite_output_dir", "resume_from_checkpoint")]
         else:
             fields = dataclasses.fields(group)
         for f in fields:
@@ -32,19 +37,50 @@ def _options_help() -> str:
 
 def _cmd_train(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.train import launch  # noqa: PLC0415
     from tunelab.train.run import run, setup_logging  # noqa: PLC0415
+    from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
 
-    config = load_config(ns.config, ns.overrides)
+    # nproc_per_node > 1: check the config once here, then run the same command under torchrun.
+    parent = launch.wants_launch(ns.config, ns.overrides)
+    with launch.devices_untouched() if parent else contextlib.nullcontext():
+        config = load_config(ns.config, ns.overrides)
+    if launch.needs_launch(config.training):
+        return launch.launch(config.training, ["train", ns.config, *ns.overrides])
     setup_logging(config.training.process_index == 0)
-    metrics = run(config)
+    try:
+        metrics = run(config)
+    except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
+        if config.training.process_index == 0:
+            print(f"tunelab: {stop}; resume with: {resume_command(ns.config, ns.overrides)}", file=sys.stderr)
+        return stop.exit_code
     if config.training.process_index == 0:
         before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
         if before is not None and after is not None:
             print(f"exact match (held-out): before {100 * before:.1f}% → after {100 * after:.1f}%")
+        for key, what in (
+            ("reward_accuracy", "reward accuracy (held-out pairs, r(chosen) > r(rejected))"),
+            ("preference_accuracy", "preference accuracy (held-out pairs, log p(chosen) > log p(rejected))"),
+        ):
+            if f"{key}_before" in metrics and f"{key}_after" in metrics:
+                print(f"{what}: before {100 * metrics[f'{key}_before']:.1f}% → after {100 * metrics[f'{key}_after']:.1f}%")
+        if "reward_first" in metrics and "reward_last" in metrics:  # grpo / ppo: mean reward of the rollouts
+            print(f"train reward (mean of rollouts): first log {metrics['reward_first']:.3f} → "
+                  f"last log {metrics['reward_last']:.3f}")
         if "eval_loss" in metrics:
             print(f"eval loss: {metrics['eval_loss']:.4f}")
         print(f"saved to {config.training.output_dir}")
     return 0
+
+
+def resume_command(config_path: str, overrides: list[str]) -> str:
+    """The command line that resumes this run: the same config and overrides, resume_from_checkpoint=true."""
+    import shlex  # noqa: PLC0415
+
+    from tunelab.config.loader import parse_overrides  # noqa: PLC0415
+
+    kept = [f"{k}={v}" for k, v in parse_overrides(list(overrides)).items() if k != "resume_from_checkpoint"]
+    return shlex.join(["tunelab", "train", config_path, *kept, "resume_from_checkpoint=true"])
 
 
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -129,6 +165,181 @@ def _cmd_template(ns: argparse.Namespace) -> int:
     return 0
 
 
+# ---- eval | export | estimate: a trained (or base) model without training it ------------------------------
+
+
+def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """`export` takes a config file or only key=value options: a first argument with '=' or '--' is an option."""
+    if ns.config is not None and ("=" in ns.config or ns.config.startswith("--")):
+        return None, [ns.config, *ns.overrides]
+    return ns.config, list(ns.overrides)
+
+
+def _cmd_eval(ns: argparse.Namespace) -> int:
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.infer.predict import PREDICTIONS_FILE, run_predict  # noqa: PLC0415
+    from tunelab.train.run import setup_logging  # noqa: PLC0415
+
+    config = load_config(ns.config, ns.overrides, purpose="eval")
+    setup_logging()
+    metrics = run_predict(config)
+    for key, value in metrics.items():
+        print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
+    print(f"predictions: {config.training.output_dir}/{PREDICTIONS_FILE}")
+    return 0
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.model.export import export_model  # noqa: PLC0415
+    from tunelab.train.run import setup_logging  # noqa: PLC0415
+
+    path, overrides = _config_and_overrides(ns)
+    config = load_config(path, overrides, purpose="export")
+    setup_logging()
+    print(f"exported to {export_model(config)}")
+    return 0
+
+
+def _cmd_estimate(ns: argparse.Namespace) -> int:
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.train.estimate import estimate, format_estimate  # noqa: PLC0415
+    from tunelab.train.run import setup_logging  # noqa: PLC0415
+
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+
+    probe_steps, overrides = _take_option(list(ns.overrides), "--probe-steps")
+    try:
+        probe_steps = int(probe_steps) if probe_steps is not None else ns.probe_steps
+    except ValueError:
+        raise ConfigError(f"--probe-steps: expected a number, got {probe_steps!r}") from None
+    config = load_config(ns.config, overrides, purpose="estimate")
+    setup_logging(is_main_process=False)  # warnings only: the table below is the output
+    print(format_estimate(estimate(config, probe_steps=probe_steps)))
+    return 0
+
+
+def _add_model_commands(sub) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="generate answers for an eval set with the training template and score them",
+        description="Greedy generation on eval_dataset (or the val split) with the chat template the model trained "
+        "with; writes predictions.jsonl and predict_results.json (exact match, BLEU, ROUGE-L) to output_dir. "
+        "Point model_name_or_path at a trained model, or adapter_name_or_path at a trained adapter.",
+    )
+    evaluate.add_argument("config", help="the run's YAML file")
+    evaluate.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
+    evaluate.set_defaults(func=_cmd_eval)
+    export = sub.add_parser(
+        "export", help="merge a LoRA adapter into its base and save a plain Hugging Face model",
+        description="Needs model_name_or_path, export_dir and optionally adapter_name_or_path, export_dtype, "
+        "export_size (in a YAML file and/or as key=value).",
+    )
+    export.add_argument("config", nargs="?", help="YAML file (optional: key=value options alone work too)")
+    export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
+    export.set_defaults(func=_cmd_export)
+    estimate = sub.add_parser(
+        "estimate", help="predict a run's peak memory and time per step (a few measured probe steps)",
+        description="Peak memory by parts (weights, gradients, optimizer states, activations) for the configured "
+        "model, finetuning_type, dtype, batch size, cutoff_len and gradient checkpointing, and the time per "
+        "optimizer step measured over a few real steps on random tokens of the configured shape.",
+    )
+    estimate.add_argument("config", help="the run's YAML file")
+    estimate.add_argument("--probe-steps", type=int, default=3, help="measured optimizer steps (0: skip the probe)")
+    estimate.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
+    estimate.set_defaults(func=_cmd_estimate)
+
+
+# ---- chat | api: talk to a trained model ----------------------------------------------------------------------
+
+
+def _load_engine(ns: argparse.Namespace):
+    import warnings  # noqa: PLC0415
+
+    import transformers  # noqa: PLC0415
+
+    from tunelab.infer.engine import load_engine  # noqa: PLC0415
+    from tunelab.train.run import setup_logging  # noqa: PLC0415
+
+    setup_logging(is_main_process=False)  # warnings only
+    transformers.utils.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)  # peft, harmless
+    return load_engine(ns.path, base_model=ns.model, template=ns.template, dtype=ns.dtype,
+                       trust_remote_code=ns.trust_remote_code)
+
+
+def _cmd_chat(ns: argparse.Namespace) -> int:
+    from tunelab.infer.chat import chat_loop  # noqa: PLC0415
+    from tunelab.infer.engine import SamplingOptions  # noqa: PLC0415
+
+    options = SamplingOptions(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_new_tokens=ns.max_new_tokens,
+        repetition_penalty=ns.repetition_penalty, seed=ns.seed,
+    )
+    engine = _load_engine(ns)
+    if sys.stdin.isatty():
+        import readline  # noqa: F401, PLC0415  (line editing and history for input())
+    return chat_loop(engine, options, system=ns.system)
+
+
+def _cmd_api(ns: argparse.Namespace) -> int:
+    import os  # noqa: PLC0415
+
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+
+    try:
+        from tunelab.infer.api import serve  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigError(f"tunelab api needs FastAPI and uvicorn ({exc}); pip install 'tunelab[serve]'") from None
+
+    api_key = ns.api_key or os.environ.get("TUNELAB_API_KEY") or None
+    engine = _load_engine(ns)
+    key_note = "an API key is required" if api_key else "no API key"
+    print(f"tunelab api: serving '{engine.name}' (template {engine.template.name}, {key_note})", file=sys.stderr)
+    serve(engine, host=ns.host, port=ns.port, api_key=api_key)
+    return 0
+
+
+def _add_serving_commands(sub) -> None:
+    def model_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("path", help="a trained output folder (model or LoRA adapter), any local Hugging Face "
+                            "model folder, or 'tiny' (the embedded tiny Llama)")
+        parser.add_argument("--model", help="base model folder for an adapter (default: base_model_name_or_path "
+                            "in its adapter_config.json)")
+        parser.add_argument("--template", help="a built-in chat template instead of the folder's own chat_template "
+                            "(see `tunelab template list`)")
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                            help="weights dtype (auto: bfloat16 on a GPU that supports it, float16 on other GPUs, "
+                            "float32 on CPU)")
+        parser.add_argument("--trust-remote-code", action="store_true", help="run modelling code shipped in the folder")
+
+    chat = sub.add_parser(
+        "chat", help="chat with a model or adapter in the terminal (answers stream as they are generated)",
+        description="One line per turn. /clear resets the history (the system prompt stays), /exit or Ctrl-D "
+        "quits, Ctrl-C stops an answer. Reads stdin, so a script can drive it.",
+    )
+    model_arguments(chat)
+    chat.add_argument("--system", help="system prompt for the whole conversation")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy (deterministic)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
+                      "whose probabilities add up to this")
+    chat.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    chat.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per answer at most")
+    chat.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1: off)")
+    chat.add_argument("--seed", type=int, help="seed for sampling (the same seed and input give the same answers)")
+    chat.set_defaults(func=_cmd_chat)
+    api = sub.add_parser(
+        "api", help="serve a model or adapter over an OpenAI-compatible HTTP API",
+        description="GET /v1/models, POST /v1/chat/completions (streaming with stream: true). One request "
+        "generates at a time; others wait. See docs/serving.md.",
+    )
+    model_arguments(api)
+    api.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    api.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $TUNELAB_API_KEY; "
+                     "none: no key)")
+    api.set_defaults(func=_cmd_api)
+
+
 def _cmd_env(_: argparse.Namespace) -> int:
     from tunelab.train.outputs import versions  # noqa: PLC0415
 
@@ -163,12 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
     template.add_argument("action", choices=["list", "show"])
     template.add_argument("name", nargs="?")
     template.set_defaults(func=_cmd_template)
+    _add_model_commands(sub)
+    _add_serving_commands(sub)
     env = sub.add_parser("env", help="print versions of tunelab and the libraries it runs on")
     env.set_defaults(func=_cmd_env)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # tunelab never downloads: models, tokenizers and data come from local paths (docs/distributed.md,
+    # "Safety"). Offline mode also stops remote code from fetching more. An explicit HF_HUB_OFFLINE wins.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

@@ -23,3 +23,11 @@ class TemplateError(TunelabError):
 
 class ModelError(TunelabError):
     """A model folder that cannot be loaded as configured."""
+
+
+class InferenceError(TunelabError):
+    """A chat or API request the loaded model cannot answer as given (e.g. a prompt longer than its context)."""
+
+
+class TrainingError(TunelabError):
+    """Training stopped on a condition the user can fix (a non-finite loss or gradient norm)."""

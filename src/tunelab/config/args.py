@@ -94,6 +94,11 @@ class DataArguments:
     tokenized_cache_dir: str | None = _help(
         "Folder of the tokenized-dataset cache; default ~/.cache/tunelab/tokenized (or $TUNELAB_CACHE).", default=None
     )
+    skip_bad_rows: bool = _help(
+        "Leave out lines of JSON-lines files that are not valid JSON or not UTF-8 (counted in the log and "
+        "data_report.json) instead of stopping at the first one.",
+        default=False,
+    )
     preprocessing_num_workers: int | None = _help("Processes used to tokenise datasets.", default=None)
     overwrite_cache: bool = _help("Rebuild tokenised datasets even if a cached copy exists.", default=False)
 
@@ -124,6 +129,60 @@ class FinetuningArguments:
     freeze_extra_modules: list[str] | None = _help(
         "freeze: modules outside the decoder layers that train too (e.g. embed_tokens,norm).", default=None
     )
+    pref_beta: float = _help(
+        "dpo / kto: beta, the strength of the reference (KL) constraint; orpo: weight of the odds-ratio term; "
+        "simpo: reward scale.",
+        default=0.1,
+    )
+    pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = _help(
+        "dpo: the preference loss: sigmoid (DPO), ipo, hinge (SLiC), orpo or simpo (these two use no reference model).",
+        default="sigmoid",
+    )
+    pref_ftx: float = _help(
+        "dpo: weight of an extra SFT term, the mean token NLL of the chosen answer (0: none).", default=0.0
+    )
+    dpo_label_smoothing: float = _help(
+        "dpo, pref_loss sigmoid: probability that a preference label is flipped (conservative DPO), in [0, 0.5).",
+        default=0.0,
+    )
+    simpo_gamma: float = _help("dpo, pref_loss simpo: the target reward margin gamma.", default=0.5)
+    precompute_ref_log_probs: bool = _help(
+        "dpo / kto: compute the reference log-probs once before training (stored as dataset columns) instead of "
+        "a reference forward pass every step.",
+        default=False,
+    )
+    kto_desirable_weight: float = _help("kto: weight of the loss of desirable examples.", default=1.0)
+    kto_undesirable_weight: float = _help("kto: weight of the loss of undesirable examples.", default=1.0)
+    reward_funcs: list[str] | None = _help(
+        "grpo: reward functions, comma separated: built-ins exact_match (1 when the answer equals the dataset's "
+        "reference) and format (1 when it ends at the end-of-turn token with the reference's shape), or your own "
+        "path/to/file.py:fn / package.module:fn with fn(prompts, completions, references) -> list[float].",
+        default=None,
+    )
+    reward_weights: list[float] | None = _help(
+        "grpo: one weight per reward function (default 1 each); a completion's reward is the weighted sum.",
+        default=None,
+    )
+    reward_model: str | None = _help(
+        "ppo: the reward model folder a stage rm run wrote (a full model or a LoRA adapter).", default=None
+    )
+    num_generations: int = _help("grpo: completions sampled per prompt (the group), at least 2.", default=8)
+    kl_coef: float = _help(
+        "grpo / ppo: weight of the KL penalty to the reference (the model training started from; for LoRA the "
+        "base with the adapter disabled). grpo: k3 estimator in the loss; ppo: per-token penalty in the reward. "
+        "0 skips the reference.",
+        default=0.04,
+    )
+    epsilon: float = _help(
+        "grpo / ppo: clip range of the policy ratio, 1 ± epsilon (ppo: also of the value update).", default=0.2
+    )
+    num_iterations: int = _help(
+        "grpo / ppo: optimizer steps on each batch of rollouts (mu); >1 reuses samples with the clipped ratio.",
+        default=1,
+    )
+    ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1)
+    ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0)
+    ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95)
 
 
 @dataclass
@@ -134,6 +193,10 @@ class GenerationArguments:
     )
     eval_generation_samples: int = _help("How many eval rows the generation check uses.", default=200)
     max_new_tokens: int = _help("Tokens generated per answer at most.", default=64)
+    temperature: float = _help(
+        "Sampling temperature of the completions grpo / ppo generate while training (evaluation stays greedy).",
+        default=1.0,
+    )
 
 
 @dataclass
@@ -142,9 +205,59 @@ class TrainingArguments(transformers.TrainingArguments):
 
     overwrite_output_dir: bool = _help("Allow training into a non-empty output_dir.", default=False)
     plot_loss: bool = _help("Save training_loss.png (and eval loss when evaluated) in output_dir.", default=True)
+    compute_token_accuracy: bool = _help(
+        "Evaluation also reports eval_token_accuracy: the share of supervised tokens whose argmax prediction is "
+        "the label (counted batch by batch; logits are never gathered).",
+        default=False,
+    )
+    # Reliability (docs/reliability.md): train/checkpoints.py, train/guards.py.
+    resume_from_checkpoint: bool | str | None = _help(
+        "Resume from a checkpoint: true for the newest complete checkpoint-N in output_dir, or a checkpoint folder. "
+        "Restores weights, optimizer, scheduler, RNG states and the exact data position.",
+        default=None,
+    )
+    nan_policy: Literal["stop", "skip"] = _help(
+        "On a NaN/inf loss or gradient norm: stop (with a message naming the step), or skip that optimizer step "
+        "(counted and logged) and go on.",
+        default="stop",
+    )
+    nan_max_consecutive: int = _help(
+        "nan_policy: skip still stops at this many non-finite steps in a row.", default=5
+    )
+    # Launching (train/launch.py): `tunelab train` re-executes itself under torchrun when asked for
+    # more than one process; under torchrun / accelerate launch these must agree with the launcher.
+    nproc_per_node: int | None = _help(
+        "Processes per machine (one per GPU; CPU: gloo DDP). >1 re-launches under torchrun. "
+        "Default $TUNELAB_NPROC_PER_NODE, else 1.",
+        default=None,
+    )
+    nnodes: int = _help("Machines in the run (multi-node: also set node_rank, master_addr, master_port).", default=1)
+    node_rank: int = _help("This machine's index among nnodes (0 on the machine at master_addr).", default=0)
+    master_addr: str | None = _help("Multi-node: address of the node_rank 0 machine.", default=None)
+    master_port: int | None = _help("Rendezvous port; default a free port (one node) or 29500 (several).", default=None)
 
 
-ARGUMENT_GROUPS = (ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, TrainingArguments)
+@dataclass
+class ExportArguments:
+    export_dir: str | None = _help(
+        "tunelab export: folder for the plain model (LoRA merged into its base), tokenizer, chat template and "
+        "generation config.",
+        default=None,
+    )
+    export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
+        "tunelab export: dtype of the saved weights; auto keeps the base model's. The merge itself runs in float32.",
+        default="auto",
+    )
+    export_size: float | str = _help(
+        "tunelab export: largest safetensors shard, in GB (e.g. 2) or as a size string (e.g. 500MB); bigger "
+        "models are split and indexed by model.safetensors.index.json.",
+        default=5,
+    )
+
+
+ARGUMENT_GROUPS = (
+    ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, TrainingArguments, ExportArguments
+)
 
 # Defaults we change from transformers' own, for a fine-tuning tool run from a terminal.
 TRAINING_DEFAULTS = {
@@ -166,4 +279,5 @@ class RunConfig:
     finetuning: FinetuningArguments
     generation: GenerationArguments
     training: TrainingArguments
+    export: ExportArguments = field(default_factory=ExportArguments)
     source: str | None = None  # the YAML file it came from

@@ -10,15 +10,32 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
 from tunelab.errors import ConfigError
 
-AVAILABLE_STAGES = ("pt", "sft")
+RL_STAGES = ("grpo", "ppo")
+# Options of the generating stages and the stages they apply to (set elsewhere: ConfigError).
+RL_KEYS = {
+    "reward_funcs": ("grpo",), "reward_weights": ("grpo",), "num_generations": ("grpo",),
+    "reward_model": ("ppo",), "ppo_vf_coef": ("ppo",), "ppo_gamma": ("ppo",), "ppo_lam": ("ppo",),
+    "kl_coef": RL_STAGES, "epsilon": RL_STAGES, "num_iterations": RL_STAGES,
+}
+PREFERENCE_STAGES = ("rm", "dpo", "kto")
+# Preference options and the stages they apply to (set to a non-default value elsewhere: ConfigError).
+PREFERENCE_KEYS = {
+    "pref_beta": ("dpo", "kto"), "pref_loss": ("dpo",), "pref_ftx": ("dpo",), "dpo_label_smoothing": ("dpo",),
+    "simpo_gamma": ("dpo",), "precompute_ref_log_probs": ("dpo", "kto"),
+    "kto_desirable_weight": ("kto",), "kto_undesirable_weight": ("kto",),
+}
 PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
 # What `tunelab data stats` writes into output_dir; a folder holding only this still counts as empty.
 DATA_STATS_DIR = "data_stats"
+# owner/name: what a Hugging Face Hub id looks like (a path that does not exist locally and looks like this)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 
 
@@ -26,34 +43,95 @@ def check_training_values(values: dict) -> None:
     """Checks on raw TrainingArguments values, run before transformers validates them its own way."""
     if values.get("fp16") and values.get("bf16"):
         raise ConfigError("fp16 and bf16 are both true: keep one (bf16 where the hardware supports it)")
+    _check_deepspeed_values(values)
+
+
+def _check_deepspeed_values(values: dict) -> None:
+    """transformers reads the DeepSpeed file and imports deepspeed while TrainingArguments is built: check first."""
+    deepspeed = values.get("deepspeed")
+    if not deepspeed:
+        return
+    if isinstance(deepspeed, str):
+        if not Path(deepspeed).is_file():
+            raise ConfigError(
+                f"deepspeed: {deepspeed} does not exist; point it at a DeepSpeed JSON config "
+                "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"
+            )
+        import json  # noqa: PLC0415
+
+        try:
+            json.loads(Path(deepspeed).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"deepspeed: {deepspeed} is not valid JSON ({exc})") from None
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("deepspeed is set but the deepspeed package is not installed: pip install deepspeed")
 
 
 def check_config(config: RunConfig, purpose: str = "train") -> None:
-    """purpose "data" (`tunelab data ...`) reads data only, so output_dir is not checked."""
+    """purpose "data", "estimate" and "eval" do not train into output_dir, so it is not checked; "export"
+    reads only the model and adapter (no template, dataset or output_dir)."""
+    skipped = {
+        "data": (_check_output_dir,),
+        "estimate": (_check_output_dir,),
+        "eval": (_check_output_dir,),
+        "export": (_check_template, _check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval,
+                   _check_output_dir),
+    }.get(purpose, ())
     for check in (
-        _check_stage,
         _check_finetuning,
         _check_quantization,
         _check_model_folder,
         _check_template,
         _check_data,
         _check_stage_data,
+        _check_preference,
+        _check_rl,
         _check_streaming,
         _check_dedup,
         _check_eval,
+        _check_nan_policy,
+        _check_skip_bad_rows,
+        _check_distributed,
         _check_output_dir,
     ):
-        if purpose == "data" and check is _check_output_dir:
+        if check in skipped:
             continue
         check(config)
+    if purpose == "eval" or (purpose == "train" and config.training.do_predict):
+        _check_predict(config, "tunelab eval" if purpose == "eval" else "do_predict")
+    if purpose == "export":
+        _check_export(config)
 
 
-def _check_stage(config: RunConfig) -> None:
-    stage = config.finetuning.stage
-    if stage not in AVAILABLE_STAGES:
+def _check_predict(config: RunConfig, what: str) -> None:
+    """Generation-based evaluation (infer/predict.py) needs conversations with answers to compare against."""
+    if config.finetuning.stage == "pt":
+        raise ConfigError(f"{what}: stage pt has no answers to generate and compare; use a conversation dataset and stage sft")
+    if not config.data.eval_dataset and config.data.val_size <= 0:
+        raise ConfigError(f"{what} needs an eval set: set eval_dataset (or val_size to use the training split's val part)")
+    if config.data.streaming and not config.data.eval_dataset:
+        raise ConfigError(f"{what} with streaming: true needs eval_dataset")
+    missing = [name for name, module in (("sacrebleu", "sacrebleu"), ("rouge-score", "rouge_score"))
+               if importlib.util.find_spec(module) is None]
+    if missing:  # checked now, not after hours of training
+        raise ConfigError(f"{what} scores BLEU and ROUGE-L with {' and '.join(missing)}: pip install {' '.join(missing)}")
+
+
+def _check_export(config: RunConfig) -> None:
+    export = config.export
+    if not export.export_dir:
+        raise ConfigError("export_dir is not set: add export_dir=saves/my-model-merged")
+    out = Path(export.export_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
+        raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
+    if config.model.quantization_bit is not None:
         raise ConfigError(
-            f"stage: '{stage}' is not available in this version (available: {', '.join(AVAILABLE_STAGES)})"
+            "quantization_bit: export merges the adapter into full-precision base weights; remove quantization_bit "
+            "(the adapter of a QLoRA run merges into the unquantized base)"
         )
+    size = export.export_size
+    if isinstance(size, (int, float)) and size <= 0:
+        raise ConfigError(f"export_size must be a positive number of GB or a size string like 500MB, got {size}")
 
 
 def _check_finetuning(config: RunConfig) -> None:
@@ -87,15 +165,42 @@ def _check_quantization(config: RunConfig) -> None:
 
 def _check_model_folder(config: RunConfig) -> None:
     path = Path(config.model.model_name_or_path)
+    if not path.exists() and HUB_ID.fullmatch(str(path)):
+        # tunelab never downloads (docs/distributed.md, "Safety"): a run reads only what is on disk.
+        raise ConfigError(
+            f"model_name_or_path: {path} is not a local folder, and tunelab does not download models; fetch it "
+            f"first (hf download {path} --local-dir models/{path.name}) and set model_name_or_path: models/{path.name}"
+        )
     if not path.is_dir():
         raise ConfigError(
             f"model_name_or_path: {path} is not a folder; point it at a local Hugging Face model folder"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(f"model_name_or_path: {path} has no config.json; is it a complete Hugging Face model folder?")
+    _check_remote_code(path / "config.json", config.model.trust_remote_code)
     adapter = config.model.adapter_name_or_path
     if adapter and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
+
+
+def _check_remote_code(config_json: Path, trust_remote_code: bool) -> None:
+    """A folder whose architecture exists only as Python files shipped beside its weights (config.json
+    auto_map, a model_type transformers does not know) runs that code when loaded: only when asked."""
+    import json  # noqa: PLC0415
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: PLC0415
+
+    try:
+        model_config = json.loads(config_json.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"model_name_or_path: {config_json} is not valid JSON ({exc}); the folder is damaged") from None
+    auto_map = model_config.get("auto_map") if isinstance(model_config, dict) else None
+    if auto_map and not trust_remote_code and model_config.get("model_type") not in CONFIG_MAPPING_NAMES:
+        code = sorted({str(v).split("--")[-1].split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
+        raise ConfigError(
+            f"model_name_or_path: {config_json.parent} needs its own modelling code ({', '.join(code)}), which tunelab "
+            "runs only with trust_remote_code: true; read that code first, then set trust_remote_code: true"
+        )
 
 
 def _check_template(config: RunConfig) -> None:
@@ -195,6 +300,127 @@ def _check_stage_data(config: RunConfig) -> None:
         )
 
 
+def _check_preference(config: RunConfig) -> None:
+    """Stages rm / dpo / kto: ranking data (kto: or a kto_tag column), padded pairs, their own options."""
+    from tunelab.data.registry import load_registry  # noqa: PLC0415
+
+    ft, data, stage = config.finetuning, config.data, config.finetuning.stage
+    defaults = {f.name: f.default for f in dataclasses.fields(FinetuningArguments) if f.name in PREFERENCE_KEYS}
+    for key, stages in PREFERENCE_KEYS.items():
+        if stage not in stages and getattr(ft, key) != defaults[key]:
+            raise ConfigError(f"{key} only applies to stage {' / '.join(stages)} (got stage: {stage}): remove it")
+    if stage not in PREFERENCE_STAGES:
+        return
+    registry = load_registry(data.dataset_dir)
+    for key in ("dataset", "eval_dataset"):
+        for name in getattr(data, key) or []:
+            spec = registry[name]
+            if not spec.ranking and not (stage == "kto" and "kto_tag" in spec.columns):
+                fix = "or map a kto_tag column (columns.kto_tag) " if stage == "kto" else ""
+                raise ConfigError(
+                    f"{key}: '{name}' is not a ranking dataset, but stage {stage} trains on preference pairs; "
+                    f"set ranking: true with chosen/rejected columns in dataset_info.json {fix}(e.g. demo_preference)"
+                )
+    if data.packing:
+        raise ConfigError(f"packing: true is not supported with stage {stage} (pairs are padded, not packed); set packing: false")
+    if data.streaming:
+        raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
+    if data.train_on_prompt:
+        raise ConfigError(f"train_on_prompt does not apply to stage {stage} (only the final answer is scored): remove it")
+    if stage == "rm" and config.generation.eval_generation:
+        raise ConfigError("eval_generation: a reward model does not generate; remove it (eval reports reward accuracy)")
+    if ft.pref_beta <= 0:
+        raise ConfigError(f"pref_beta must be > 0, got {ft.pref_beta}")
+    if stage == "kto" and min(ft.kto_desirable_weight, ft.kto_undesirable_weight) < 0:
+        raise ConfigError("kto_desirable_weight and kto_undesirable_weight must be >= 0")
+    if stage != "dpo":
+        return
+    if ft.precompute_ref_log_probs and ft.pref_loss in ("orpo", "simpo"):
+        raise ConfigError(
+            f"precompute_ref_log_probs: pref_loss {ft.pref_loss} uses no reference model; remove precompute_ref_log_probs"
+        )
+    if ft.dpo_label_smoothing != defaults["dpo_label_smoothing"] and ft.pref_loss != "sigmoid":
+        raise ConfigError(f"dpo_label_smoothing only applies to pref_loss: sigmoid (got {ft.pref_loss}): remove it")
+    if not 0.0 <= ft.dpo_label_smoothing < 0.5:
+        raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {ft.dpo_label_smoothing}")
+    if ft.simpo_gamma != defaults["simpo_gamma"] and ft.pref_loss != "simpo":
+        raise ConfigError(f"simpo_gamma only applies to pref_loss: simpo (got {ft.pref_loss}): remove it")
+    if ft.pref_ftx < 0:
+        raise ConfigError(f"pref_ftx must be >= 0, got {ft.pref_ftx}")
+    if ft.pref_ftx and ft.pref_loss == "orpo":
+        raise ConfigError("pref_ftx: pref_loss orpo already has an SFT term (weighted against pref_beta); remove pref_ftx")
+
+
+def _check_rl(config: RunConfig) -> None:
+    """Stages grpo / ppo: reward functions or a reward model, and the loop's own options."""
+    ft, stage = config.finetuning, config.finetuning.stage
+    defaults = {f.name: f.default for f in dataclasses.fields(FinetuningArguments) if f.name in RL_KEYS}
+    for key, stages in RL_KEYS.items():
+        if stage not in stages and getattr(ft, key) != defaults[key]:
+            raise ConfigError(f"{key} only applies to stage {' / '.join(stages)} (got stage: {stage}): remove it")
+    if config.generation.temperature <= 0:
+        raise ConfigError(f"temperature must be > 0 (rollouts are sampled), got {config.generation.temperature}")
+    if stage not in RL_STAGES:
+        return
+    if stage == "grpo":
+        _check_reward_funcs(config)
+        if ft.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be at least 2 (advantages compare completions of the same prompt), got {ft.num_generations}"
+            )
+    if stage == "ppo":
+        _check_reward_model(ft.reward_model)
+        if not 0.0 <= ft.ppo_gamma <= 1.0 or not 0.0 <= ft.ppo_lam <= 1.0:
+            raise ConfigError(f"ppo_gamma and ppo_lam must be in [0, 1], got {ft.ppo_gamma} and {ft.ppo_lam}")
+        if ft.ppo_vf_coef < 0:
+            raise ConfigError(f"ppo_vf_coef must be >= 0, got {ft.ppo_vf_coef}")
+    if ft.kl_coef < 0:
+        raise ConfigError(f"kl_coef must be >= 0, got {ft.kl_coef}")
+    if ft.epsilon <= 0:
+        raise ConfigError(f"epsilon must be > 0 (the ratio is clipped to 1 ± epsilon), got {ft.epsilon}")
+    if ft.num_iterations < 1:
+        raise ConfigError(f"num_iterations must be at least 1, got {ft.num_iterations}")
+    data, args = config.data, config.training
+    if data.packing:
+        raise ConfigError(f"packing: true does not apply to stage {stage} (it trains on its own generations); set packing: false")
+    if data.streaming:
+        raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
+    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":
+        raise ConfigError(
+            f"eval_strategy: stage {stage} has no eval loss; remove eval_strategy and use eval_generation "
+            "(held-out exact match before and after)"
+        )
+    if args.resume_from_checkpoint:
+        raise ConfigError(f"resume_from_checkpoint is not supported by stage {stage} yet; remove it")
+
+
+def _check_reward_funcs(config: RunConfig) -> None:
+    from tunelab.train.rl.rewards import load_reward_functions  # noqa: PLC0415
+
+    ft = config.finetuning
+    if not ft.reward_funcs:
+        raise ConfigError(
+            "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format "
+            "(built-ins) or path/to/file.py:function"
+        )
+    base_dir = Path(config.source).parent if config.source else None
+    load_reward_functions(ft.reward_funcs, ft.reward_weights, base_dir)  # imports them: missing names fail here
+
+
+def _check_reward_model(path: str | None) -> None:
+    if not path:
+        raise ConfigError(
+            "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its output_dir"
+        )
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"reward_model: {folder} is not a folder; set it to the output_dir of a stage rm run")
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"reward_model: {folder} has neither config.json nor adapter_config.json; set it to the output_dir of a stage rm run"
+        )
+
+
 def _check_streaming(config: RunConfig) -> None:
     """streaming: true reads the train set as it trains (data/streaming.py): no length, no split, no global pass."""
     data = config.data
@@ -259,12 +485,68 @@ def _check_eval(config: RunConfig) -> None:
 
 
 def _check_output_dir(config: RunConfig) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 checked it and may already be writing there; other ranks would see it non-empty
     out = Path(config.training.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {out} exists and is not a folder")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == out.absolute() else f" (it would be created in {existing})"
+        raise ConfigError(f"output_dir: {out} is not writable{what}; choose a folder you can write to")
     if out.is_dir() and any(p.name != DATA_STATS_DIR for p in out.iterdir()):
         if not (config.training.overwrite_output_dir or config.training.resume_from_checkpoint):
             raise ConfigError(
                 f"output_dir: {out} is not empty; set overwrite_output_dir: true, resume_from_checkpoint, "
                 "or choose another folder"
             )
+    _check_resume(config)
+
+
+def _check_resume(config: RunConfig) -> None:
+    """resume_from_checkpoint names a complete checkpoint (true: output_dir has one), before any model loads."""
+    from tunelab.train.checkpoints import resolve_resume  # noqa: PLC0415
+
+    resolve_resume(config.training.resume_from_checkpoint, config.training.output_dir)
+
+
+def _check_nan_policy(config: RunConfig) -> None:
+    args = config.training
+    if args.nan_max_consecutive < 1:
+        raise ConfigError(f"nan_max_consecutive must be at least 1, got {args.nan_max_consecutive}")
+    if args.nan_policy != "skip" and args.nan_max_consecutive != 5:
+        raise ConfigError(
+            f"nan_max_consecutive only applies to nan_policy: skip (got nan_policy: {args.nan_policy}): "
+            "remove it or set nan_policy: skip"
+        )
+
+
+def _check_skip_bad_rows(config: RunConfig) -> None:
+    data = config.data
+    if data.skip_bad_rows and (data.streaming or config.finetuning.stage == "pt"):
+        raise ConfigError(
+            "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"
+        )
+
+
+def _check_distributed(config: RunConfig) -> None:
+    """DeepSpeed and FSDP come from transformers/accelerate; what we can tell before they start."""
+    args = config.training
+    if args.deepspeed and args.fsdp:
+        raise ConfigError("deepspeed and fsdp are two engines for the same job: keep one")
+    if args.fsdp and args.use_cpu:
+        # accelerate 1.15 turns FSDP on only for GPU-like devices; on CPU the run would silently be plain DDP.
+        raise ConfigError(
+            "fsdp needs GPUs: on CPU accelerate would silently train with plain DDP instead; remove fsdp "
+            "(nproc_per_node alone trains data-parallel on CPU)"
+        )
+    if args.fsdp and config.model.quantization_bit is not None:
+        raise ConfigError(
+            f"fsdp cannot shard the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
+            "remove fsdp (QLoRA trains one copy per process with DDP) or quantization_bit"
+        )
+    if args.deepspeed and config.model.quantization_bit is not None:
+        raise ConfigError(
+            f"deepspeed cannot train the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
+            "remove deepspeed or quantization_bit"
+        )

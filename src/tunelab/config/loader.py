@@ -170,12 +170,14 @@ def _has_accelerator() -> bool:
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
-    purpose: Literal["train", "data"] = "train",
+    purpose: Literal["train", "data", "eval", "export", "estimate"] = "train",
 ) -> RunConfig:
     """Read, merge, type and check a configuration. Fails before any model or data is touched.
 
-    purpose "data" (`tunelab data ...`) reads the config without training from it: output_dir may be
-    unset or hold a finished run.
+    purpose "data" (`tunelab data ...`) and "estimate" read the config without training from it:
+    output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
+    which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
+    the model (and adapter) and export_dir.
     """
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
     if isinstance(overrides, list):
@@ -199,7 +201,10 @@ def load_config(
         # transformers refuses bf16 on a CPU-only machine unless use_cpu is said explicitly.
         values[TrainingArguments]["use_cpu"] = True
     for key, value in raw.items():
-        group, _ = owners[key]
+        group, f = owners[key]
+        if f.metadata.get("const") is True and str(value).lower() in ("true", "1", "yes", "on"):
+            values[group][key] = True  # a text option that is also a switch (fsdp: true)
+            continue
         values[group][key] = _coerce(key, value, hints[group][key])
     training_values = values[TrainingArguments]
     if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
@@ -210,6 +215,8 @@ def load_config(
 
     if purpose == "train" and not values[TrainingArguments].get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
+    if purpose == "eval" and not values[TrainingArguments].get("output_dir"):
+        raise ConfigError("output_dir is not set: tunelab eval writes predictions.jsonl there; add output_dir=...")
 
     from tunelab.config import checks  # noqa: PLC0415 - checks import args, keep the module graph one-way
 
@@ -230,10 +237,26 @@ def load_config(
 def resolved_dict(config: RunConfig) -> dict[str, Any]:
     """A YAML-ready dict of every option the run used (written to output_dir/tunelab_config.yaml)."""
     out: dict[str, Any] = {}
-    for group in (config.model, config.data, config.finetuning, config.generation):
+    for group in (config.model, config.data, config.finetuning, config.generation, config.export):
         out.update(dataclasses.asdict(group))
     training = config.training.to_dict()
-    default_training = TrainingArguments(output_dir=config.training.output_dir, **TRAINING_DEFAULTS).to_dict()
+    default_training = _default_training_dict(config.training.output_dir)
     out.update({k: v for k, v in training.items() if v != default_training.get(k) or k in TRAINING_DEFAULTS})
     out["output_dir"] = config.training.output_dir
     return out
+
+
+def _default_training_dict(output_dir: str) -> dict[str, Any]:
+    """TrainingArguments' defaults (ours applied) as to_dict() writes them.
+
+    Building TrainingArguments sets up the process's accelerate state; a second, default instance
+    would reset it and silently turn a distributed run into independent single-process runs. The
+    existing state is reused instead (transformers' `use_configured_state`).
+    """
+    try:
+        default = TrainingArguments(
+            output_dir=output_dir, accelerator_config={"use_configured_state": True}, **TRAINING_DEFAULTS
+        )
+    except ValueError:  # no state configured yet in this process: nothing to disturb
+        default = TrainingArguments(output_dir=output_dir, **TRAINING_DEFAULTS)
+    return default.to_dict()

@@ -121,6 +121,7 @@ def _save(entry: Path, value: CachedDatasets, inputs: dict[str, Any]) -> None:
             tmp.rename(entry)
         except OSError:  # another process finished the same entry first; theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
+            logger.warning("tokenized cache: another process finished %s first; using its copy", entry)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

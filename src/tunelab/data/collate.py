@@ -52,6 +52,35 @@ class SupervisedCollator:
         }
 
 
+@dataclass
+class PairedCollator:
+    """Rows that hold two encoded sequences each (data/pairwise.py) → one padded batch of 2B rows:
+    every row's first sequence, then every row's second, padded together as supervised batches are.
+
+        pairs (dpo, rm): first "chosen_", second "rejected_"     rows 0..B-1 chosen, B..2B-1 rejected
+        kto:             first "",        second "kl_"           rows 0..B-1 examples, B..2B-1 KL examples
+
+    Every other column (kto_tag, precomputed reference log-probs) becomes a (B,) tensor.
+    """
+
+    pad_token_id: int
+    first: str = "chosen_"
+    second: str = "rejected_"
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        sequences = [
+            {"input_ids": row[f"{prefix}input_ids"], "labels": row[f"{prefix}labels"]}
+            for prefix in (self.first, self.second) for row in rows
+        ]
+        batch = SupervisedCollator(self.pad_token_id, self.pad_to_multiple_of)(sequences)
+        sequence_keys = {f"{p}{k}" for p in (self.first, self.second) for k in ("input_ids", "labels")}
+        for key in rows[0]:
+            if key not in sequence_keys:
+                batch[key] = torch.tensor([row[key] for row in rows])
+        return batch
+
+
 def _padded_width(rows: list[dict], multiple: int | None) -> int:
     """The longest row, rounded up to a multiple of `multiple` when asked."""
     longest = max(len(r["input_ids"]) for r in rows)

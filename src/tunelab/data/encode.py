@@ -92,16 +92,19 @@ class SupervisedEncoder:
                 labels[i] = ids[i]
         return labels
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        """Batched datasets.map function: rows in, encoded examples out (dropped examples removed)."""
-        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    def encode_rows(self, rows: list[dict]) -> list[list[dict[str, Any]]]:
+        """Each row's kept examples: dicts of input_ids, labels, truncated, num_supervised, expanded.
+
+        One tokenizer call for all rows. A row whose every example lost its supervised tokens to
+        truncation gets an empty list (pairwise data drops the whole pair then; see data/pairwise.py).
+        """
         per_row = [self.examples(row) for row in rows]
         texts = [text for examples in per_row for text, _ in examples]
         encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-        out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "num_supervised": [], "expanded": []}
+        out: list[list[dict[str, Any]]] = []
         position = 0
         for examples in per_row:
-            kept_any = False
+            kept = []
             for _, spans in examples:
                 ids, offsets = encoded["input_ids"][position], encoded["offset_mapping"][position]
                 position += 1
@@ -111,12 +114,21 @@ class SupervisedEncoder:
                 num_supervised = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
                 if num_supervised == 0:
                     continue  # nothing left to learn from (the first label never reaches the loss)
-                out["input_ids"].append(ids)
-                out["labels"].append(labels)
-                out["truncated"].append(truncated)
-                out["num_supervised"].append(num_supervised)
-                out["expanded"].append(0 if kept_any else len(examples) - 1)
-                kept_any = True
+                kept.append({
+                    "input_ids": ids, "labels": labels, "truncated": truncated, "num_supervised": num_supervised,
+                    "expanded": 0 if kept else len(examples) - 1,
+                })
+            out.append(kept)
+        return out
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        """Batched datasets.map function: rows in, encoded examples out (dropped examples removed)."""
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "num_supervised": [], "expanded": []}
+        for kept in self.encode_rows(rows):
+            for example in kept:
+                for key, value in example.items():
+                    out[key].append(value)
         return out
 
 

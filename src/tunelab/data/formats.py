@@ -10,6 +10,7 @@ Canonical row (what templates and encoders read):
     system:   str ("" when none)
     tools:    str ("" when none; a JSON list of tool schemas)
     chosen / rejected: str ("" unless the dataset is a ranking set)
+    kto_tag:  bool, only for datasets that map a kto_tag column (stage kto: is the last answer desirable?)
 
 sharegpt function_call turns become assistant turns with tool_calls and empty content, observation turns
 become tool turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages``
@@ -27,7 +28,7 @@ from typing import Any
 
 import datasets
 
-from tunelab.data.registry import DatasetSpec
+from tunelab.data.registry import MEDIA_COLUMNS, DatasetSpec
 from tunelab.errors import DataError
 
 CANONICAL_COLUMNS = ("messages", "system", "tools", "chosen", "rejected")
@@ -132,6 +133,8 @@ class _Converter:
         required += ["prompt"] if spec.formatting == "alpaca" else ["messages"]
         if spec.formatting == "alpaca" and not spec.ranking:
             required.append("response")
+        if "kto_tag" in spec.columns:
+            required.append("kto_tag")
         for key in required:
             column = self.columns.get(key)
             if column not in column_names:
@@ -155,6 +158,8 @@ class _Converter:
             messages, system = self._sharegpt_messages(row, where)
         out = {"messages": messages, "system": system, "tools": _text(self._get(row, "tools")),
                "chosen": "", "rejected": ""}
+        if "kto_tag" in self.present:
+            out["kto_tag"] = bool(self._get(row, "kto_tag"))
         if self.spec.ranking:
             out["chosen"], out["rejected"] = self._pair(row, where)
             if messages and messages[-1]["role"] == "assistant":
@@ -242,12 +247,28 @@ def _has_empty_answer(row: dict) -> bool:
     )
 
 
+def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec) -> None:
+    """Rows that carry images / videos / audio (multimodal data) would train on their text alone: refuse."""
+    for column in MEDIA_COLUMNS:
+        if column in dataset.column_names:
+            used = sum(1 for value in dataset[column] if value)
+            if used:
+                raise DataError(
+                    f"dataset '{spec.name}': {used} rows have {column}, but tunelab trains text-only models and "
+                    f"would ignore them: remove the '{column}' field from the rows (or use a multimodal trainer)"
+                )
+
+
 def to_canonical(dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | None = None) -> tuple[datasets.Dataset, int]:
     """Convert rows to the canonical columns; returns (dataset, rows dropped for an empty answer)."""
+    _refuse_media(dataset, spec)
     converter = _Converter(spec, list(dataset.column_names))
+    features = CANONICAL_FEATURES
+    if "kto_tag" in converter.present:
+        features = datasets.Features({**CANONICAL_FEATURES, "kto_tag": datasets.Value("bool")})
     converted = dataset.map(
         converter, with_indices=True, remove_columns=list(dataset.column_names), num_proc=num_proc,
-        features=CANONICAL_FEATURES, desc=f"Converting {spec.name}",
+        features=features, desc=f"Converting {spec.name}",
     )
     kept = converted.filter(lambda row: not _has_empty_answer(row), num_proc=num_proc)
     return kept, len(converted) - len(kept)

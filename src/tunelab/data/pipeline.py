@@ -40,11 +40,17 @@ def _load_canonical(names: list[str], data_args: DataArguments, report: dict) ->
     loaded = []
     for name in names:
         spec = registry[name]
-        rows = load_rows(spec)
+        skipped: list[str] | None = [] if data_args.skip_bad_rows else None
+        rows = load_rows(spec, skipped=skipped)
+        if skipped:
+            logger.warning("dataset %s: skipped %d bad lines (skip_bad_rows), first: %s", name, len(skipped), skipped[0])
         if data_args.max_samples is not None and len(rows) > data_args.max_samples:
             rows = rows.select(range(data_args.max_samples))
         canonical, dropped = to_canonical(rows, spec, num_proc=data_args.preprocessing_num_workers)
-        report.setdefault("sources", []).append({**describe(spec), "rows": len(rows), "dropped_empty_answer": dropped})
+        source = {**describe(spec), "rows": len(rows), "dropped_empty_answer": dropped}
+        if skipped is not None:
+            source["skipped_bad_rows"] = len(skipped)
+        report.setdefault("sources", []).append(source)
         if dropped:
             logger.warning("dataset %s: dropped %d of %d rows with an empty answer", name, dropped, len(rows))
         if len(canonical) == 0:
@@ -89,11 +95,14 @@ def encode_dataset(
         examples=len(encoded),
         truncated=int(sum(encoded["truncated"])),
         dropped_no_supervised=len(canonical) + int(sum(added)) - len(encoded),
-        tokens=int(sum(len(ids) for ids in encoded["input_ids"])),
+        # pairwise encoders (data/pairwise.py) count their tokens in a num_tokens column
+        tokens=int(sum(encoded["num_tokens"])) if "num_tokens" in encoded.column_names
+        else int(sum(len(ids) for ids in encoded["input_ids"])),
         supervised_tokens=int(sum(encoded["num_supervised"])),
         expanded_conversations=sum(1 for n in added if n),
     )
-    encoded = encoded.remove_columns(["truncated", "num_supervised", "expanded"])
+    counters = ("truncated", "num_supervised", "expanded", "num_tokens")
+    encoded = encoded.remove_columns([c for c in counters if c in encoded.column_names])
     if stats.dropped_no_supervised:
         logger.warning(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
@@ -102,12 +111,15 @@ def encode_dataset(
     return encoded, stats
 
 
-def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int) -> DatasetBundle:
+def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None) -> DatasetBundle:
+    """`encoder` maps canonical rows to examples; default the SupervisedEncoder of data_args. The
+    preference stages pass theirs (data/pairwise.py), which wrap that same SupervisedEncoder."""
     report: dict[str, Any] = {}
-    encoder = SupervisedEncoder(
-        tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
-        train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
-    )
+    if encoder is None:
+        encoder = SupervisedEncoder(
+            tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
+            train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+        )
     num_proc = data_args.preprocessing_num_workers
 
     sources = _load_canonical(data_args.dataset or [], data_args, report)
@@ -142,3 +154,17 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
             report["packing"][f"eval:{name}"] = packing.as_dict()
             log_packing(f"eval:{name}", packing)
     return DatasetBundle(train=train, eval=evals, eval_rows=eval_rows, report=report)
+
+
+def load_canonical_splits(
+    data_args: DataArguments, seed: int, report: dict[str, Any]
+) -> tuple[datasets.Dataset, dict[str, datasets.Dataset]]:
+    """Canonical (train rows, eval rows by name): registry → formats → mixing → val split, as
+    `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo)."""
+    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report), data_args, seed)
+    eval_rows: dict[str, datasets.Dataset] = {}
+    if data_args.val_size > 0:
+        train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
+    for name in data_args.eval_dataset or []:
+        (eval_rows[name],) = _load_canonical([name], data_args, report)
+    return train_rows, eval_rows

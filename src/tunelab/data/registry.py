@@ -28,6 +28,9 @@ BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
 SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_samples", "seed", "columns", "tags"}
 FORMATTINGS = ("alpaca", "sharegpt", "openai", "text")
+# Columns of multimodal datasets (LlamaFactory's names). tunelab trains text-only models: mapping one
+# is refused instead of silently training on the text without its images.
+MEDIA_COLUMNS = ("images", "videos", "audios")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ def _read_registry(path: Path) -> dict[str, DatasetSpec]:
             raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name or generator")
         if entry.get("formatting", "alpaca") not in FORMATTINGS:
             raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
+        media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
+        if media:
+            raise ConfigError(
+                f"{path}: dataset '{name}' maps columns.{media[0]}, but tunelab trains text-only models and "
+                f"would ignore the {media[0]}: remove columns.{media[0]} (and the {media[0]} from the rows)"
+            )
         specs[name] = DatasetSpec(name=name, root=str(path.parent), **entry)
     return specs
 
@@ -123,6 +132,29 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
     return None
 
 
+def _read_json_lines_skipping(path: Path, skipped: list[str]) -> list[dict]:
+    """The rows of a JSON-lines file, leaving out (and listing as "file:line: why") lines that are not
+    UTF-8, not JSON or not a JSON object."""
+    rows = []
+    with open(path, "rb") as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                skipped.append(f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            except json.JSONDecodeError as exc:
+                skipped.append(f"{path}:{lineno}: {exc.msg}")
+                continue
+            if not isinstance(row, dict):
+                skipped.append(f"{path}:{lineno}: not a JSON object")
+                continue
+            rows.append(row)
+    return rows
+
+
 def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
     """Fail naming the line of the first byte that is not UTF-8.
 
@@ -152,10 +184,14 @@ def _generator_module(spec: DatasetSpec):
     raise ConfigError(f"dataset '{spec.name}': unknown generator '{spec.generator}' (available: {', '.join(known)})")
 
 
-def load_rows(spec: DatasetSpec, cache_dir: str | None = None, txt_sample_by: str = "line") -> datasets.Dataset:
+def load_rows(
+    spec: DatasetSpec, cache_dir: str | None = None, txt_sample_by: str = "line", skipped: list[str] | None = None
+) -> datasets.Dataset:
     """Raw rows of one dataset, before format conversion.
 
-    `txt_sample_by` (line | paragraph | document) decides what one row of a .txt file is.
+    `txt_sample_by` (line | paragraph | document) decides what one row of a .txt file is. With a
+    `skipped` list (skip_bad_rows: true), lines of JSON-lines files that do not parse are left out and
+    listed there as "file:line: why" instead of failing the run.
     """
     if spec.generator:
         module = _generator_module(spec)
@@ -164,6 +200,8 @@ def load_rows(spec: DatasetSpec, cache_dir: str | None = None, txt_sample_by: st
 
     files = resolve_files(spec)
     kind = FILE_TYPES[files[0].suffix]
+    if skipped is not None and kind == "json" and any(_first_bad_json_line(p) for p in files):
+        return _rows_skipping_bad_lines(spec, files, skipped)
     if kind in ("json", "csv", "text"):
         for path in files:
             check_utf8(path)
@@ -185,6 +223,25 @@ def load_rows(spec: DatasetSpec, cache_dir: str | None = None, txt_sample_by: st
     if spec.num_samples is not None and spec.num_samples != len(dataset):
         indices = [i % len(dataset) for i in range(spec.num_samples)]
         dataset = dataset.select(indices)
+    return dataset
+
+
+def _rows_skipping_bad_lines(spec: DatasetSpec, files: list[Path], skipped: list[str]) -> datasets.Dataset:
+    rows = []
+    for path in files:
+        with open(path, "rb") as handle:
+            if path.suffix == ".json" and handle.read(1024).lstrip().startswith(b"["):
+                bad = _first_bad_json_line(path)
+                raise DataError(
+                    f"{path}:{bad[0]}: {bad[1]}; skip_bad_rows skips lines of JSON-lines files only, and this file "
+                    "is one JSON array: fix that line, or write one JSON object per line (.jsonl)"
+                )
+        rows += _read_json_lines_skipping(path, skipped)
+    if not rows:
+        raise DataError(f"dataset '{spec.name}': no readable rows (all {len(skipped)} lines were bad; first: {skipped[0]})")
+    dataset = datasets.Dataset.from_list(rows)
+    if spec.num_samples is not None and spec.num_samples != len(dataset):
+        dataset = dataset.select([i % len(dataset) for i in range(spec.num_samples)])
     return dataset
 
 

@@ -49,6 +49,8 @@ def setup_finetuning(
         return model
     if kind == "freeze":
         trainable = set(freeze_trainable_parameters(model, finetuning_args))
+        if is_reward_model(model):  # the new reward head always trains
+            trainable |= {name for name, _ in model.named_parameters() if name.startswith(("score.", "classifier."))}
         for name, param in model.named_parameters():
             param.requires_grad_(name in trainable)
     elif kind == "lora":
@@ -58,6 +60,11 @@ def setup_finetuning(
     if training_args.bf16 or training_args.fp16:
         _upcast_trainable(model)
     return model
+
+
+def is_reward_model(model: nn.Module) -> bool:
+    """A sequence-classification model (stage rm's reward model: backbone + scalar head)."""
+    return type(model).__name__.endswith("ForSequenceClassification")
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -145,8 +152,11 @@ def _segment_names(param_names: Iterable[str]) -> list[str]:
 
 
 def lora_target_modules(model: nn.Module, lora_target: list[str]) -> list[str]:
-    """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's."""
+    """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's
+    (a reward model's `score` head trains in full instead, see build_lora_config)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if is_reward_model(model):
+        head = getattr(model, "score", None) or getattr(model, "classifier", None)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_LAYER_TYPES)]
     if "all" in lora_target:
         if len(lora_target) > 1:
@@ -170,8 +180,9 @@ def build_lora_config(model: nn.Module, finetuning_args: FinetuningArguments) ->
             raise ConfigError(
                 f"additional_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(tops)}"
             )
+    # SEQ_CLS: peft trains and saves the reward head (`score`) in full with the adapter (modules_to_save).
     return LoraConfig(
-        task_type=TaskType.CAUSAL_LM,
+        task_type=TaskType.SEQ_CLS if is_reward_model(model) else TaskType.CAUSAL_LM,
         r=ft.lora_rank,
         lora_alpha=ft.lora_alpha if ft.lora_alpha is not None else 2 * ft.lora_rank,
         lora_dropout=ft.lora_dropout,

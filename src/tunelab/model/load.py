@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 
 import torch
+import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import is_flash_attn_2_available
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
@@ -63,8 +64,16 @@ def load_model(
     training_args: TrainingArguments,
     tokenizer: PreTrainedTokenizerBase,
     is_trainable: bool = True,
+    reward_head: bool = False,
 ) -> nn.Module:
-    """The causal LM of model_name_or_path, set up to train as finetuning_args say (or frozen for inference)."""
+    """The causal LM of model_name_or_path, set up to train as finetuning_args say (or frozen for inference).
+
+    reward_head: load it as AutoModelForSequenceClassification with one label (stage rm): the backbone
+    plus a scalar head `score` (new, randomly initialised, unless the folder already is a reward model).
+    """
+    # New weights (LoRA, reward head) start from the run's seed, whatever consumed random numbers before
+    # (building the tokenized cache does; reading it back does not).
+    transformers.set_seed(training_args.seed)
     path = model_args.model_name_or_path
     dtype = resolve_dtype(model_args, training_args)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
@@ -78,19 +87,25 @@ def load_model(
         kwargs["quantization_config"] = quantization_config
 
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+        if reward_head:
+            kwargs.update(num_labels=1, pad_token_id=tokenizer.pad_token_id)  # the reward is read at the last non-pad token
+        auto_class = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+        model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
-    if info.get("missing_keys"):
+    missing_keys = info.get("missing_keys") or []
+    if reward_head:  # a causal LM has no reward head yet: it starts from transformers' initialisation
+        missing_keys = [k for k in missing_keys if not k.startswith(f"{reward_head_name(model)}.")]
+    if missing_keys:
         # transformers would fill these with random values and only print a report.
-        missing = sorted(info["missing_keys"])
+        missing = sorted(missing_keys)
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelError(
             f"model_name_or_path: the weights in {path} lack {', '.join(missing[:3])}{more}; "
             "the checkpoint is incomplete"
         )
     _check_vocabulary(model, tokenizer, path)
-    if tokenizer.pad_token_id is not None:
+    if tokenizer.pad_token_id is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     if not is_trainable:
@@ -102,6 +117,11 @@ def load_model(
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
     quantization.keep_4bit_trainable_on_cpu(model)
     return setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path)
+
+
+def reward_head_name(model: nn.Module) -> str:
+    """The attribute holding a sequence-classification head: `score` for decoder LMs (Llama, Qwen, Mistral...)."""
+    return "score" if hasattr(model, "score") else "classifier"
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 
 trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate,
 grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA.
-Only the main process writes.
+Only the main process writes. A resumed run keeps the lines up to its checkpoint's step and goes on
+from there, so the file reads as one run.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ class JsonlLogCallback(transformers.TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if not args.resume_from_checkpoint and self.path.exists():
-                self.path.unlink()
+            if state.global_step == 0:  # a fresh run
+                self.path.unlink(missing_ok=True)
+            elif self.path.exists():  # resumed: drop what the stopped run logged after its checkpoint
+                kept = [r for r in read_log(self.path.parent) if r.get("step", 0) <= state.global_step]
+                self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self.start = self.last_time = time.time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):

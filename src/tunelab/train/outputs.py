@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -25,7 +26,11 @@ from tunelab.train.callbacks import plot_loss
 
 
 def write_json(output_dir: str, name: str, data: Any) -> Path:
+    """Write output_dir/name as JSON. In a distributed run only global rank 0 writes: the other ranks hold
+    the same data and would race on the same file."""
     path = Path(output_dir) / name
+    if int(os.environ.get("RANK", "0")) != 0:
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
     return path
@@ -57,24 +62,47 @@ def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
 
     `template` is None for stages without one (pt): the tokenizer is saved unchanged and eos stops.
     """
+    out = config.training.output_dir
+    try:
+        trainer.save_model(out)
+    except Exception as exc:  # safetensors reports a full disk as SafetensorError("... (os error 28)")
+        error = _as_os_error(exc, out)
+        if error is exc:
+            raise
+        raise error from exc
+    if trainer.is_world_process_zero():
+        save_tokenizer_and_generation_config(trainer.accelerator.unwrap_model(trainer.model), tokenizer, template, out)
+
+
+def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -> None:
+    """The files beside the weights: tokenizer with the chat template, generation config with stop ids.
+    (Stages that run their own loop — grpo, ppo — save the weights themselves, then call this.)"""
     from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
 
-    out = config.training.output_dir
-    trainer.save_model(out)
-    if trainer.is_world_process_zero():
+    if template is not None:
+        tokenizer.chat_template = template.jinja
+    tokenizer.save_pretrained(out)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
         if template is not None:
-            tokenizer.chat_template = template.jinja
-        tokenizer.save_pretrained(out)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None:
-            if template is not None:
-                generation_config.eos_token_id = stop_token_ids(tokenizer, template)
-            elif tokenizer.eos_token_id is not None:
-                generation_config.eos_token_id = tokenizer.eos_token_id
-            if generation_config.pad_token_id is None:
-                generation_config.pad_token_id = tokenizer.pad_token_id
-            generation_config.save_pretrained(out)
+            generation_config.eos_token_id = stop_token_ids(tokenizer, template)
+        elif tokenizer.eos_token_id is not None:
+            generation_config.eos_token_id = tokenizer.eos_token_id
+        if generation_config.pad_token_id is None:
+            generation_config.pad_token_id = tokenizer.pad_token_id
+        generation_config.save_pretrained(out)
+
+
+def _as_os_error(exc: Exception, where: str) -> Exception:
+    """An I/O failure that surfaced as another type (safetensors' Rust errors) as the OSError it is."""
+    import errno  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    match = re.search(r"os error (\d+)\)", str(exc))
+    if isinstance(exc, OSError) or not match or int(match.group(1)) not in errno.errorcode:
+        return exc
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), where)
 
 
 def finish(trainer, metrics: dict, config: RunConfig) -> None:

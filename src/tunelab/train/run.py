@@ -45,6 +45,11 @@ def explain_os_error(exc: OSError) -> str | None:
         )
     if exc.errno == errno.ENOSPC:
         return f"no space left on device while writing {exc.filename or 'outputs'}: free space or change output_dir / TUNELAB_CACHE"
+    if exc.errno == errno.EFBIG:
+        return (
+            f"file too large while writing {exc.filename or 'outputs'}: a file-size limit (ulimit -f) or the file "
+            "system's maximum; raise the limit or change output_dir"
+        )
     return None
 
 
@@ -61,4 +66,16 @@ def run(config: RunConfig) -> dict:
         from tunelab.train.stages.pt import run_pt  # noqa: PLC0415
 
         return run_pt(config)
+    if stage in ("rm", "dpo", "kto"):
+        from tunelab.train.stages import dpo, kto, rm  # noqa: PLC0415
+
+        return {"rm": rm.run_rm, "dpo": dpo.run_dpo, "kto": kto.run_kto}[stage](config)
+    if stage == "grpo":
+        from tunelab.train.stages.grpo import run_grpo  # noqa: PLC0415
+
+        return run_grpo(config)
+    if stage == "ppo":
+        from tunelab.train.stages.ppo import run_ppo  # noqa: PLC0415
+
+        return run_ppo(config)
     raise AssertionError(f"stage {stage} passed the config checks but has no workflow")

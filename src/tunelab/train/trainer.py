@@ -4,17 +4,31 @@ transformers.Trainer already runs the loop, gradient accumulation, mixed precisi
 engines and checkpointing, and already leaves biases and norm weights out of weight decay. We add:
 - the loss: a `compute_loss_func` (train/losses.py) normalised by the supervised tokens of the whole
   optimizer step, which the Trainer counts across micro-batches and processes;
-- token accounting (all tokens and supervised tokens seen), logged with every training log line.
+- token accounting (all tokens and supervised tokens seen), logged with every training log line;
+- evaluation metrics per eval set, counted batch by batch (logits are never gathered across the set):
+  `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
+  batch means), `eval[_{name}]_perplexity` its exp, and with `compute_token_accuracy` the share of
+  supervised tokens whose argmax prediction is the label (`eval[_{name}]_token_accuracy`);
+- reliability (docs/reliability.md): atomic checkpoints and `resume_from_checkpoint: true`
+  (checkpoints.py), save-and-stop on SIGTERM/SIGINT (signals.py), the NaN/inf guard (guards.py).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 
 import torch
+import torch.nn.functional as F
 import transformers
 
+from tunelab.errors import TrainingError
+from tunelab.train import checkpoints
+from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
 from tunelab.train.losses import IGNORE_INDEX, causal_lm_loss_func
+from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
 
 class TunelabTrainer(transformers.Trainer):
@@ -23,6 +37,98 @@ class TunelabTrainer(transformers.Trainer):
         self.tokens_seen = 0
         self.supervised_tokens_seen = 0
         self.train_start_time: float | None = None
+        # [summed cross-entropy, supervised tokens, correct argmax predictions] of the running evaluation.
+        self._eval_token_stats: torch.Tensor | None = None
+        reduce = self._reduce_max if self.args.world_size > 1 else None
+        self.nonfinite = NonFiniteGuard(
+            policy=getattr(self.args, "nan_policy", "stop"),
+            max_consecutive=getattr(self.args, "nan_max_consecutive", 5),
+        )
+        self.stop_on_signal = StopOnSignal(reduce)
+        self.last_checkpoint: str | None = None
+        self._run_state_to_restore: dict = {}
+        self.add_callback(NonFiniteCallback(self.nonfinite, reduce, scaler_active=self._has_grad_scaler))
+        self.add_callback(self.stop_on_signal)
+        self.add_callback(checkpoints.RestoreRunState(self))
+
+    # ---- reliability: resume, atomic checkpoints, signals, the non-finite guard (docs/reliability.md) ---------
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """Trainer.train, resuming from `resume_from_checkpoint` (argument, else the training argument):
+        true → the newest complete checkpoint of output_dir. Raises TrainingError when the non-finite
+        guard stopped the run, TrainingInterrupted after a signal (a checkpoint is saved first)."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = getattr(self.args, "resume_from_checkpoint", None)
+        checkpoint = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        self._run_state_to_restore = checkpoints.read_run_state(checkpoint) if checkpoint else {}
+        if self.args.should_save:
+            checkpoints.remove_staging_leftovers(self.args.output_dir)
+            if checkpoint is None and checkpoints.latest_checkpoint(self.args.output_dir) is not None:
+                logging.getLogger(__name__).warning(
+                    "output_dir %s holds %s from an earlier run; a later resume_from_checkpoint: true picks the "
+                    "highest step, so remove old checkpoints when starting over", self.args.output_dir,
+                    checkpoints.latest_checkpoint(self.args.output_dir).name,
+                )
+        self.stop_on_signal.install()
+        try:
+            output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+        finally:
+            self.stop_on_signal.uninstall()
+        if self.nonfinite.stop_message:
+            raise TrainingError(self.nonfinite.stop_message)
+        if self.stop_on_signal.received:
+            raise TrainingInterrupted(self.stop_on_signal.received, self.state.global_step, self.last_checkpoint)
+        return output
+
+    def _save_checkpoint(self, model, trial):
+        self.last_checkpoint = str(checkpoints.save_checkpoint(self, trial))
+
+    def run_state(self) -> dict:
+        """What tunelab_state.json keeps beside the Trainer's own state (called on every process)."""
+        values = torch.tensor(
+            [self.tokens_seen, self.supervised_tokens_seen, float(getattr(self, "_tr_loss", 0.0))],
+            dtype=torch.float64, device=self.args.device,
+        )
+        if self.args.world_size > 1:
+            values = self.accelerator.reduce(values, reduction="sum")
+        return {
+            "global_step": self.state.global_step,
+            "tokens_seen": int(values[0]),
+            "supervised_tokens_seen": int(values[1]),
+            # the loss summed since the last log line (mean over processes), so the next line averages the same steps
+            "loss_since_last_log": float(values[2]) / max(self.args.world_size, 1),
+            "last_logged_step": getattr(self, "_globalstep_last_logged", self.state.global_step),
+            "nonfinite": self.nonfinite.state_dict(),
+        }
+
+    def restore_run_state(self) -> None:
+        """Called at train begin (after the Trainer reset its counters) when resuming."""
+        saved = self._run_state_to_restore
+        if not saved:
+            return
+        main = self.args.process_index == 0  # the log sums counters over processes
+        self.tokens_seen = saved.get("tokens_seen", 0) if main else 0
+        self.supervised_tokens_seen = saved.get("supervised_tokens_seen", 0) if main else 0
+        self.nonfinite.load_state_dict(saved.get("nonfinite", {}))
+        if "loss_since_last_log" in saved and saved.get("global_step") == self.state.global_step:
+            self._tr_loss = torch.tensor(saved["loss_since_last_log"], device=self.args.device)
+            self._globalstep_last_logged = saved["last_logged_step"]
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, JsonlLogCallback):
+                callback.last_tokens = (self.tokens_seen, self.supervised_tokens_seen)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        self.nonfinite.observe_grad_norm(grad_norm)
+        return grad_norm
+
+    def _has_grad_scaler(self) -> bool:
+        return getattr(self.accelerator, "scaler", None) is not None
+
+    def _reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self.args.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tensor
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.train_start_time is None:
@@ -31,7 +137,9 @@ class TunelabTrainer(transformers.Trainer):
         labels = inputs.get("labels")
         if labels is not None:
             self.supervised_tokens_seen += int((labels[:, 1:] != IGNORE_INDEX).sum())
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.nonfinite.observe_loss(loss)
+        return loss
 
     def _real_tokens(self, inputs) -> int:
         """Tokens that are not padding. Padded batches say so in their 2-D attention mask; packed
@@ -52,4 +160,59 @@ class TunelabTrainer(transformers.Trainer):
                 tokens = self.accelerator.reduce(tokens, reduction="sum")
             logs["tokens_seen"] = int(tokens[0])
             logs["supervised_tokens_seen"] = int(tokens[1])
+            if self.nonfinite.policy == "skip":
+                logs["skipped_nonfinite_steps"] = self.nonfinite.skipped
         super().log(logs, start_time)
+
+    # ---- evaluation: token-level metrics accumulated per batch ----------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._eval_token_stats is None or model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.get("labels")  # the parent pops them from `inputs`
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        if torch.is_tensor(logits) and torch.is_tensor(labels) and logits.dim() == 3 and labels.shape == logits.shape[:2]:
+            self._eval_token_stats += token_stats(logits.detach(), labels, self._with_token_accuracy)
+        return (loss, outputs) if return_outputs else loss
+
+    @property
+    def _with_token_accuracy(self) -> bool:
+        return bool(getattr(self.args, "compute_token_accuracy", False))
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        self._eval_token_stats = torch.zeros(3, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            stats = self._eval_token_stats
+        finally:
+            self._eval_token_stats = None
+        if self.args.world_size > 1:
+            stats = self.accelerator.reduce(stats, reduction="sum")
+        output.metrics.update(token_metrics(stats.tolist(), metric_key_prefix, self._with_token_accuracy))
+        return output
+
+
+def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_accuracy: bool) -> torch.Tensor:
+    """[summed next-token cross-entropy, supervised tokens, correct argmax predictions] of one batch (float64).
+
+    logits (batch, seq, vocab) predict labels shifted by one, as in train/losses.py; -100 labels do not count.
+    """
+    shift_logits = logits[:, :-1, :].float().reshape(-1, logits.size(-1))
+    shift_labels = labels[:, 1:].to(shift_logits.device).reshape(-1)
+    supervised = shift_labels != IGNORE_INDEX
+    nll = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    correct = ((shift_logits.argmax(-1) == shift_labels) & supervised).sum() if with_accuracy else torch.zeros(())
+    return torch.stack([nll.double(), supervised.sum().double(), correct.double().to(nll.device)])
+
+
+def token_metrics(stats: list[float], prefix: str, with_accuracy: bool) -> dict[str, float]:
+    """`{prefix}_loss`, `{prefix}_perplexity` (and `{prefix}_token_accuracy`) from summed token stats."""
+    nll, tokens, correct = stats
+    if tokens == 0:
+        return {}
+    loss = nll / tokens
+    metrics = {f"{prefix}_loss": loss, f"{prefix}_perplexity": math.exp(loss) if loss < 700 else math.inf}
+    if with_accuracy:
+        metrics[f"{prefix}_token_accuracy"] = correct / tokens
+    return metrics
