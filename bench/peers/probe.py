@@ -1,0 +1,179 @@
+"""Launch a tool's command line inside a probe that times its steps and counts its tokens itself.
+
+bench/run.py starts every tool as `<tool venv python> bench/peers/probe.py ENTRY [ARGS...]`, where
+ENTRY is a console-script name (`tunelab`, `llamafactory-cli`) or a path to a .py script. Before the
+tool runs, the probe patches `transformers.Trainer` (every tool here trains through a subclass of it):
+
+    Trainer.__init__       adds a callback that writes one JSON line per event to $BENCH_PROBE_OUT
+    Trainer.training_step  counts the micro-batch it is given (before the model sees it)
+
+and wraps the functions named in $BENCH_PREPROCESS ("module:attr" or "module:Class.method", comma
+separated: each tool's data-preparation entry point) to time them. Token counts come from the
+batches, not from the tool's own counters (LlamaFactory's is wrong under neat_packing):
+
+    supervised   labels != -100 (for TRL's preference batches: completion tokens of chosen + rejected)
+    tokens       real tokens: attention_mask != 0 when it is a 2-D mask (neat_packing's segment ids
+                 count too), else input_ids != $BENCH_PAD_ID (4-D block masks, padding-free rows)
+    positions    every position computed, padding included (packing efficiency = tokens / positions)
+
+Events (time is time.time(), so the parent can subtract its own launch time):
+
+    {"event": "start", "time"}                          probe imported, before the tool
+    {"event": "preprocess", "name", "seconds"}          one outermost call of a wrapped function
+    {"event": "train_begin", "time"}
+    {"event": "step", "step", "time", "tokens", "supervised", "positions", "micro_batches"}
+                                                        (step 1 also: "batch_keys", names and shapes)
+    {"event": "log", "step", "logs"}                    the Trainer's logs (loss, ...)
+    {"event": "train_end", "time"}
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import runpy
+import sys
+import time
+from contextlib import contextmanager
+
+OUT_PATH = os.environ.get("BENCH_PROBE_OUT")
+PAD_ID = int(os.environ.get("BENCH_PAD_ID", "0"))
+
+
+def emit(event: str, **fields) -> None:
+    if OUT_PATH:
+        with open(OUT_PATH, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": event, **fields}) + "\n")
+
+
+emit("start", time=time.time())
+_depth = 0
+
+
+@contextmanager
+def timed(name: str):
+    """Time a block as preprocessing (nested timed blocks count once, in the outermost)."""
+    global _depth
+    _depth += 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            emit("preprocess", name=name, seconds=time.perf_counter() - start)
+
+
+def _wrap_preprocess(spec: str) -> None:
+    module_name, attr = spec.split(":")
+    module = importlib.import_module(module_name)
+    owner, name = module, attr
+    if "." in attr:
+        cls_name, name = attr.split(".")
+        owner = getattr(module, cls_name)
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        with timed(spec):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+    if owner is module:  # modules that already did `from module import name` hold the original
+        for other in list(sys.modules.values()):  # __dict__, not getattr: lazy modules import on getattr
+            if getattr(other, "__dict__", {}).get(name) is original:
+                setattr(other, name, wrapper)
+
+
+def _count(inputs: dict) -> tuple[int, int, int]:
+    """(tokens, supervised, positions) of one micro-batch, as described in the module docstring."""
+    if "input_ids" in inputs and "labels" in inputs:
+        ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+        if mask is not None and mask.dim() == 2:
+            tokens = int((mask != 0).sum())
+        else:
+            tokens = int((ids != PAD_ID).sum())
+        return tokens, int((inputs["labels"] != -100).sum()), ids.numel()
+    if "chosen_input_ids" in inputs:  # TRL preference batches: prompt, chosen and rejected apart
+        def real(key: str) -> int:
+            mask = inputs.get(key.replace("input_ids", "attention_mask"))
+            return int(mask.sum()) if mask is not None else int((inputs[key] != PAD_ID).sum())
+
+        prompt = real("prompt_input_ids") if "prompt_input_ids" in inputs else 0
+        answers = real("chosen_input_ids") + real("rejected_input_ids")
+        width = inputs.get("prompt_input_ids", inputs["chosen_input_ids"][:, :0]).shape[1]
+        positions = 2 * inputs["chosen_input_ids"].shape[0] * (
+            width + max(inputs["chosen_input_ids"].shape[1], inputs["rejected_input_ids"].shape[1])
+        )
+        return 2 * prompt + answers, answers, positions
+    if "input_ids" in inputs and "completion_mask" in inputs:  # TRL: prompt + completion in one row
+        mask = inputs.get("attention_mask")
+        ids = inputs["input_ids"]
+        tokens = int(mask.sum()) if mask is not None else int((ids != PAD_ID).sum())
+        return tokens, int(inputs["completion_mask"].sum()), ids.numel()
+    raise KeyError(f"bench probe: cannot count a batch with keys {sorted(inputs)}")
+
+
+def install() -> None:
+    import transformers  # noqa: PLC0415
+
+    class ProbeCallback(transformers.TrainerCallback):
+        def __init__(self):
+            self.pending = [0, 0, 0, 0]
+            self.batch_keys: list[str] | None = None  # of the first micro-batch, reported with step 1
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            emit("train_begin", time=time.time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            tokens, supervised, positions, micro = self.pending
+            extra = {"batch_keys": self.batch_keys} if state.global_step == 1 else {}
+            emit("step", step=state.global_step, time=time.time(), tokens=tokens, supervised=supervised,
+                 positions=positions, micro_batches=micro, **extra)
+            self.pending = [0, 0, 0, 0]
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            emit("log", step=state.global_step, logs={k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
+
+        def on_train_end(self, args, state, control, **kwargs):
+            emit("train_end", time=time.time())
+
+    probe = ProbeCallback()
+    trainer_cls = transformers.Trainer
+    original_init, original_step = trainer_cls.__init__, trainer_cls.training_step
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.add_callback(probe)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        tokens, supervised, positions = _count(inputs)
+        if probe.batch_keys is None:
+            probe.batch_keys = sorted(f"{k}{list(v.shape)}" if hasattr(v, "shape") else k for k, v in inputs.items())
+        probe.pending = [probe.pending[0] + tokens, probe.pending[1] + supervised, probe.pending[2] + positions,
+                         probe.pending[3] + 1]
+        return original_step(self, model, inputs, *args, **kwargs)
+
+    trainer_cls.__init__ = init
+    trainer_cls.training_step = training_step
+    for spec in filter(None, os.environ.get("BENCH_PREPROCESS", "").split(",")):
+        _wrap_preprocess(spec)
+
+
+def main() -> None:
+    entry, args = sys.argv[1], sys.argv[2:]
+    sys.modules["probe"] = sys.modules[__name__]  # scripts `import probe` and get this instance
+    install()
+    if entry.endswith(".py"):
+        sys.argv = [entry, *args]
+        runpy.run_path(entry, run_name="__main__")
+        return
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    (script,) = entry_points(group="console_scripts", name=entry)
+    sys.argv = [entry, *args]
+    sys.exit(script.load()())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""TRL side of the comparison: SFTTrainer (sft, pt) and DPOTrainer (dpo), as TRL's docs show them.
+
+Run by bench/run.py through bench/peers/probe.py in bench/.venvs/trl, with one argument: the JSON
+spec run.py wrote (see hf_train.py). TRL's own defaults that differ from the matched settings are
+set explicitly: gradient_checkpointing False and bf16 from the spec (TRL defaults: True and True).
+
+    sft  prompt/completion messages (bench/.data/peers/sft_chat.json) through the tokenizer's
+         chat_template; loss on the completion only (TRL's default for this format);
+         packing: packing_strategy "bfd" (padding-free rows whose position_ids restart per sample)
+    pt   {"text"} documents, packing_strategy "wrapped": concatenated and cut into max_length blocks
+    dpo  conversational prompt/chosen/rejected; sigmoid loss, beta from the spec; with LoRA the
+         reference is the base with the adapter disabled (ref_model None)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import datasets
+import probe  # bench/peers/probe.py: the process was started through it
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    data = Path(spec["data_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    peft_config = None
+    if spec["finetuning"] == "lora":
+        peft_config = LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
+    common = dict(
+        output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1, learning_rate=spec["learning_rate"], lr_scheduler_type="cosine",
+        warmup_steps=0, weight_decay=0.0, seed=spec["seed"], logging_steps=1, save_strategy="no", report_to=[],
+        bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=True,
+        disable_tqdm=True, max_length=spec["cutoff_len"],
+    )
+    if spec["stage"] == "dpo":
+        from trl import DPOConfig, DPOTrainer  # noqa: PLC0415
+
+        with probe.timed("trl: load_dataset"):
+            train = datasets.load_dataset("json", data_files=str(data / "pref_chat.json"), split="train")
+        args = DPOConfig(**common, beta=spec["beta"], loss_type=["sigmoid"])
+        trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
+                             peft_config=peft_config)
+    else:
+        from trl import SFTConfig, SFTTrainer  # noqa: PLC0415
+
+        file = "corpus.json" if spec["stage"] == "pt" else "sft_chat.json"
+        with probe.timed("trl: load_dataset"):
+            train = datasets.load_dataset("json", data_files=str(data / file), split="train")
+        packing = {"packing": True, "packing_strategy": "wrapped"} if spec["stage"] == "pt" else (
+            {"packing": True, "packing_strategy": "bfd"} if spec["packing"] else {"packing": False})
+        args = SFTConfig(**common, **packing)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
+                             peft_config=peft_config)
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""tunelab against LlamaFactory, TRL and plain HF Trainer: the same work, one machine, one command.
+
+    bash bench/peers/setup.sh        # once: peers' venvs in bench/.venvs/
+    python bench/run.py              # all workloads, all tools, 3 repeats of 30 steps
+    python bench/run.py --workloads sft_lora,pt --tools tunelab,llamafactory --repeats 1 --steps 5
+
+Every tool gets the inputs of bench/inputs.py (the embedded tiny Llama copied to bench/.data/peers,
+the same mixed-length alpaca SFT set, preference pairs and corpus, ChatML) and the same settings:
+optimizer steps, batch (one device, no accumulation), cutoff_len, learning rate and cosine schedule,
+seed, fp32 (--bf16 for bf16), no gradient checkpointing, sdpa attention, no DataLoader workers, CPU
+(`use_cpu`; CUDA_VISIBLE_DEVICES is emptied — the GPU variant is not built yet).
+Each tool runs through bench/peers/probe.py, which times every optimizer step and counts the tokens
+of the batches it is given (not the tool's own counters). Per run:
+
+    sup tok/s      supervised tokens (label != -100) per second over the steady-state steps (after
+                   the first fifth of the steps)
+    tok/s          real (non-padding) tokens per second over the same steps
+    MFU            6 · N(non-embedding) · tok/s / the matmul peak measured at the start (matmul_peak.py)
+    pre ex/s       rows of the input file / seconds in the tool's data preparation (first launch,
+                   empty caches): tunelab cached_bundle, LlamaFactory get_dataset, TRL load_dataset +
+                   _prepare_dataset, HF load_dataset + map
+    ttfs 1st/2nd   seconds from launch to the end of the first step: empty caches, then a second
+                   launch with the caches the first one left (tunelab's tokenized cache, datasets' cache)
+    pack eff       real tokens / positions computed (padding included)
+    peak RSS       of the tool's process tree, sampled every 0.1 s
+    loss           the last logged training loss
+
+Every figure is the median over --repeats; the table gives tunelab's ratio to each peer. Raw runs
+and medians go to bench/.results/<time>.json.
+
+Workloads (a tool without the mode is listed as n/a):
+    sft_lora         LoRA r=8 on every linear layer, no packing
+    sft_lora_packed  LoRA, packing with samples isolated: tunelab packing; LlamaFactory neat_packing;
+                     TRL bfd packing (padding-free rows, positions restart per sample)
+    sft_full         every parameter, no packing
+    pt               pretraining on cutoff_len windows of the corpus (tunelab: documents packed with
+                     isolation; the peers concatenate documents: LlamaFactory pt, TRL wrapped
+                     packing, HF's group_texts)
+    dpo_lora         DPO (sigmoid, beta 0.1), LoRA; the reference is the adapter-free base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import yaml
+
+BENCH = Path(__file__).resolve().parent
+PEERS = BENCH / "peers"
+VENVS = BENCH / ".venvs"
+DATA = BENCH / ".data" / "peers"
+RESULTS = BENCH / ".results"
+TUNELAB_PYTHON = Path(sys.executable)
+TOOLS = ("tunelab", "llamafactory", "trl", "hf")
+
+
+@dataclass(frozen=True)
+class Workload:
+    stage: str  # sft | pt | dpo
+    finetuning: str  # lora | full
+    packing: bool
+    learning_rate: float
+    rows_file: str  # input file whose rows the preprocessing rate counts
+    tools: tuple[str, ...] = TOOLS
+
+
+WORKLOADS = {
+    "sft_lora": Workload("sft", "lora", False, 2e-4, "sft.json"),
+    "sft_lora_packed": Workload("sft", "lora", True, 2e-4, "sft.json", ("tunelab", "llamafactory", "trl")),
+    "sft_full": Workload("sft", "full", False, 5e-5, "sft.json"),
+    "pt": Workload("pt", "full", True, 1e-4, "corpus.json"),
+    "dpo_lora": Workload("dpo", "lora", False, 1e-4, "pref.json", ("tunelab", "llamafactory", "trl")),
+}
+DATASETS = {"sft": "bench_sft", "pt": "bench_corpus", "dpo": "bench_pref"}
+
+
+@dataclass
+class Settings:
+    steps: int
+    batch_size: int
+    cutoff_len: int
+    seed: int
+    bf16: bool
+    threads: int
+    lora_rank: int = 8
+    lora_alpha: int = 16
+
+
+# --- per-tool command lines ---------------------------------------------------------------------
+
+
+def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
+    config = {
+        "model_name_or_path": str(DATA / "model"), "template": "chatml", "dataset": DATASETS[w.stage],
+        "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
+        "packing": w.packing,
+        "flash_attn": "sdpa", "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
+        "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
+        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": True, "gradient_checkpointing": False,
+        "dataloader_num_workers": 0, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
+        "output_dir": str(out / "output"), "overwrite_output_dir": True, "plot_loss": False, "disable_tqdm": True,
+    }
+    if w.finetuning == "lora":  # tunelab rejects lora_* keys on other finetuning types
+        config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_target="all")
+    if w.stage == "dpo":
+        config.update(pref_beta=0.1, pref_loss="sigmoid")
+    (out / "tunelab.yaml").write_text(yaml.safe_dump(config))
+    return [str(TUNELAB_PYTHON), str(PEERS / "probe.py"), "tunelab", "train", str(out / "tunelab.yaml")], \
+        "tunelab.data.cache:cached_bundle"
+
+
+def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
+    config = {
+        "model_name_or_path": str(DATA / "model"), "template": "chatml", "dataset": DATASETS[w.stage],
+        "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
+        "cutoff_len": s.cutoff_len, "packing": w.packing, "neat_packing": w.packing and w.stage == "sft",
+        "flash_attn": "sdpa", "disable_gradient_checkpointing": True,
+        "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
+        "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
+        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": True, "dataloader_num_workers": 0, "logging_steps": 1,
+        "save_strategy": "no", "report_to": "none", "output_dir": str(out / "output"),
+        "overwrite_output_dir": True, "plot_loss": False, "disable_tqdm": True,
+    }
+    if w.finetuning == "lora":
+        config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, lora_target="all")
+    if w.stage == "dpo":
+        config.update(pref_beta=0.1, pref_loss="sigmoid")
+    (out / "llamafactory.yaml").write_text(yaml.safe_dump(config))
+    python = VENVS / "llamafactory" / "bin" / "python"
+    return [str(python), str(PEERS / "probe.py"), "llamafactory-cli", "train", str(out / "llamafactory.yaml")], \
+        "llamafactory.data.loader:get_dataset"
+
+
+def _spec_file(w: Workload, s: Settings, steps: int, out: Path) -> Path:
+    spec = {
+        "stage": w.stage, "finetuning": w.finetuning, "packing": w.packing, "model": str(DATA / "model"),
+        "data_dir": str(DATA), "output_dir": str(out / "output"), "cutoff_len": s.cutoff_len,
+        "batch_size": s.batch_size, "max_steps": steps, "learning_rate": w.learning_rate, "seed": s.seed,
+        "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1,
+    }
+    path = out / "spec.json"
+    path.write_text(json.dumps(spec, indent=2))
+    return path
+
+
+def trl_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
+    python = VENVS / "trl" / "bin" / "python"
+    trainer = "trl.trainer.dpo_trainer:DPOTrainer" if w.stage == "dpo" else "trl.trainer.sft_trainer:SFTTrainer"
+    return [str(python), str(PEERS / "probe.py"), str(PEERS / "trl_train.py"), str(_spec_file(w, s, steps, out))], \
+        f"{trainer}._prepare_dataset"
+
+
+def hf_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
+    return [str(TUNELAB_PYTHON), str(PEERS / "probe.py"), str(PEERS / "hf_train.py"), str(_spec_file(w, s, steps, out))], ""
+
+
+COMMANDS = {"tunelab": tunelab_command, "llamafactory": llamafactory_command, "trl": trl_command, "hf": hf_command}
+
+
+# --- one launch ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    returncode: int
+    seconds: float
+    peak_rss_mb: float
+    events: list[dict] = field(default_factory=list)
+    log_tail: str = ""
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def launch(argv: list[str], env: dict, workdir: Path, timeout: float) -> Launch:
+    probe_out = workdir / f"probe-{time.time_ns()}.jsonl"
+    env = {**env, "BENCH_PROBE_OUT": str(probe_out)}
+    log_path = workdir / "log.txt"
+    start = time.time()
+    with open(log_path, "ab") as log:
+        popen = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                                 start_new_session=True)  # its own process group: a timeout ends the whole tree
+    proc, peak = psutil.Process(popen.pid), [0]
+
+    def sample():
+        while popen.poll() is None:
+            try:
+                peak[0] = max(peak[0], tree_rss(proc))
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        returncode = popen.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(popen.pid, signal.SIGKILL)
+        returncode = popen.wait()
+    sampler.join()
+    events = [json.loads(line) for line in probe_out.read_text().splitlines()] if probe_out.exists() else []
+    for event in events:
+        if "time" in event:
+            event["since_launch"] = event["time"] - start
+    tail = log_path.read_text(errors="replace")[-3000:]
+    return Launch(returncode, time.time() - start, peak[0] / 2**20, events, tail)
+
+
+def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflops: float) -> dict:
+    """One repeat's figures from its cold (measured) and warm (second-launch) runs."""
+    steps = [e for e in cold.events if e["event"] == "step"]
+    if not steps:
+        raise RuntimeError("no optimizer step was recorded")
+    skip = max(1, len(steps) // 5) if len(steps) > 2 else 0
+    if skip:
+        window, t0 = steps[skip:], steps[skip - 1]["time"]
+    else:
+        window, t0 = steps, next(e["time"] for e in cold.events if e["event"] == "train_begin")
+    seconds = window[-1]["time"] - t0
+    tokens = sum(e["tokens"] for e in window)
+    supervised = sum(e["supervised"] for e in window)
+    preprocess = sum(e["seconds"] for e in cold.events if e["event"] == "preprocess")
+    losses = [e["logs"]["loss"] for e in cold.events if e["event"] == "log" and "loss" in e["logs"]]
+    tok_s = tokens / seconds
+    warm_steps = [e for e in (warm.events if warm else []) if e["event"] == "step"]
+    return {
+        "sup_tok_s": supervised / seconds,
+        "tok_s": tok_s,
+        "mfu": 6 * params * tok_s / (peak_gflops * 1e9),
+        "pre_ex_s": rows / preprocess if preprocess else None,
+        "preprocess_s": preprocess,
+        "ttfs_first_s": steps[0]["since_launch"],
+        "ttfs_second_s": warm_steps[0]["since_launch"] if warm_steps else None,
+        "pack_eff": sum(e["tokens"] for e in steps) / sum(e["positions"] for e in steps),
+        "peak_rss_mb": cold.peak_rss_mb,
+        "final_loss": losses[-1] if losses else None,
+        "steps": len(steps),
+        "steady_steps": len(window),
+        "tokens_per_step": sum(e["tokens"] for e in steps) / len(steps),
+        "wall_s": cold.seconds,
+    }
+
+
+def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dict, rows: int, params: int,
+            peak: float, timeout: float) -> dict:
+    w = WORKLOADS[name]
+    workdir = root / name / tool / f"r{repeat}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    caches = workdir / "caches"  # empty for the first launch, reused by the second
+    env = {**env, "TUNELAB_CACHE": str(caches / "tunelab"), "HF_DATASETS_CACHE": str(caches / "datasets")}
+    argv, preprocess = COMMANDS[tool](w, s, s.steps, workdir)
+    env["BENCH_PREPROCESS"] = preprocess
+    cold = launch(argv, env, workdir, timeout)
+    record = {"tool": tool, "workload": name, "repeat": repeat, "returncode": cold.returncode}
+    if cold.returncode != 0:
+        record["error"] = cold.log_tail
+        return record
+    argv, _ = COMMANDS[tool](w, s, 1, workdir)  # second launch: only the time to the first step
+    warm = launch(argv, env, workdir, timeout)
+    record.update(figures(cold, warm if warm.returncode == 0 else None, rows, params, peak))
+    return record
+
+
+# --- the comparison -----------------------------------------------------------------------------
+
+
+def venv_versions(python: Path) -> dict:
+    code = ("import importlib.metadata as m, json; names=['torch','transformers','peft','trl','datasets','accelerate',"
+            "'llamafactory','tunelab','tokenizers']; v={}\nfor n in names:\n try: v[n]=m.version(n)\n except Exception: pass\n"
+            "print(json.dumps(v))")
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-500:]}
+
+
+def tool_python(tool: str) -> Path:
+    return {"llamafactory": VENVS / "llamafactory" / "bin" / "python", "trl": VENVS / "trl" / "bin" / "python"}.get(
+        tool, TUNELAB_PYTHON)
+
+
+def non_embedding_params(model_dir: Path) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    heads, kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    attention = h * heads * hd * 2 + h * kv * hd * 2
+    return layers * (attention + 3 * h * i + 2 * h) + h
+
+
+def median_of(records: list[dict], key: str):
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
+           ("pre_ex_s", "pre ex/s", "{:,.0f}"), ("ttfs_first_s", "ttfs 1st", "{:.1f}s"),
+           ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
+           ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}")]
+HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
+
+
+def table(medians: dict) -> str:
+    lines = []
+    for name, by_tool in medians.items():
+        lines.append(f"\n{name}")
+        lines.append(f"{'tool':<13}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS))
+        for tool, m in by_tool.items():
+            if "error" in m:
+                lines.append(f"{tool:<13}  {m['error']}")
+                continue
+            cells = [fmt.format(m[key]) if m.get(key) is not None else "-" for key, _, fmt in COLUMNS]
+            lines.append(f"{tool:<13}" + "".join(f"{c:>11}" for c in cells))
+        ours = by_tool.get("tunelab", {})
+        for tool, m in by_tool.items():
+            if tool == "tunelab" or "error" in m or "error" in ours or not ours:
+                continue
+            cells = []
+            for key, _, _ in COLUMNS:
+                a, b = ours.get(key), m.get(key)
+                if a is None or b is None or key == "final_loss" or not b or not a:
+                    cells.append("-" if key != "final_loss" or a is None or b is None else f"{a - b:+.4f}")
+                    continue
+                cells.append(f"{a / b if key in HIGHER_IS_BETTER else b / a:.2f}x")
+            lines.append(f"{'  vs ' + tool:<13}" + "".join(f"{c:>11}" for c in cells))
+    return "\n".join(lines) + "\n(ratios: tunelab's advantage, >1 is better for tunelab; loss: tunelab minus peer)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--cutoff-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/MKL threads of every tool")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    parser.add_argument("--label", default="", help="free text stored with the results (e.g. 'smoke')")
+    parser.add_argument("--keep", action="store_true", help="keep the run folders (configs, logs, outputs)")
+    args = parser.parse_args()
+    settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads)
+    workloads = args.workloads.split(",")
+    tools = args.tools.split(",")
+    unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]
+    if unknown:
+        parser.error(f"unknown workload/tool {unknown}; workloads {list(WORKLOADS)}, tools {list(TOOLS)}")
+    for tool in tools:
+        if not tool_python(tool).exists():
+            parser.error(f"{tool}: {tool_python(tool)} is missing; run `bash bench/peers/setup.sh` first")
+
+    if not (DATA / "manifest.json").exists():
+        subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py")], check=True, stdout=subprocess.DEVNULL)
+    manifest = json.loads((DATA / "manifest.json").read_text())
+    rows = {"sft.json": manifest["rows"]["sft"], "pref.json": manifest["rows"]["pref"],
+            "corpus.json": manifest["rows"]["corpus_docs"]}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",
+           "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": "0"}
+    peak = json.loads(subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "matmul_peak.py")], env=env, check=True,
+                                     capture_output=True, text=True).stdout)
+    peak_key = "bf16_gflops" if args.bf16 else "fp32_gflops"
+    params = non_embedding_params(DATA / "model")
+    print(f"matmul peak ({peak['threads']} threads): fp32 {peak['fp32_gflops']:.1f} GFLOP/s, "
+          f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s; model: {params:,} non-embedding parameters", flush=True)
+
+    root = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    records, medians = [], {}
+    for name in workloads:
+        medians[name] = {}
+        for tool in tools:
+            if tool not in WORKLOADS[name].tools:
+                continue
+            runs = []
+            for repeat in range(args.repeats):
+                t = time.time()
+                record = run_one(tool, name, settings, repeat, root, env, rows[WORKLOADS[name].rows_file], params,
+                                 peak[peak_key], args.timeout)
+                records.append(record)
+                runs.append(record)
+                status = "ok" if record["returncode"] == 0 else f"FAILED (exit {record['returncode']})"
+                print(f"{name:<16} {tool:<13} repeat {repeat}: {status} in {time.time() - t:.0f} s", flush=True)
+                if record["returncode"] != 0:
+                    print(record["error"][-1500:], flush=True)
+                    break
+            good = [r for r in runs if r["returncode"] == 0]
+            if good:
+                medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
+                                       ("tool", "workload", "repeat", "returncode")}
+            else:
+                medians[name][tool] = {"error": f"failed (exit {runs[-1]['returncode']}), see the JSON"}
+
+    print(table(medians))
+    RESULTS.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    result = {
+        "label": args.label, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "settings": settings.__dict__, "matmul_peak": peak, "non_embedding_params": params,
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30,
+                    "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
+        "versions": {tool: venv_versions(tool_python(tool)) for tool in tools},
+        "inputs": manifest, "medians": medians, "runs": records,
+    }
+    path = RESULTS / f"peers-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(f"results: {path}")
+    if args.keep:
+        print(f"run folders: {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
