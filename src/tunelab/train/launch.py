@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 
 from tunelab.config.args import TrainingArguments
@@ -123,6 +124,8 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
 
     argv = torchrun_argv(args, cli_args)
     print(f"tunelab: launching {sys.executable} -m torch.distributed.run {' '.join(argv)}", file=sys.stderr, flush=True)
+    # torchrun's agent installs process-wide handlers for these and leaves them: put ours back after.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     try:
         torchrun(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
@@ -132,4 +135,7 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
         return code
     except SignalException as exc:  # SIGTERM / SIGINT to this process: torchrun has stopped the workers
         return 128 + int(exc.sigval)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return 0
