@@ -1,69 +1,23 @@
-"""PPO: the workflow, top to bottom.
-
-tokenizer + template → prompts (the shared pipeline, rendered with the generation prompt) → reward
-model (stage rm's output) → policy (+ adapters) with its value head, and reference → [exact match
-before] → the loop (rl/loop.py with rl/ppo.py) → save (+ value_head.safetensors) → [exact match
-after] → metrics. Everything written lands in output_dir.
-"""
+"""PPO: the shared generating-stage workflow (rl/workflow.py) with stage rm's model as the scorer,
+a value head on the policy, and rl/ppo.py as the step; the value head is saved beside the model
+(value_head.safetensors)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
-import transformers
-
 from tunelab.config.args import RunConfig
-from tunelab.data.prompts import build_prompt_datasets
-from tunelab.data.templates import get_template
-from tunelab.infer.generate import stop_token_ids
-from tunelab.model.adapters import is_quantized
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.model.reward import load_reward_model
-from tunelab.train import outputs
 from tunelab.train.rl import workflow
-from tunelab.train.rl.loop import RLLoop, build_accelerator
 from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, RewardModelScorer
-
-logger = logging.getLogger(__name__)
 
 
 def run_ppo(config: RunConfig) -> dict:
-    args, ft = config.training, config.finetuning
-    transformers.set_seed(args.seed)
-    accelerator = build_accelerator(config)
-    tokenizer = load_tokenizer(config.model)
-    template = get_template(config.data.template, tokenizer)
-    prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed)
-    outputs.write_json(args.output_dir, "data_report.json", prompts.report)
-    reward_model = load_reward_model(ft.reward_model, device=accelerator.device)
-    scorer = RewardModelScorer(reward_model, tokenizer, template)
+    def reward_model(device, tokenizer, template):
+        return RewardModelScorer(load_reward_model(config.finetuning.reward_model, device=device), tokenizer, template)
 
-    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
-    if not is_quantized(model):  # bitsandbytes places quantized weights itself and refuses .to()
-        model = model.to(accelerator.device)
-    trainable, total = count_parameters(model)
-    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
-    reference = workflow.build_reference(model, ft.kl_coef, accelerator.device)
-    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
+    def save_value_head(loop) -> None:
+        if loop.accelerator.is_main_process:
+            loop.accelerator.unwrap_model(loop.model).save_value_head(Path(config.training.output_dir) / VALUE_HEAD_FILE)
 
-    rows = workflow.held_out_rows(prompts.eval_rows, config)
-    if rows is not None:
-        metrics["exact_match_before"] = workflow.held_out_exact_match(model, tokenizer, template, rows, config)
-
-    loop = RLLoop(config, accelerator, PolicyWithValueHead(model), prompts.train, ft.num_iterations)
-    ppo = PPO(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
-    metrics.update(loop.train(ppo))
-    metrics.update(loop.final_metrics(("reward", "kl")))
-    policy = workflow.save_policy(loop, tokenizer, template, config)
-    if accelerator.is_main_process:
-        accelerator.unwrap_model(loop.model).save_value_head(Path(args.output_dir) / VALUE_HEAD_FILE)
-
-    if rows is not None:
-        metrics["exact_match_after"] = workflow.held_out_exact_match(policy, tokenizer, template, rows, config)
-        logger.info(
-            "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
-            len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
-        )
-    workflow.finish(loop, metrics, config)
-    return metrics
+    return workflow.run_stage(config, PPO, reward_model, policy=PolicyWithValueHead, after_save=save_value_head)
