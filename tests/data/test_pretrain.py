@@ -25,17 +25,6 @@ EOS = 2
 X = -100  # label of a context-only token
 
 
-@pytest.fixture(scope="module")
-def word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(200)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
-
-
 def words(*ids: int) -> str:
     return " ".join(f"w{i}" for i in ids)
 

@@ -29,17 +29,6 @@ from tunelab.errors import ConfigError, DataError
 EOS = 2
 
 
-@pytest.fixture(scope="module")
-def word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(200)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
-
-
 def words(ids) -> str:
     return " ".join(f"w{i}" for i in ids)
 
