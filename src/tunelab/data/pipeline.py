@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from tunelab.config.args import DataArguments
 from tunelab.data.dedup import deduplicate_training_rows
@@ -90,16 +92,18 @@ def encode_dataset(
     )
     if len(encoded) == 0:
         raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
-    added = encoded["expanded"]  # examples added by conversations split per answer (see SupervisedEncoder)
+    # Sums in Arrow: iterating a column makes one Python object per row, as slow as the encoding itself.
+    table = encoded.with_format("arrow")[:]
+    added = table["expanded"]  # examples added by conversations split per answer (see SupervisedEncoder)
     stats = EncodeStats(
         examples=len(encoded),
-        truncated=int(sum(encoded["truncated"])),
-        dropped_no_supervised=len(canonical) + int(sum(added)) - len(encoded),
+        truncated=_sum(table["truncated"]),
+        dropped_no_supervised=len(canonical) + _sum(added) - len(encoded),
         # pairwise encoders (data/pairwise.py) count their tokens in a num_tokens column
-        tokens=int(sum(encoded["num_tokens"])) if "num_tokens" in encoded.column_names
-        else int(sum(len(ids) for ids in encoded["input_ids"])),
-        supervised_tokens=int(sum(encoded["num_supervised"])),
-        expanded_conversations=sum(1 for n in added if n),
+        tokens=_sum(table["num_tokens"]) if "num_tokens" in table.column_names
+        else _sum(pc.list_value_length(table["input_ids"])),
+        supervised_tokens=_sum(table["num_supervised"]),
+        expanded_conversations=_sum(pc.not_equal(added, 0)),
     )
     counters = ("truncated", "num_supervised", "expanded", "num_tokens")
     encoded = encoded.remove_columns([c for c in counters if c in encoded.column_names])
@@ -109,6 +113,10 @@ def encode_dataset(
             name, stats.dropped_no_supervised, encoder.cutoff_len,
         )
     return encoded, stats
+
+
+def _sum(column: pa.ChunkedArray | pa.Array) -> int:
+    return int(pc.sum(column).as_py() or 0)  # booleans count their true values; no rows sum to 0
 
 
 def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None) -> DatasetBundle:

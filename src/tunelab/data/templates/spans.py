@@ -137,7 +137,8 @@ def _turn_span(
     render: RenderFn, messages: Sequence[dict[str, Any]], i: int, full: str, bos: str, eos: str, name: str
 ) -> tuple[int, int]:
     prompt = render(messages[:i], True, bos, eos)
-    upto = render(messages[: i + 1], False, bos, eos)
+    # For the last turn the conversation up to it is the whole conversation: `full`, already rendered.
+    upto = full if i + 1 == len(messages) else render(messages[: i + 1], False, bos, eos)
     start = len(prompt) if upto.startswith(prompt) else _shared_header_end(render, messages, i, prompt, upto, bos, eos)
     if start is None or not full.startswith(upto[:start]):
         raise _not_prefix(name, i)
