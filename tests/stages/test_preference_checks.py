@@ -88,3 +88,11 @@ def test_options_of_other_stages_and_losses(tmp_path):
     assert error_of(tmp_path, {**base(tmp_path, "rm"), "eval_generation": True, "val_size": 0.1}) == (
         "eval_generation: a reward model does not generate; remove it (eval reports reward accuracy)"
     )
+
+
+def test_sft_refuses_ranking_data(tmp_path):
+    config = {**base(tmp_path, "sft"), "dataset": "demo_sort", "eval_dataset": "demo_preference_test"}
+    assert error_of(tmp_path, config) == (
+        "eval_dataset: 'demo_preference_test' is a ranking dataset (chosen/rejected answers) for stages rm, dpo, "
+        "kto, grpo and ppo; stage sft trains on conversations: use a dataset without ranking: true"
+    )

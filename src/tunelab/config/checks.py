@@ -276,6 +276,11 @@ def _check_stage_data(config: RunConfig) -> None:
                     f"{key}: '{name}' is a raw text corpus (formatting: text) for stage pt; "
                     f"stage {stage} needs an alpaca, sharegpt or openai dataset"
                 )
+            if stage == "sft" and registry[name].ranking:  # its rows hold no answer turn: every one would drop
+                raise ConfigError(
+                    f"{key}: '{name}' is a ranking dataset (chosen/rejected answers) for stages rm, dpo, kto, grpo "
+                    "and ppo; stage sft trains on conversations: use a dataset without ranking: true"
+                )
     if stage != "pt":
         defaults = {f.name: f.default for f in dataclasses.fields(DataArguments) if f.name in PT_ONLY_KEYS}
         changed = [k for k in PT_ONLY_KEYS if getattr(data, k) != defaults[k]]

@@ -38,9 +38,12 @@ def stop_token_ids(tokenizer, template: Template) -> list[int]:
 
 
 def _conversation(row: dict) -> tuple[list[dict], str]:
+    """(prompt messages, reference answer): a ranking row's chosen answer, else the last assistant turn."""
     messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
     if row.get("system"):
         messages.insert(0, {"role": "system", "content": row["system"]})
+    if row.get("chosen"):
+        return messages, row["chosen"]
     reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
     return messages, reference
 
@@ -49,7 +52,7 @@ def _conversation(row: dict) -> tuple[list[dict], str]:
 def generate_predictions(
     model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32
 ) -> list[Prediction]:
-    """Greedy answers for canonical rows (their last assistant turn is the reference)."""
+    """Greedy answers for canonical rows (the reference: a ranking row's chosen answer, else the last assistant turn)."""
     was_training = model.training
     model.eval()
     stops = stop_token_ids(tokenizer, template)
@@ -81,3 +84,20 @@ def generate_predictions(
 
 def exact_match(predictions: list[Prediction]) -> float:
     return sum(p.exact_match for p in predictions) / max(len(predictions), 1)
+
+
+def held_out_rows(eval_rows: dict, limit: int):
+    """The canonical rows the stages' before/after exact match is measured on: the first `limit` rows
+    of the first eval set (None without one)."""
+    if not eval_rows:
+        return None
+    rows = next(iter(eval_rows.values()))
+    return rows.select(range(min(limit, len(rows))))
+
+
+def held_out_exact_match(model, tokenizer, template: Template, rows, config) -> float:
+    """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
+    return exact_match(generate_predictions(
+        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
+        batch_size=config.training.per_device_eval_batch_size * 4,
+    ))

@@ -21,7 +21,7 @@ from torch import nn
 from tunelab.config.args import RunConfig
 from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.templates import get_template
-from tunelab.infer.generate import exact_match, generate_predictions, stop_token_ids
+from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_token_ids
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
@@ -57,7 +57,8 @@ def run_stage(
     reference = build_reference(model, ft.kl_coef, accelerator.device)
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
 
-    rows = held_out_rows(prompts.eval_rows, config)
+    rows = held_out_rows(prompts.eval_rows, config.generation.eval_generation_samples) \
+        if config.generation.eval_generation else None
     if rows is not None:
         metrics["exact_match_before"] = held_out_exact_match(model, tokenizer, template, rows, config)
 
@@ -91,21 +92,6 @@ def build_reference(model: nn.Module, kl_coef: float, device) -> nn.Module | Non
 def config_dir(config: RunConfig) -> Path | None:
     """The config file's folder: relative reward-function files are also looked up there."""
     return Path(config.source).parent if config.source else None
-
-
-def held_out_rows(eval_rows: dict, config: RunConfig):
-    if not config.generation.eval_generation or not eval_rows:
-        return None
-    rows = next(iter(eval_rows.values()))
-    return rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
-
-
-def held_out_exact_match(model, tokenizer, template, rows, config: RunConfig) -> float:
-    predictions = generate_predictions(
-        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
-        batch_size=config.training.per_device_eval_batch_size * 4,
-    )
-    return exact_match(predictions)
 
 
 def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:

@@ -12,9 +12,9 @@ import logging
 
 from tunelab.config.args import RunConfig
 from tunelab.data.collate import PairedCollator
-from tunelab.data.pairwise import generation_rows, preference_bundle
+from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
-from tunelab.infer.generate import exact_match, generate_predictions
+from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
@@ -72,12 +72,13 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
     held_out = next(iter(evals.values())) if evals else None
-    rows = _generation_rows(data, config) if config.generation.eval_generation else None
+    rows = held_out_rows(data.eval_rows, config.generation.eval_generation_samples) \
+        if config.generation.eval_generation else None
     if held_out is not None and stage == "dpo":
         before = trainer.evaluate(held_out, metric_key_prefix="before")
         metrics["preference_accuracy_before"] = before["before_logps/accuracies"]
     if rows is not None:
-        metrics["exact_match_before"] = _exact_match(trainer.model, tokenizer, template, rows, config)
+        metrics["exact_match_before"] = held_out_exact_match(trainer.model, tokenizer, template, rows, config)
 
     metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
     outputs.save_model(trainer, tokenizer, template, config)
@@ -92,7 +93,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
                 len(held_out), 100 * metrics["preference_accuracy_before"], 100 * metrics["preference_accuracy_after"],
             )
     if rows is not None:
-        metrics["exact_match_after"] = _exact_match(trainer.model, tokenizer, template, rows, config)
+        metrics["exact_match_after"] = held_out_exact_match(trainer.model, tokenizer, template, rows, config)
         logger.info(
             "exact match on %d held-out prompts: %.1f%% before training → %.1f%% after",
             len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
@@ -100,19 +101,3 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     outputs.finish(trainer, metrics, config)
     return metrics
 
-
-def _generation_rows(data, config: RunConfig):
-    """Held-out prompts with the chosen answer as the reference, for greedy exact match."""
-    if not data.eval_rows:
-        return None
-    rows = next(iter(data.eval_rows.values()))
-    rows = rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
-    return generation_rows(rows)
-
-
-def _exact_match(model, tokenizer, template, rows, config: RunConfig) -> float:
-    predictions = generate_predictions(
-        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
-        batch_size=config.training.per_device_eval_batch_size * 4,
-    )
-    return exact_match(predictions)

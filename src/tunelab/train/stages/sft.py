@@ -14,7 +14,7 @@ from tunelab.data.collate import build_collator
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.streaming import build_streaming_supervised
 from tunelab.data.templates import get_template
-from tunelab.infer.generate import exact_match, generate_predictions
+from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
@@ -57,11 +57,10 @@ def run_sft(config: RunConfig) -> dict:
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-    generation_rows = None
-    if config.generation.eval_generation:
-        generation_rows = _generation_rows(data, config.generation.eval_generation_samples)
+    generation_rows = held_out_rows(data.eval_rows, config.generation.eval_generation_samples) \
+        if config.generation.eval_generation else None
     if generation_rows is not None:
-        metrics["exact_match_before"] = _exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_before"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
 
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics.update(result.metrics)
@@ -70,7 +69,7 @@ def run_sft(config: RunConfig) -> dict:
     if data.eval:
         metrics.update(_final_eval_metrics(trainer))
     if generation_rows is not None:
-        metrics["exact_match_after"] = _exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_after"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
         logger.info(
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
@@ -92,17 +91,3 @@ def _final_eval_metrics(trainer) -> dict:
             return {k: v for k, v in record.items() if k.startswith("eval_")}
     return trainer.evaluate()
 
-
-def _generation_rows(data, limit: int):
-    if not data.eval_rows:
-        return None
-    rows = next(iter(data.eval_rows.values()))
-    return rows.select(range(min(limit, len(rows))))
-
-
-def _exact_match(model, tokenizer, template, rows, config: RunConfig) -> float:
-    predictions = generate_predictions(
-        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
-        batch_size=config.training.per_device_eval_batch_size * 4,
-    )
-    return exact_match(predictions)

@@ -1,0 +1,38 @@
+"""The reference answer exact match compares with: a ranking row's chosen answer, else the last assistant turn."""
+
+from __future__ import annotations
+
+import datasets
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.data.templates import get_template
+from tunelab.infer.generate import generate_predictions, held_out_rows
+
+QUESTION = {"role": "user", "content": "Sort the numbers:\n3 1 2"}
+
+
+def _rows() -> datasets.Dataset:
+    return datasets.Dataset.from_list([
+        {"messages": [QUESTION, {"role": "assistant", "content": "1 2 3"}], "system": "", "chosen": "", "rejected": ""},
+        {"messages": [QUESTION], "system": "", "chosen": "1 2 3", "rejected": "2 1 3"},
+        {"messages": [QUESTION], "system": "", "chosen": "", "rejected": ""},
+    ])
+
+
+def test_ranking_rows_are_scored_against_their_chosen_answer():
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+    template = get_template("chatml", tokenizer)
+    supervised, ranking, bare = generate_predictions(model, tokenizer, template, _rows(), max_new_tokens=4)
+    expected_prompt = "<|im_start|>user\nSort the numbers:\n3 1 2<|im_end|>\n<|im_start|>assistant\n"
+    assert [p.prompt for p in (supervised, ranking, bare)] == [expected_prompt] * 3
+    assert [p.reference for p in (supervised, ranking, bare)] == ["1 2 3", "1 2 3", ""]
+    assert supervised.prediction == ranking.prediction == bare.prediction
+
+
+def test_held_out_rows_are_the_first_rows_of_the_first_eval_set():
+    first, second = _rows(), _rows().select([2])
+    assert held_out_rows({}, 10) is None
+    assert held_out_rows({"a": first, "b": second}, 2)["chosen"] == ["", "1 2 3"]
+    assert len(held_out_rows({"a": first}, 10)) == 3
