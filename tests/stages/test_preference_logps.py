@@ -127,3 +127,16 @@ def test_precomputed_reference_equals_on_the_fly(pairs, tokenizer, tmp_path):
         loss_stored = trainer.compute_loss(policy, collator(list(precomputed)))
     assert loss_stored.item() == pytest.approx(loss_fly.item(), abs=1e-6)
     assert loss_fly.item() != pytest.approx(0.6931471805599453, abs=1e-3)  # the policy differs from its reference
+
+
+@pytest.mark.parametrize("cutoff_len, examples, dropped", [(64, 12, 0), (24, 8, 4), (20, 2, 10)])
+def test_kto_counts_two_examples_per_pair_and_every_drop(tokenizer, cutoff_len, examples, dropped):
+    """A pair gives a desirable and an undesirable example: examples + dropped = 2 per pair, exactly."""
+    from tunelab.data.pipeline import encode_dataset  # noqa: PLC0415
+
+    spec = load_registry()["demo_preference"]
+    rows, _ = to_canonical(load_rows(spec).select(range(6)), spec)
+    encoder = preference_encoder("kto", tokenizer, get_template("chatml", tokenizer), DataArguments(cutoff_len=cutoff_len))
+    encoded, stats = encode_dataset(rows, encoder, "train", None)
+    assert (stats.examples, stats.dropped_no_supervised) == (examples, dropped)
+    assert encoded["kto_tag"][:2] == [True, False]

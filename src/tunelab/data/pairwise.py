@@ -150,6 +150,8 @@ class KTOEncoder:
             out["kto_tag"].append(desirable)
             for key, value in _stats([example, kl_example]).items():
                 out[key].append(value)
+        if out["expanded"]:  # a ranking row gives two examples: the batch's extra ones, so drops count exactly
+            out["expanded"][0] = n - len(split)
         return out
 
 
@@ -157,16 +159,6 @@ def preference_encoder(stage: str, tokenizer, template, data_args) -> PairwiseEn
     """The encoder of stage rm / dpo (pairs) or kto: the sft encoder, supervising only the final answer."""
     inner = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len, mask_history=True)
     return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
-
-
-def generation_rows(rows: datasets.Dataset) -> datasets.Dataset:
-    """Ranking rows as supervised rows whose reference answer is the chosen one (for exact match)."""
-    def append_chosen(row: dict) -> dict:
-        if row["chosen"]:
-            return {"messages": [*row["messages"], _assistant(row["chosen"])]}
-        return {"messages": row["messages"]}
-
-    return rows.map(append_chosen, desc="Reference answers")
 
 
 def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_main_process: bool = True):
