@@ -11,6 +11,7 @@ from tunelab.train.rl.rewards import (
     answer_shape,
     exact_match_reward,
     format_reward,
+    item_match_reward,
     load_reward_functions,
     score_completions,
 )
@@ -34,6 +35,12 @@ def test_answer_shape():
 def test_format_reward_needs_the_reference_shape_and_the_end_of_turn():
     # "3 2 1": right shape, wrong order → still 1; "c,b": one letter short → 0; "41": cut off → 0.
     assert format_reward(PROMPTS, COMPLETIONS, REFERENCES, FINISHED) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_item_match_reward_gives_partial_credit_per_position():
+    # "3 2 1" against "1 2 3": the middle item only; "c,b" against "c,b,a": 2 of the longer 3; "41": 0 of 1.
+    assert item_match_reward(PROMPTS, COMPLETIONS, REFERENCES) == [1.0, 1.0, 1 / 3, 2 / 3, 0.0]
+    assert item_match_reward(["p"] * 3, ["1 3 2", "1 2 3 4", ""], ["1 2 3", "1 2 3", "1 2 3"]) == [1 / 3, 0.75, 0.0]
 
 
 def test_weighted_sum_of_reward_functions():
@@ -83,7 +90,7 @@ def test_reward_function_errors(tmp_path):
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
     cases = {
-        "exact": "reward_funcs: 'exact' is not a built-in reward (exact_match, format); "
+        "exact": "reward_funcs: 'exact' is not a built-in reward (exact_match, format, item_match); "
                  "name your own as path/to/file.py:function or package.module:function",
         "missing.py:fn": "reward_funcs: file missing.py does not exist; give a path relative to the working "
                          "directory or the config file",

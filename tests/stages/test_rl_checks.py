@@ -37,7 +37,7 @@ def test_rl_check_messages(tmp_path):
          "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format (built-ins) or "
          "path/to/file.py:function"),
         ({"reward_funcs": "exact_match,accuracy"},
-         "reward_funcs: 'accuracy' is not a built-in reward (exact_match, format); name your own as "
+         "reward_funcs: 'accuracy' is not a built-in reward (exact_match, format, item_match); name your own as "
          "path/to/file.py:function or package.module:function"),
         ({"reward_funcs": "nowhere/rewards.py:score"},
          "reward_funcs: file nowhere/rewards.py does not exist; give a path relative to the working directory or "

@@ -155,7 +155,8 @@ class FinetuningArguments:
     kto_undesirable_weight: float = _help("kto: weight of the loss of undesirable examples.", default=1.0)
     reward_funcs: list[str] | None = _help(
         "grpo: reward functions, comma separated: built-ins exact_match (1 when the answer equals the dataset's "
-        "reference) and format (1 when it ends at the end-of-turn token with the reference's shape), or your own "
+        "reference), format (1 when it ends at the end-of-turn token with the reference's shape) and item_match (the "
+        "share of list items in the reference's positions), or your own "
         "path/to/file.py:fn / package.module:fn with fn(prompts, completions, references) -> list[float].",
         default=None,
     )

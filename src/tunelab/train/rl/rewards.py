@@ -10,7 +10,7 @@ A reward function scores a batch of completions:
 
 A function that also names a parameter `finished` (or takes **kwargs) receives
 `finished: list[bool]`: whether each completion ended at the end-of-turn token rather than at
-max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`), `path/to/file.py:fn`
+max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`), `path/to/file.py:fn`
 or `package.module:fn`; `reward_weights` weighs them (default 1 each), and a completion's reward is
 the weighted sum.
 
@@ -55,7 +55,26 @@ def format_reward(
     ]
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"exact_match": exact_match_reward, "format": format_reward}
+def answer_items(text: str) -> list[str]:
+    """The items of a list answer: split at commas and whitespace ("1 2 3", "c,b,a")."""
+    return [item for item in re.split(r"[,\s]+", text.strip()) if item]
+
+
+def item_match_reward(prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+    """Partial credit for list answers: the share of positions whose item equals the reference's, over the
+    longer of the two lists (a missing or extra item counts as wrong). A one-item answer scores as exact_match;
+    a sorted list with one swapped pair scores (n - 2) / n. It gives a group of mostly wrong answers a signal."""
+    scores = []
+    for completion, reference in zip(completions, references):
+        got, want = answer_items(completion), answer_items(reference)
+        same = sum(a == b for a, b in zip(got, want))
+        scores.append(same / max(len(got), len(want), 1))
+    return scores
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match_reward, "format": format_reward, "item_match": item_match_reward,
+}
 
 
 @dataclass(frozen=True)
