@@ -3,6 +3,9 @@
 What it writes (deterministic: the same files on every run and machine):
 
     model/              the embedded tiny Llama (tokenizer, chat_template.jinja, weights), copied as is
+    model-small/        the same tokenizer on a randomly initialised Llama of real layer widths (hidden 512,
+                        8 layers, 27M non-embedding parameters), for MFU where matmuls are not tiny
+                        (`run.py --model small`)
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
@@ -103,6 +106,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
         shutil.rmtree(model_dir)
     shutil.copytree(TINY_MODEL_DIR, model_dir)
 
+    small_model(model_dir, out / "model-small")
+
     sft = sft_rows(sft_rows_n)
     pref = synthetic.generate("preference", "train", pref_rows_n, seed=0)
     docs = corpus.generate("corpus", "train", docs_n, seed=0)
@@ -140,6 +145,24 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+         "num_key_value_heads": 8, "head_dim": 64}
+
+
+def small_model(tiny_dir: Path, out: Path) -> None:
+    """The tiny model's tokenizer and config with SMALL's widths, weights drawn with a fixed seed."""
+    import torch  # noqa: PLC0415 (slow imports, only when building inputs)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(tiny_dir)
+    for key, value in SMALL.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(out)
+    shutil.copy(tiny_dir / "chat_template.jinja", out / "chat_template.jinja")
 
 
 def main() -> None:

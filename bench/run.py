@@ -23,7 +23,6 @@ of the batches it is given (not the tool's own counters). Per run:
                    launch with the caches the first one left (tunelab's tokenized cache, datasets' cache)
     pack eff       real tokens / positions computed (padding included)
     peak RSS       of the tool's process tree, sampled every 0.1 s
-    loss           the last logged training loss
 
 Every figure is the median over --repeats; the table gives tunelab's ratio to each peer. Raw runs
 and medians go to bench/.results/<time>.json.
@@ -37,6 +36,14 @@ Workloads (a tool without the mode is listed as n/a):
                      isolation; the peers concatenate documents: LlamaFactory pt, TRL wrapped
                      packing, HF's group_texts)
     dpo_lora         DPO (sigmoid, beta 0.1), LoRA; the reference is the adapter-free base
+    sft_lora_defaults  sft_lora as a user would run it: precision, gradient checkpointing, packing,
+                     attention and loader workers left to each tool's defaults (LlamaFactory:
+                     checkpointing on; TRL: checkpointing on, bf16; plain HF: as matched)
+
+    loss           the mean training loss of the last 10 steps
+    t→loss         seconds from launch (preprocessing and start-up included) to the first step where
+                   the 10-step mean loss reaches the workload's target: the highest final mean loss
+                   of the tools, so every tool reaches it
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class Workload:
     learning_rate: float
     rows_file: str  # input file whose rows the preprocessing rate counts
     tools: tuple[str, ...] = TOOLS
+    defaults: bool = False  # each tool's own defaults for what the matched settings pin (precision, checkpointing...)
 
 
 WORKLOADS = {
@@ -84,6 +92,7 @@ WORKLOADS = {
     "sft_full": Workload("sft", "full", False, 5e-5, "sft.json"),
     "pt": Workload("pt", "full", True, 1e-4, "corpus.json"),
     "dpo_lora": Workload("dpo", "lora", False, 1e-4, "pref.json", ("tunelab", "llamafactory", "trl")),
+    "sft_lora_defaults": Workload("sft", "lora", False, 2e-4, "sft.json", defaults=True),
 }
 DATASETS = {"sft": "bench_sft", "pt": "bench_corpus", "dpo": "bench_pref"}
 
@@ -96,6 +105,7 @@ class Settings:
     seed: int
     bf16: bool
     threads: int
+    model: str = "tiny"  # tiny | small (bench/inputs.py)
     lora_rank: int = 8
     lora_alpha: int = 16
 
@@ -103,9 +113,17 @@ class Settings:
 # --- per-tool command lines ---------------------------------------------------------------------
 
 
+def model_dir(s: Settings) -> Path:
+    return DATA / ("model" if s.model == "tiny" else f"model-{s.model}")
+
+
+# With Workload.defaults these keys are left to the tool (trl_train.py / hf_train.py do the same from the spec).
+DEFAULTS_UNPINNED = ("flash_attn", "bf16", "gradient_checkpointing", "packing", "dataloader_num_workers")
+
+
 def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(DATA / "model"), "template": "chatml", "dataset": DATASETS[w.stage],
+        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.stage],
         "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
         "packing": w.packing,
         "flash_attn": "sdpa", "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
@@ -118,6 +136,9 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
         config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_target="all")
     if w.stage == "dpo":
         config.update(pref_beta=0.1, pref_loss="sigmoid")
+    if w.defaults:
+        for key in DEFAULTS_UNPINNED:
+            config.pop(key, None)
     (out / "tunelab.yaml").write_text(yaml.safe_dump(config))
     return [str(TUNELAB_PYTHON), str(PEERS / "probe.py"), "tunelab", "train", str(out / "tunelab.yaml")], \
         "tunelab.data.cache:cached_bundle"
@@ -125,7 +146,7 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
 
 def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(DATA / "model"), "template": "chatml", "dataset": DATASETS[w.stage],
+        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.stage],
         "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
         "cutoff_len": s.cutoff_len, "packing": w.packing, "neat_packing": w.packing and w.stage == "sft",
         "flash_attn": "sdpa", "disable_gradient_checkpointing": True,
@@ -139,6 +160,9 @@ def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tup
         config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, lora_target="all")
     if w.stage == "dpo":
         config.update(pref_beta=0.1, pref_loss="sigmoid")
+    if w.defaults:
+        for key in (*DEFAULTS_UNPINNED, "disable_gradient_checkpointing", "neat_packing"):
+            config.pop(key, None)
     (out / "llamafactory.yaml").write_text(yaml.safe_dump(config))
     python = VENVS / "llamafactory" / "bin" / "python"
     return [str(python), str(PEERS / "probe.py"), "llamafactory-cli", "train", str(out / "llamafactory.yaml")], \
@@ -147,10 +171,10 @@ def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tup
 
 def _spec_file(w: Workload, s: Settings, steps: int, out: Path) -> Path:
     spec = {
-        "stage": w.stage, "finetuning": w.finetuning, "packing": w.packing, "model": str(DATA / "model"),
+        "stage": w.stage, "finetuning": w.finetuning, "packing": w.packing, "model": str(model_dir(s)),
         "data_dir": str(DATA), "output_dir": str(out / "output"), "cutoff_len": s.cutoff_len,
         "batch_size": s.batch_size, "max_steps": steps, "learning_rate": w.learning_rate, "seed": s.seed,
-        "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1,
+        "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1, "defaults": w.defaults,
     }
     path = out / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -227,6 +251,29 @@ def launch(argv: list[str], env: dict, workdir: Path, timeout: float) -> Launch:
     return Launch(returncode, time.time() - start, peak[0] / 2**20, events, tail)
 
 
+LOSS_WINDOW = 10  # training loss figures are means over this many steps: one step's loss is one batch's
+
+
+def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Seconds from launch to the first step where the mean loss of the last LOSS_WINDOW steps is <= target."""
+    for i in range(LOSS_WINDOW, len(curve) + 1):
+        if statistics.fmean(loss for _, loss in curve[i - LOSS_WINDOW : i]) <= target:
+            return curve[i - 1][0]
+    return None
+
+
+def add_time_to_target(runs: list[dict]) -> float | None:
+    """Every tool's time to the loss that all of them reach (the highest of their final mean losses)."""
+    finals = [r["final_loss"] for r in runs if r.get("final_loss") is not None]
+    if not finals:
+        return None
+    target = max(finals)
+    for r in runs:
+        if r.get("loss_curve"):
+            r["target_loss"], r["time_to_target_s"] = target, time_to_loss(r["loss_curve"], target)
+    return target
+
+
 def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflops: float) -> dict:
     """One repeat's figures from its cold (measured) and warm (second-launch) runs."""
     steps = [e for e in cold.events if e["event"] == "step"]
@@ -241,7 +288,10 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
     tokens = sum(e["tokens"] for e in window)
     supervised = sum(e["supervised"] for e in window)
     preprocess = sum(e["seconds"] for e in cold.events if e["event"] == "preprocess")
-    losses = [e["logs"]["loss"] for e in cold.events if e["event"] == "log" and "loss" in e["logs"]]
+    at = {e["step"]: e["since_launch"] for e in steps}
+    curve = [(at[e["step"]], e["logs"]["loss"]) for e in cold.events
+             if e["event"] == "log" and "loss" in e["logs"] and e["step"] in at]
+    losses = [loss for _, loss in curve]
     tok_s = tokens / seconds
     warm_steps = [e for e in (warm.events if warm else []) if e["event"] == "step"]
     return {
@@ -252,9 +302,13 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "preprocess_s": preprocess,
         "ttfs_first_s": steps[0]["since_launch"],
         "ttfs_second_s": warm_steps[0]["since_launch"] if warm_steps else None,
+        # where a second launch spends its time: up to the Trainer's train_begin (imports, cached data, model)
+        "second_train_begin_s": next((e["since_launch"] for e in warm.events if e["event"] == "train_begin"), None)
+        if warm else None,
         "pack_eff": sum(e["tokens"] for e in steps) / sum(e["positions"] for e in steps),
         "peak_rss_mb": cold.peak_rss_mb,
-        "final_loss": losses[-1] if losses else None,
+        "final_loss": statistics.fmean(losses[-LOSS_WINDOW:]) if losses else None,
+        "loss_curve": curve,
         "steps": len(steps),
         "steady_steps": len(window),
         "tokens_per_step": sum(e["tokens"] for e in steps) / len(steps),
@@ -314,14 +368,17 @@ def median_of(records: list[dict], key: str):
 COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
            ("pre_ex_s", "pre ex/s", "{:,.0f}"), ("ttfs_first_s", "ttfs 1st", "{:.1f}s"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
-           ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}")]
+           ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
+           ("time_to_target_s", "t→loss", "{:.1f}s")]
 HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
 
 
-def table(medians: dict) -> str:
+def table(medians: dict, targets: dict) -> str:
     lines = []
     for name, by_tool in medians.items():
-        lines.append(f"\n{name}")
+        target = f" (t→loss: seconds from launch to a {LOSS_WINDOW}-step mean loss <= {targets[name]:.4f})" \
+            if targets.get(name) is not None else ""
+        lines.append(f"\n{name}{target}")
         lines.append(f"{'tool':<13}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS))
         for tool, m in by_tool.items():
             if "error" in m:
@@ -336,12 +393,15 @@ def table(medians: dict) -> str:
             cells = []
             for key, _, _ in COLUMNS:
                 a, b = ours.get(key), m.get(key)
-                if a is None or b is None or key == "final_loss" or not b or not a:
-                    cells.append("-" if key != "final_loss" or a is None or b is None else f"{a - b:+.4f}")
+                if key == "final_loss" and a is not None and b:
+                    cells.append(f"{(a - b) / b:+.1%}")
+                    continue
+                if a is None or b is None or not b or not a:
+                    cells.append("-")
                     continue
                 cells.append(f"{a / b if key in HIGHER_IS_BETTER else b / a:.2f}x")
             lines.append(f"{'  vs ' + tool:<13}" + "".join(f"{c:>11}" for c in cells))
-    return "\n".join(lines) + "\n(ratios: tunelab's advantage, >1 is better for tunelab; loss: tunelab minus peer)"
+    return "\n".join(lines) + "\n(ratios: tunelab's advantage, >1 is better for tunelab; loss: tunelab's relative difference)"
 
 
 def main() -> None:
@@ -354,13 +414,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--cutoff-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=("tiny", "small"), default="tiny",
+                        help="tiny: the embedded model (853k non-embedding parameters); small: random init, 27M")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/MKL threads of every tool")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     parser.add_argument("--label", default="", help="free text stored with the results (e.g. 'smoke')")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (configs, logs, outputs)")
     args = parser.parse_args()
-    settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads)
+    settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model)
     workloads = args.workloads.split(",")
     tools = args.tools.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]
@@ -370,7 +432,7 @@ def main() -> None:
         if not tool_python(tool).exists():
             parser.error(f"{tool}: {tool_python(tool)} is missing; run `bash bench/peers/setup.sh` first")
 
-    if not (DATA / "manifest.json").exists():
+    if not (DATA / "manifest.json").exists() or not model_dir(settings).exists():
         subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py")], check=True, stdout=subprocess.DEVNULL)
     manifest = json.loads((DATA / "manifest.json").read_text())
     rows = {"sft.json": manifest["rows"]["sft"], "pref.json": manifest["rows"]["pref"],
@@ -382,12 +444,12 @@ def main() -> None:
     peak = json.loads(subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "matmul_peak.py")], env=env, check=True,
                                      capture_output=True, text=True).stdout)
     peak_key = "bf16_gflops" if args.bf16 else "fp32_gflops"
-    params = non_embedding_params(DATA / "model")
+    params = non_embedding_params(model_dir(settings))
     print(f"matmul peak ({peak['threads']} threads): fp32 {peak['fp32_gflops']:.1f} GFLOP/s, "
           f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s; model: {params:,} non-embedding parameters", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="bench-peers-"))
-    records, medians = [], {}
+    records, medians, targets = [], {}, {}
     for name in workloads:
         medians[name] = {}
         for tool in tools:
@@ -405,14 +467,18 @@ def main() -> None:
                 if record["returncode"] != 0:
                     print(record["error"][-1500:], flush=True)
                     break
-            good = [r for r in runs if r["returncode"] == 0]
+        done = [r for r in records if r["workload"] == name and r["returncode"] == 0]
+        target = add_time_to_target(done)
+        for tool in [t for t in tools if t in WORKLOADS[name].tools]:
+            good = [r for r in done if r["tool"] == tool]
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
-                                       ("tool", "workload", "repeat", "returncode")}
+                                       ("tool", "workload", "repeat", "returncode", "loss_curve")}
             else:
-                medians[name][tool] = {"error": f"failed (exit {runs[-1]['returncode']}), see the JSON"}
+                medians[name][tool] = {"error": "failed, see the JSON"}
+        targets[name] = target
 
-    print(table(medians))
+    print(table(medians, targets))
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
@@ -421,7 +487,7 @@ def main() -> None:
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30,
                     "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
         "versions": {tool: venv_versions(tool_python(tool)) for tool in tools},
-        "inputs": manifest, "medians": medians, "runs": records,
+        "inputs": manifest, "medians": medians, "target_losses": targets, "runs": records,
     }
     path = RESULTS / f"peers-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))

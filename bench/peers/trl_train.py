@@ -2,7 +2,8 @@
 
 Run by bench/run.py through bench/peers/probe.py in bench/.venvs/trl, with one argument: the JSON
 spec run.py wrote (see hf_train.py). TRL's own defaults that differ from the matched settings are
-set explicitly: gradient_checkpointing False and bf16 from the spec (TRL defaults: True and True).
+set explicitly: gradient_checkpointing False and bf16 from the spec (TRL defaults: True and True);
+with "defaults" in the spec (workload sft_lora_defaults) they are left to TRL.
 
     sft  prompt/completion messages (bench/.data/peers/sft_chat.json) through the tokenizer's
          chat_template; loss on the completion only (TRL's default for this format);
@@ -41,6 +42,9 @@ def main() -> None:
         bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=True,
         disable_tqdm=True, max_length=spec["cutoff_len"],
     )
+    if spec.get("defaults"):  # the sft_lora_defaults workload: TRL's own choices, as a user would run it
+        for key in ("bf16", "gradient_checkpointing", "dataloader_num_workers"):
+            common.pop(key)
     if spec["stage"] == "dpo":
         from trl import DPOConfig, DPOTrainer  # noqa: PLC0415
 
