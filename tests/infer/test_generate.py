@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -31,8 +33,13 @@ def test_ranking_rows_are_scored_against_their_chosen_answer():
     assert supervised.prediction == ranking.prediction == bare.prediction
 
 
+def _config(eval_generation: bool, samples: int):
+    return SimpleNamespace(generation=SimpleNamespace(eval_generation=eval_generation, eval_generation_samples=samples))
+
+
 def test_held_out_rows_are_the_first_rows_of_the_first_eval_set():
     first, second = _rows(), _rows().select([2])
-    assert held_out_rows({}, 10) is None
-    assert held_out_rows({"a": first, "b": second}, 2)["chosen"] == ["", "1 2 3"]
-    assert len(held_out_rows({"a": first}, 10)) == 3
+    assert held_out_rows({}, _config(True, 10)) is None
+    assert held_out_rows({"a": first}, _config(False, 10)) is None
+    assert held_out_rows({"a": first, "b": second}, _config(True, 2))["chosen"] == ["", "1 2 3"]
+    assert len(held_out_rows({"a": first}, _config(True, 10))) == 3

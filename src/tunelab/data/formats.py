@@ -118,6 +118,17 @@ def template_messages(row: dict) -> list[dict[str, Any]]:
     return messages
 
 
+def prompt_and_reference(row: dict) -> tuple[list[dict[str, Any]], str]:
+    """A canonical row as the template messages of its prompt and its reference answer: a ranking row's chosen
+    answer, else its last assistant turn ("" when the row ends with another role)."""
+    messages = template_messages(row)
+    if row.get("chosen"):
+        return messages, row["chosen"]
+    if messages and messages[-1]["role"] == "assistant":
+        return messages[:-1], messages[-1]["content"]
+    return messages, ""
+
+
 class _Converter:
     """Row converter for one dataset spec (a class so datasets.map can pickle it)."""
 

@@ -24,7 +24,7 @@ import datasets
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import _parse_tools
-from tunelab.data.formats import template_messages
+from tunelab.data.formats import prompt_and_reference
 from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
 from tunelab.errors import DataError
@@ -50,13 +50,7 @@ class PromptEncoder:
     template: Template
 
     def __call__(self, row: dict) -> dict:
-        messages = template_messages(row)
-        if row.get("chosen"):
-            reference = row["chosen"]
-        elif messages and messages[-1]["role"] == "assistant":
-            reference = messages.pop()["content"]
-        else:
-            reference = ""
+        messages, reference = prompt_and_reference(row)
         prompt = self.template.prompt(
             messages, _parse_tools(row.get("tools") or None),
             bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tunelab.data.formats import prompt_and_reference
 from tunelab.data.templates import Template
 
 
@@ -37,17 +38,6 @@ def stop_token_ids(tokenizer, template: Template) -> list[int]:
     return sorted(set(ids))
 
 
-def _conversation(row: dict) -> tuple[list[dict], str]:
-    """(prompt messages, reference answer): a ranking row's chosen answer, else the last assistant turn."""
-    messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-    if row.get("system"):
-        messages.insert(0, {"role": "system", "content": row["system"]})
-    if row.get("chosen"):
-        return messages, row["chosen"]
-    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
-    return messages, reference
-
-
 @torch.no_grad()
 def generate_predictions(
     model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32
@@ -57,7 +47,7 @@ def generate_predictions(
     model.eval()
     stops = stop_token_ids(tokenizer, template)
     tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
-    items = [_conversation(row) for row in rows]
+    items = [prompt_and_reference(row) for row in rows]
     prompts = [template.prompt(messages, **tokens) for messages, _ in items]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -86,13 +76,13 @@ def exact_match(predictions: list[Prediction]) -> float:
     return sum(p.exact_match for p in predictions) / max(len(predictions), 1)
 
 
-def held_out_rows(eval_rows: dict, limit: int):
-    """The canonical rows the stages' before/after exact match is measured on: the first `limit` rows
-    of the first eval set (None without one)."""
-    if not eval_rows:
+def held_out_rows(eval_rows: dict, config):
+    """The canonical rows the stages' before/after exact match is measured on: the first
+    eval_generation_samples rows of the first eval set (None without eval_generation or an eval set)."""
+    if not config.generation.eval_generation or not eval_rows:
         return None
     rows = next(iter(eval_rows.values()))
-    return rows.select(range(min(limit, len(rows))))
+    return rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
 
 
 def held_out_exact_match(model, tokenizer, template: Template, rows, config) -> float:

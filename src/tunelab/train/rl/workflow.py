@@ -57,8 +57,7 @@ def run_stage(
     reference = build_reference(model, ft.kl_coef, accelerator.device)
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
 
-    rows = held_out_rows(prompts.eval_rows, config.generation.eval_generation_samples) \
-        if config.generation.eval_generation else None
+    rows = held_out_rows(prompts.eval_rows, config)
     if rows is not None:
         metrics["exact_match_before"] = held_out_exact_match(model, tokenizer, template, rows, config)
 

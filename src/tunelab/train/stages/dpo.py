@@ -72,8 +72,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
     held_out = next(iter(evals.values())) if evals else None
-    rows = held_out_rows(data.eval_rows, config.generation.eval_generation_samples) \
-        if config.generation.eval_generation else None
+    rows = held_out_rows(data.eval_rows, config)
     if held_out is not None and stage == "dpo":
         before = trainer.evaluate(held_out, metric_key_prefix="before")
         metrics["preference_accuracy_before"] = before["before_logps/accuracies"]

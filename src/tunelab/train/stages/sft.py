@@ -57,8 +57,7 @@ def run_sft(config: RunConfig) -> dict:
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-    generation_rows = held_out_rows(data.eval_rows, config.generation.eval_generation_samples) \
-        if config.generation.eval_generation else None
+    generation_rows = held_out_rows(data.eval_rows, config)
     if generation_rows is not None:
         metrics["exact_match_before"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
 
