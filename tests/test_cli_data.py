@@ -48,7 +48,7 @@ def test_stats_prints_the_numbers_and_saves_the_histogram(demo: Path, capsys) ->
         "train: 64 samples (stage sft, template chatml, cutoff_len 128)",
         "length (tokens): min 25, max 33, mean 28.44, median 29, p95 33",
         "supervised tokens: 494 of 1820 (27.1%) reach the loss",
-        "token utilisation: 86.2% in batches of 16 padded to their longest (shuffled, seed 42); "
+        "token utilisation: 86.2% in batches of 16 padded to their longest, 86.2% padding-free (shuffled, seed 42); "
         "22.2% if padded to cutoff_len 128",
         "rows (demo_reverse): 64 read, 0 dropped with an empty answer",
         "encoding: 0 truncated to cutoff_len 128 (answers cut short), 0 dropped with no supervised token left",
@@ -79,13 +79,31 @@ def test_data_commands_ignore_a_non_empty_output_dir(demo: Path, capsys) -> None
 
 
 def test_verify_passes_and_summarises(demo: Path, capsys) -> None:
-    code, lines, _ = run(capsys, "verify", str(demo))
+    code, lines, _ = run(capsys, "verify", str(demo), "padding_free=false")
     assert code == 0
     assert lines[0] == (
         "train: 4 batches, 64 samples, through SupervisedCollator: input_ids, labels, attention_mask; first batch (16, 33)"
     )
     assert lines[1] == "  494 supervised positions: label == input_id (the loss shifts them)"
     assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
+
+
+def test_verify_padding_free_is_the_default(demo: Path, capsys) -> None:
+    """Mixed lengths (short reversals, long conversations): the same samples in fewer, padding-free rows."""
+    mixed = ("dataset=demo_reverse,demo_multiturn", "max_samples=32")
+    code, padded, _ = run(capsys, "verify", str(demo), *mixed, "padding_free=false")
+    assert code == 0
+    assert padded[2] == "  3019 padding positions: pad id 0, label -100, attention_mask 0 (1 on every real token)"
+    code, lines, _ = run(capsys, "verify", str(demo), *mixed)
+    assert code == 0
+    assert lines[:4] == [
+        "train: 4 batches, 64 samples, through PaddingFreeCollator (position_ids): input_ids, labels, position_ids; "
+        "first batch (10, 91)",
+        padded[1],  # the same supervised positions
+        "  64 padding-free samples in 40 batch rows: position ids restart at 0 at each start and step by 1; "
+        "label -100 at every sample start",
+        "  643 padding positions: pad id 0, label -100",
+    ]
 
 
 def test_verify_packed_uses_the_packed_collator(demo: Path, capsys) -> None:
@@ -96,7 +114,8 @@ def test_verify_packed_uses_the_packed_collator(demo: Path, capsys) -> None:
         "first batch (15, 128)"
     )
     assert lines[2] == (
-        "  64 packed samples: position ids restart at 0 at each start and step by 1; label -100 at every sample start"
+        "  64 packed samples in 15 batch rows: position ids restart at 0 at each start and step by 1; "
+        "label -100 at every sample start"
     )
 
 

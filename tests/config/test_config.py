@@ -54,6 +54,8 @@ def test_yaml_and_overrides_are_typed(tmp_path, base):
     assert config.training.bf16 is True
     assert config.finetuning.lora_target == ["q_proj", "v_proj"]
     assert config.data.dataset == ["demo_reverse", "demo_add"]
+    assert config.data.padding_free is None  # on where the model supports it (data/collate.py)
+    assert load_config(write(tmp_path, base), ["padding_free=false"]).data.padding_free is False
     assert config.training.report_to == [] or config.training.report_to == "none" or config.training.report_to == ["none"]
 
 
@@ -107,6 +109,12 @@ def test_bad_yaml_names_line(tmp_path):
         ({"dataset": None}, "dataset is not set: name one or more datasets from dataset_info.json"),
         ({"interleave_probs": [0.5, 0.5]}, "interleave_probs needs mix_strategy: interleave_under or interleave_over"),
         ({"output_dir": None}, "output_dir is not set: add `output_dir: saves/my-run` to the config"),
+        ({"packing": True, "flash_attn": "fa2", "trust_remote_code": True},
+         "packing with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
+         "set flash_attn: sdpa (a block mask is used), or packing: false"),
+        ({"padding_free": True, "flash_attn": "fa2", "trust_remote_code": True},
+         "padding_free with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
+         "set flash_attn: sdpa (a block mask is used), or padding_free: false"),
     ],
 )
 def test_cross_argument_checks(tmp_path, base, extra, message):

@@ -18,6 +18,7 @@ from tunelab.data.inspect import (
     length_stats,
     pack_rows,
     padded_slots,
+    padding_free_slots,
     split_characters,
     supervised_counts,
     verify_batch,
@@ -47,6 +48,10 @@ def test_length_stats_on_a_hand_computed_example() -> None:
 
 def test_padded_slots_and_batch_order() -> None:
     assert padded_slots([3, 1, 1, 7], 3) == 3 * 3 + 7
+    # Padding-free, rows of each batch's longest: [3] [1 1] then [7]; [10] [4 3 2].
+    assert padding_free_slots([3, 1, 1, 7], 3) == 2 * 3 + 7
+    assert padding_free_slots([10, 3, 4, 2], 4) == 2 * 10
+    assert length_stats([10, 3, 4, 2], [1, 1, 1, 1], cutoff_len=10, batch_size=4).utilisation_padding_free == 19 / 20
     assert batch_order(4, "sequential", 0).tolist() == [0, 1, 2, 3]
     shuffled = batch_order(50, "random", 42)
     assert sorted(shuffled.tolist()) == list(range(50)) and shuffled.tolist() != list(range(50))

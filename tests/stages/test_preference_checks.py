@@ -60,6 +60,9 @@ def test_packing_is_refused(tmp_path):
     assert error_of(tmp_path, {**base(tmp_path, "dpo"), "packing": True}) == (
         "packing: true is not supported with stage dpo (pairs are padded, not packed); set packing: false"
     )
+    assert error_of(tmp_path, {**base(tmp_path, "rm"), "padding_free": True}) == (
+        "padding_free: true does not apply to stage rm (pairs are padded); remove it"
+    )
 
 
 def test_precompute_needs_a_reference(tmp_path):

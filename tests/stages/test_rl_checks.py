@@ -64,6 +64,8 @@ def test_rl_check_messages(tmp_path):
         ({"num_iterations": "0"}, "num_iterations must be at least 1, got 0"),
         ({"packing": "true"},
          "packing: true does not apply to stage grpo (it trains on its own generations); set packing: false"),
+        ({"padding_free": "true"},
+         "padding_free: true does not apply to stage grpo (it trains on its own generations); remove it"),
         ({"eval_strategy": "steps", "eval_dataset": "demo_sort_test"},
          "eval_strategy: stage grpo has no eval loss; remove eval_strategy and use eval_generation (held-out exact "
          "match before and after)"),

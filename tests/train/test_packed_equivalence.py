@@ -17,10 +17,16 @@ import datasets
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
-from tunelab.data.collate import PackedCollator, SupervisedCollator
+from tunelab.data.collate import (
+    PackedCollator,
+    PaddingFreeCollator,
+    SupervisedCollator,
+    build_collator,
+    side_by_side,
+)
 from tunelab.data.packing import pack_dataset, pack_lengths
 from tunelab.model.load import load_model
 from tunelab.train.losses import causal_lm_loss
@@ -58,11 +64,14 @@ def packed_rows() -> list[dict]:
     return packed.to_list()
 
 
-def sample_logits(logits: torch.Tensor, position_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-    """Logits of every sample by its index, from an unpacked (position_ids None) or a packed batch."""
+def sample_logits(
+    logits: torch.Tensor, position_ids: torch.Tensor | None = None, capacity: int = CUTOFF
+) -> dict[int, torch.Tensor]:
+    """Logits of every sample by its index, from an unpacked (position_ids None) or a packed batch
+    (rows of `capacity`: CUTOFF for pack_dataset, the longest sample for padding-free batches)."""
     if position_ids is None:
         return {i: logits[i, : len(s["input_ids"])] for i, s in enumerate(samples())}
-    bins = pack_lengths([len(s["input_ids"]) for s in samples()], CUTOFF)  # the bins pack_dataset used
+    bins = pack_lengths([len(s["input_ids"]) for s in samples()], capacity)  # the bins the collator used
     out = {}
     for row, members in enumerate(bins):
         starts = (position_ids[row] == 0).nonzero().flatten().tolist()
@@ -71,14 +80,14 @@ def sample_logits(logits: torch.Tensor, position_ids: torch.Tensor | None = None
     return out
 
 
-def forward_backward(model, batch: dict) -> tuple[float, dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+def forward_backward(model, batch: dict, capacity: int = CUTOFF) -> tuple[float, dict[int, torch.Tensor], dict[str, torch.Tensor]]:
     model.zero_grad()
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits
     loss = causal_lm_loss(logits, batch["labels"])
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return loss.item(), sample_logits(logits.detach(), batch.get("position_ids")), grads
+    return loss.item(), sample_logits(logits.detach(), batch.get("position_ids"), capacity), grads
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -152,6 +161,81 @@ def test_packed_trainer_step_equals_unpacked(tmp_path, tiny_llama_dir):
     print(f"trainer step: loss {abs(loss_p - loss_u):.1e}, grads {max_diff(grads_u, grads_p):.1e}")
     assert loss_p == pytest.approx(loss_u, abs=1e-5)
     assert max_diff(grads_u, grads_p) < 1e-5
+
+
+def test_side_by_side_layout():
+    """Position ids restart per example and each example's first label is -100; varlen flattens the rows."""
+    a = {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}
+    b = {"input_ids": [8, 9], "labels": [8, 9]}
+    c = {"input_ids": [4, 3, 2, 1, 11], "labels": [-100, -100, 2, 1, 11]}
+    assert side_by_side([a, b]) == {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, 6, 7, -100, 9], "position_ids": [0, 1, 2, 0, 1]}
+    batch = PaddingFreeCollator(PackedCollator(0))([a, b, c])  # rows of 5: [c] [a b]
+    assert batch["input_ids"].tolist() == [[4, 3, 2, 1, 11], [5, 6, 7, 8, 9]]
+    assert batch["labels"].tolist() == [[-100, -100, 2, 1, 11], [-100, 6, 7, -100, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    d = {"input_ids": [1], "labels": [1]}
+    padded = PaddingFreeCollator(PackedCollator(0))([a, d])  # rows of 3: [a] [d + 2 padding]
+    assert padded["input_ids"].tolist() == [[5, 6, 7], [1, 0, 0]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2], [0, 0, 1]]
+    assert padded["labels"].tolist() == [[-100, 6, 7], [-100, -100, -100]]
+    varlen = PaddingFreeCollator(PackedCollator(0, "varlen"))([a, b, c])
+    assert varlen["input_ids"].tolist() == [[4, 3, 2, 1, 11, 5, 6, 7, 8, 9]]
+    assert varlen["cu_seq_lens_q"].tolist() == [0, 5, 8, 10] and varlen["max_length_q"] == 5
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_equals_padded(model_dir, attn):
+    """The same examples side by side: logits, loss and gradients of the padded batch, on fewer positions."""
+    model = load(model_dir, attn)
+    loss_u, logits_u, grads_u = forward_backward(model, SupervisedCollator(0)(samples()))
+    batch = PaddingFreeCollator(PackedCollator(0))(samples())
+    # Lengths 5, 12, ..., 54 in rows of 54 (best-fit decreasing): [54] [47 5] [40 12] [33 19] [26]
+    assert batch["input_ids"].shape == (5, 54)
+    assert (batch["labels"][:, 1:] != -100).sum() == sum(sum(v != -100 for v in s["labels"][1:]) for s in samples())
+    loss_f, logits_f, grads_f = forward_backward(model, batch, capacity=54)
+    diffs = {"loss": abs(loss_f - loss_u), "logits": max_diff(logits_u, logits_f), "grads": max_diff(grads_u, grads_f)}
+    print(f"{model_dir.name} {attn}: max |padding-free - padded| " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert len(logits_f) == len(samples())
+    assert diffs["loss"] < 1e-5 and diffs["logits"] < 1e-5 and diffs["grads"] < 1e-5
+
+
+def test_padding_free_trainer_step_equals_padded(tmp_path, tiny_llama_dir):
+    """The real path: build_collator picks padding-free batches for transformers' own Llama with sdpa."""
+    unpacked = datasets.Dataset.from_list(samples())
+    picked = []
+
+    def padding_free(model):
+        picked.append(build_collator(model, 0, packing=False, padding_free=None))
+        return picked[-1]
+
+    grads_u, loss_u = trainer_step(tmp_path / "u", tiny_llama_dir, unpacked, lambda m: SupervisedCollator(0))
+    grads_f, loss_f = trainer_step(tmp_path / "f", tiny_llama_dir, unpacked, padding_free)
+    assert picked[0] == PaddingFreeCollator(PackedCollator(0, "position_ids"))
+    print(f"trainer step: loss {abs(loss_f - loss_u):.1e}, grads {max_diff(grads_u, grads_f):.1e}")
+    assert loss_f == pytest.approx(loss_u, abs=1e-5)
+    assert max_diff(grads_u, grads_f) < 1e-5
+
+
+class RemoteCodeLlama(LlamaForCausalLM):
+    """Stands for modelling code outside transformers (trust_remote_code), which may ignore packed position ids."""
+
+
+def test_padding_free_default_only_where_samples_stay_isolated_natively(tiny_llama_dir, caplog):
+    config = AutoConfig.from_pretrained(tiny_llama_dir)
+    config.use_cache = False
+    native = LlamaForCausalLM(config)
+    assert build_collator(native, 0, packing=False) == SupervisedCollator(0)  # padding_free: false
+    assert build_collator(native, 0, packing=False, padding_free=None) == PaddingFreeCollator(PackedCollator(0))
+    remote = RemoteCodeLlama(config)
+    with caplog.at_level("INFO", logger="tunelab.data.collate"):
+        assert build_collator(remote, 0, packing=False, padding_free=None) == SupervisedCollator(0)
+    assert caplog.messages == [
+        "padding-free batches off (RemoteCodeLlama is not transformers' own model code): examples are padded to "
+        "the longest of each batch"
+    ]
+    # Asked for explicitly, it still isolates samples, with the explicit block mask.
+    assert build_collator(remote, 0, packing=False, padding_free=True).packed.attention == "block_mask"
 
 
 @pytest.mark.slow

@@ -68,6 +68,12 @@ class DataArguments:
         "Pack several examples into one row of cutoff_len; samples stay isolated (attention and positions).",
         default=False,
     )
+    padding_free: bool | None = _help(
+        "Unpacked sft/pt: lay each batch's examples side by side in rows no longer than its longest example "
+        "(isolated as in packing) instead of padding each one: same examples, same loss, fewer positions. "
+        "Default: on where the model's attention isolates packed samples natively (logged when off).",
+        default=None,
+    )
     dedup: Literal["none", "exact", "near"] = _help(
         "Remove duplicate training rows before encoding: exact (same rendered conversation) or near "
         "(MinHash LSH over the text; pip install tunelab[dedup]).",

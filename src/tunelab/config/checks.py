@@ -236,6 +236,11 @@ def _check_data(config: RunConfig) -> None:
             "packing with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
             "set flash_attn: sdpa (a block mask is used), or packing: false"
         )
+    if data.padding_free and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
+        raise ConfigError(
+            "padding_free with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
+            "set flash_attn: sdpa (a block mask is used), or padding_free: false"
+        )
     if not data.dataset:
         raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
     if data.val_size < 0:
@@ -328,6 +333,8 @@ def _check_preference(config: RunConfig) -> None:
                 )
     if data.packing:
         raise ConfigError(f"packing: true is not supported with stage {stage} (pairs are padded, not packed); set packing: false")
+    if data.padding_free:
+        raise ConfigError(f"padding_free: true does not apply to stage {stage} (pairs are padded); remove it")
     if data.streaming:
         raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
     if data.train_on_prompt:
@@ -388,6 +395,8 @@ def _check_rl(config: RunConfig) -> None:
     data, args = config.data, config.training
     if data.packing:
         raise ConfigError(f"packing: true does not apply to stage {stage} (it trains on its own generations); set packing: false")
+    if data.padding_free:
+        raise ConfigError(f"padding_free: true does not apply to stage {stage} (it trains on its own generations); remove it")
     if data.streaming:
         raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
     if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no":

@@ -19,6 +19,14 @@ model's attention backend gets its block-causal mask (see the packing module doc
 
 Padding is its own pseudo-sample (position ids 0, 1, ... and labels -100), so it is isolated like
 any sample: real tokens never attend to it, and it attends only to itself (never an all-masked row).
+
+Padding-free batches (PaddingFreeCollator, the default for unpacked training where the model isolates
+packed samples natively) keep the examples of the step and lay them side by side instead of padding
+each one: best-fit decreasing into rows as long as the micro-batch's longest example, then the packed
+keys above. Eight examples of lengths 512, 90, 60, 40, 30, 25, 25, 20:
+
+    padded          8 rows x 512 = 4,096 positions
+    padding-free    2 rows x 512 = 1,024 positions: [512] and [90 60 40 30 25 25 20 + 222 padding]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Literal
 import torch
 
 from tunelab.data.encode import IGNORE_INDEX
+from tunelab.data.packing import pack_lengths
 from tunelab.errors import ModelError
 
 logger = logging.getLogger(__name__)
@@ -107,10 +116,9 @@ class PackedCollator:
     @classmethod
     def for_model(cls, model, pad_token_id: int, pad_to_multiple_of: int | None = None) -> "PackedCollator":
         """The collator whose batches keep samples isolated in this model (PEFT-wrapped or not)."""
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base = _base_model(model)
         attn = getattr(base.config, "_attn_implementation", None) or "eager"
-        # Only transformers' own modelling code is known to read packed position ids (masking_utils).
-        native = type(base).__module__.startswith("transformers.")
+        native = _native(base)
         if getattr(base.config, "use_cache", False):
             raise ModelError(
                 "packing needs the model's use_cache=False: with a KV cache, packed samples attend to each other"
@@ -174,7 +182,72 @@ def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.flo
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def build_collator(model, pad_token_id: int, packing: bool) -> SupervisedCollator | PackedCollator:
+@dataclass
+class PaddingFreeCollator:
+    """Unpacked examples laid side by side (module docstring): the step has the same examples and the
+    same supervised tokens as padded batches, so the same loss and gradients (pinned by
+    tests/train/test_packed_equivalence.py); it never computes more positions, nor more attention
+    pairs, than padding every example to the longest, because no row is longer than that example."""
+
+    packed: PackedCollator
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor | int]:
+        layout = padding_free_layout([len(e["input_ids"]) for e in examples])
+        return self.packed([side_by_side([examples[i] for i in row]) for row in layout])
+
+
+def padding_free_layout(lengths: list[int]) -> list[list[int]]:
+    """The examples (indices, ascending) of each padding-free row: best-fit decreasing into rows of the longest."""
+    return pack_lengths(lengths, max(lengths))
+
+
+def side_by_side(examples: list[dict]) -> dict[str, list[int]]:
+    """One packed row of whole examples: position ids restart per example, and each example's first label
+    is -100, as data/packing.py lays rows out (nothing predicts across a boundary)."""
+    row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for example in examples:
+        ids = list(example["input_ids"])
+        row["input_ids"] += ids
+        row["labels"] += [IGNORE_INDEX, *list(example["labels"])[1:]]
+        row["position_ids"] += range(len(ids))
+    return row
+
+
+def padding_free_support(model) -> str | None:
+    """Why this model cannot take padding-free batches by default, or None when it can: only where
+    transformers' own modelling code isolates samples natively (position ids or varlen flash
+    attention), not through the explicit O(L²) block mask, which would cost more than it saves."""
+    base = _base_model(model)
+    attn = getattr(base.config, "_attn_implementation", None) or "eager"
+    if not _native(base):
+        return f"{type(base).__name__} is not transformers' own model code"
+    if attn not in ("sdpa", "eager", "flex_attention") and not attn.startswith("flash_attention"):
+        return f"attention '{attn}' is not known to isolate packed samples"
+    return None
+
+
+def build_collator(
+    model, pad_token_id: int, packing: bool, padding_free: bool | None = False
+) -> SupervisedCollator | PackedCollator | PaddingFreeCollator:
     """The training collator of every stage: packed rows need the mechanism that isolates samples in
-    this model's attention backend; plain examples are padded."""
-    return PackedCollator.for_model(model, pad_token_id) if packing else SupervisedCollator(pad_token_id)
+    this model's attention backend; plain examples go padding-free (None: where the model supports it,
+    logged) or padded."""
+    if packing:
+        return PackedCollator.for_model(model, pad_token_id)
+    if padding_free is None:
+        reason = padding_free_support(model)
+        if reason is not None:
+            logger.info("padding-free batches off (%s): examples are padded to the longest of each batch", reason)
+        padding_free = reason is None
+    if padding_free:
+        return PaddingFreeCollator(PackedCollator.for_model(model, pad_token_id))
+    return SupervisedCollator(pad_token_id)
+
+
+def _base_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _native(base) -> bool:
+    # Only transformers' own modelling code is known to read packed position ids (masking_utils).
+    return type(base).__module__.startswith("transformers.")

@@ -32,7 +32,14 @@ import torch
 
 from tunelab.config.args import RunConfig
 from tunelab.config.checks import DATA_STATS_DIR
-from tunelab.data.collate import PackedCollator, SupervisedCollator, block_causal_mask
+from tunelab.data.collate import (
+    PackedCollator,
+    PaddingFreeCollator,
+    SupervisedCollator,
+    block_causal_mask,
+    build_collator,
+    padding_free_layout,
+)
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.packing import PackingStats, pack_dataset, pack_lengths
 from tunelab.errors import ModelError
@@ -102,15 +109,16 @@ def pack_rows(samples: datasets.Dataset, cutoff_len: int) -> PackedRows:
     return PackedRows(rows, stats, [[lengths[i] for i in b] for b in bins])
 
 
-def stage_collator(config: RunConfig, tokenizer) -> SupervisedCollator | PackedCollator:
-    """The collator the stage's trainer uses (train/stages), chosen without loading weights."""
+def stage_collator(config: RunConfig, tokenizer) -> SupervisedCollator | PackedCollator | PaddingFreeCollator:
+    """The collator the stage's trainer uses (build_collator in train/stages), chosen without loading weights."""
     pad = tokenizer.pad_token_id
-    if config.finetuning.stage == "pt" or not config.data.packing:
+    packing, padding_free = config.data.packing, config.data.padding_free
+    if not packing and padding_free is False:
         return SupervisedCollator(pad)
-    if config.model.flash_attn == "fa2":
-        # What for_model picks for flash attention; the checks refuse it for remote code.
-        return PackedCollator(pad, "varlen")
-    return PackedCollator.for_model(_model_skeleton(config), pad)
+    if config.model.flash_attn == "fa2" and not config.model.trust_remote_code:
+        # What for_model picks for flash attention (the skeleton would need flash-attn installed).
+        return PackedCollator(pad, "varlen") if packing else PaddingFreeCollator(PackedCollator(pad, "varlen"))
+    return build_collator(_model_skeleton(config), pad, packing, padding_free)
 
 
 def _model_skeleton(config: RunConfig) -> torch.nn.Module:
@@ -192,6 +200,7 @@ class LengthStats:
     cutoff_len: int
     batch_size: int
     padded_to_longest: int  # batch slots when each batch is padded to its longest sample
+    padding_free: int  # batch slots when each batch is laid out padding-free (data/collate.py)
 
     @property
     def supervised_share(self) -> float:
@@ -203,13 +212,19 @@ class LengthStats:
         return self.tokens / max(self.padded_to_longest, 1)
 
     @property
+    def utilisation_padding_free(self) -> float:
+        """Real tokens over the slots of padding-free batches."""
+        return self.tokens / max(self.padding_free, 1)
+
+    @property
     def utilisation_cutoff(self) -> float:
         """Real tokens over the slots of batches padded to cutoff_len."""
         return self.tokens / max(self.count * self.cutoff_len, 1)
 
     def as_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "supervised_share": self.supervised_share,
-                "utilisation_longest": self.utilisation_longest, "utilisation_cutoff": self.utilisation_cutoff}
+                "utilisation_longest": self.utilisation_longest,
+                "utilisation_padding_free": self.utilisation_padding_free, "utilisation_cutoff": self.utilisation_cutoff}
 
 
 def padded_slots(lengths: Sequence[int], batch_size: int) -> int:
@@ -219,6 +234,16 @@ def padded_slots(lengths: Sequence[int], batch_size: int) -> int:
     for start in range(0, len(lengths), batch_size):
         chunk = lengths[start : start + batch_size]
         total += int(chunk.max()) * len(chunk)
+    return total
+
+
+def padding_free_slots(lengths: Sequence[int], batch_size: int) -> int:
+    """Token slots of consecutive batches of `batch_size`, each laid out padding-free (rows of its longest)."""
+    lengths = [int(n) for n in lengths]
+    total = 0
+    for start in range(0, len(lengths), batch_size):
+        chunk = lengths[start : start + batch_size]
+        total += max(chunk) * len(padding_free_layout(chunk))
     return total
 
 
@@ -233,7 +258,7 @@ def length_stats(
         count=len(values), min=int(values.min()), max=int(values.max()), mean=float(values.mean()),
         median=float(np.median(values)), p95=float(np.percentile(values, 95)), tokens=int(values.sum()),
         supervised=int(np.sum(supervised)), cutoff_len=cutoff_len, batch_size=batch_size,
-        padded_to_longest=padded_slots(values, batch_size),
+        padded_to_longest=padded_slots(values, batch_size), padding_free=padding_free_slots(values, batch_size),
     )
 
 
@@ -351,8 +376,9 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
         f"length (tokens): min {stats.min}, max {stats.max}, mean {_num(stats.mean)}, median {_num(stats.median)}, "
         f"p95 {_num(stats.p95)}",
         f"supervised tokens: {stats.supervised} of {stats.tokens} ({100 * stats.supervised_share:.1f}%) reach the loss",
-        f"token utilisation: {100 * stats.utilisation_longest:.1f}% in batches of {batch_size} padded to their longest "
-        f"({order_text}); {100 * stats.utilisation_cutoff:.1f}% if padded to cutoff_len {cutoff}",
+        f"token utilisation: {100 * stats.utilisation_longest:.1f}% in batches of {batch_size} padded to their longest, "
+        f"{100 * stats.utilisation_padding_free:.1f}% padding-free ({order_text}); "
+        f"{100 * stats.utilisation_cutoff:.1f}% if padded to cutoff_len {cutoff}",
     ]
     result: dict[str, Any] = {"train": stats.as_dict()}
     if "train" in data.packed:
@@ -533,6 +559,7 @@ class VerifyCounts:
     tokens: int = 0
     padding: int = 0
     supervised: int = 0
+    batch_rows: int = 0
     shape: tuple[int, ...] | None = None
     keys: tuple[str, ...] = ()
 
@@ -552,7 +579,8 @@ def verify_split(
     """Collate batches of `dataset` in `order` and verify each; the first problem (prefixed by name) stops."""
     counts = VerifyCounts()
     columns = list(dataset.column_names)
-    flattened = getattr(collator, "attention", None) == "varlen"
+    attention = collator.packed.attention if isinstance(collator, PaddingFreeCollator) else getattr(collator, "attention", None)
+    flattened = attention == "varlen"
     for number, start in enumerate(range(0, len(order), batch_size)):
         if max_batches and number >= max_batches:
             break
@@ -562,6 +590,8 @@ def verify_split(
         batch = collator(rows)
         if lengths_per_row is not None:
             lengths = [lengths_per_row[i] for i in index]
+        elif isinstance(collator, PaddingFreeCollator):
+            lengths = [[len(rows[i]["input_ids"]) for i in row] for row in padding_free_layout([len(r["input_ids"]) for r in rows])]
         else:
             lengths = [[len(r["input_ids"])] for r in rows]
         if flattened:
@@ -574,6 +604,7 @@ def verify_split(
         real = sum(n for row in lengths for n in row)
         counts.batches += 1
         counts.rows += len(rows)
+        counts.batch_rows += batch["input_ids"].shape[0]
         counts.samples += sum(len(row) for row in lengths)
         counts.tokens += real
         counts.padding += batch["input_ids"].numel() - real
@@ -590,7 +621,9 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
     collator = stage_collator(config, tokenizer)
     vocab_size = model_vocab_size(config.model.model_name_or_path)
     strategy = str(getattr(args, "train_sampling_strategy", "random"))
-    kind = type(collator).__name__ + (f" ({collator.attention})" if isinstance(collator, PackedCollator) else "")
+    side_by_side = isinstance(collator, PaddingFreeCollator)
+    attention = collator.packed.attention if side_by_side else getattr(collator, "attention", None)
+    kind = type(collator).__name__ + (f" ({attention})" if attention else "")
     lines = []
     for name, samples in data.splits.items():
         batch_size = args.per_device_train_batch_size if name == "train" else args.per_device_eval_batch_size
@@ -612,14 +645,14 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             f"first batch {tuple(counts.shape or ())}"
         )
         lines.append(f"  {counts.supervised} supervised positions: label == input_id (the loss shifts them)")
-        if packed:
+        if packed or side_by_side:
             lines.append(
-                f"  {counts.samples} packed samples: position ids restart at 0 at each start and step by 1; "
-                "label -100 at every sample start"
+                f"  {counts.samples} {'packed' if packed else 'padding-free'} samples in {counts.batch_rows} batch rows: "
+                "position ids restart at 0 at each start and step by 1; label -100 at every sample start"
             )
         lines.append(
             f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
-            + ("" if packed else ", attention_mask 0 (1 on every real token)")
+            + ("" if packed or side_by_side else ", attention_mask 0 (1 on every real token)")
         )
     checked = "dtypes int64, shapes consistent" + (f", every input id < vocab_size {vocab_size}" if vocab_size else "")
     lines.append(f"ok: every check passed ({checked})")

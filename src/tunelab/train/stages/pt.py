@@ -52,7 +52,7 @@ def run_pt(config: RunConfig) -> dict:
         train_dataset=data.train,
         eval_dataset=evals,
         # Windows are cutoff_len long except a kept tail, so padding only ever touches that one.
-        data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing),
+        data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
         processing_class=tokenizer,
         callbacks=[JsonlLogCallback(args.output_dir)],
     )

@@ -42,7 +42,7 @@ def run_sft(config: RunConfig) -> dict:
     trainable, total = count_parameters(model)
     logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
-    collator = build_collator(model, tokenizer.pad_token_id, config.data.packing)
+    collator = build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free)
     evals = data.eval or None
     if evals and len(evals) == 1:
         evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
