@@ -71,7 +71,8 @@ PEERS = BENCH / "peers"
 VENVS = BENCH / ".venvs"
 DATA = BENCH / ".data" / "peers"
 RESULTS = BENCH / ".results"
-TUNELAB_PYTHON = Path(sys.executable)
+# tunelab (and plain HF) run from bench/.venvs/tunelab, tunelab without extras (setup.sh); else this interpreter.
+TUNELAB_PYTHON = VENVS / "tunelab" / "bin" / "python" if (VENVS / "tunelab" / "bin" / "python").exists() else Path(sys.executable)
 TOOLS = ("tunelab", "llamafactory", "trl", "hf")
 
 
@@ -108,6 +109,7 @@ class Settings:
     model: str = "tiny"  # tiny | small (bench/inputs.py)
     lora_rank: int = 8
     lora_alpha: int = 16
+    tunelab_options: dict = field(default_factory=dict)  # --tunelab-set: extra keys of tunelab's config
 
 
 # --- per-tool command lines ---------------------------------------------------------------------
@@ -139,6 +141,7 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
     if w.defaults:
         for key in DEFAULTS_UNPINNED:
             config.pop(key, None)
+    config.update(s.tunelab_options)
     (out / "tunelab.yaml").write_text(yaml.safe_dump(config))
     return [str(TUNELAB_PYTHON), str(PEERS / "probe.py"), "tunelab", "train", str(out / "tunelab.yaml")], \
         "tunelab.data.cache:cached_bundle"
@@ -419,10 +422,19 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/MKL threads of every tool")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
+    parser.add_argument("--tunelab-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra key of tunelab's config (YAML value), e.g. padding_free=false or torch_compile=true")
     parser.add_argument("--label", default="", help="free text stored with the results (e.g. 'smoke')")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (configs, logs, outputs)")
     args = parser.parse_args()
-    settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model)
+    options = {}
+    for item in args.tunelab_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--tunelab-set {item}: expected KEY=VALUE")
+        options[key] = yaml.safe_load(value)
+    settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model,
+                        tunelab_options=options)
     workloads = args.workloads.split(",")
     tools = args.tools.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]

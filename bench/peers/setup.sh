@@ -2,6 +2,9 @@
 # Create the peers' virtual environments under bench/.venvs/ (git-ignored):
 #   bench/.venvs/llamafactory   LlamaFactory 0.9.5 (its own caps: transformers<=5.6, peft<=0.18.1, ...)
 #   bench/.venvs/trl            TRL, latest from the package registry, with peft
+#   bench/.venvs/tunelab        tunelab as a user installs it (`pip install -e .`, no extras) — plain HF
+#                               runs here too. The development venv holds the test extras, and one of
+#                               them, bitsandbytes, is imported by peft at start-up (~1.2 s a launch).
 # torch==2.13.0 goes in first in each, so the peers' requirements resolve against the same (CPU) torch
 # tunelab uses; the script stops if a CUDA build of torch ended up installed.
 #
@@ -11,7 +14,7 @@
 # (LlamaFactory imports torchaudio unconditionally; without the .so files torchaudio imports and
 # reports its extension unavailable). `llamafactory-cli train` is then checked to import.
 #
-#   bash bench/peers/setup.sh            # both (idempotent: an existing venv is only topped up)
+#   bash bench/peers/setup.sh            # all three (idempotent: an existing venv is only topped up)
 #   bash bench/peers/setup.sh trl        # one
 set -euo pipefail
 
@@ -58,7 +61,14 @@ setup_trl() {
   "$py" -c "import trl, peft, transformers; print('trl', trl.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__)"
 }
 
-for tool in "${@:-llamafactory trl}"; do
+setup_tunelab() {
+  local py; py="$(make_venv tunelab)"
+  local pip="${py%/python}/pip"
+  "$pip" install -q -e "$HERE/../.." "$TORCH_SPEC" psutil
+  "$py" -c "import tunelab.train.run; import importlib.util as u; print('tunelab: train imports; bitsandbytes', 'present' if u.find_spec('bitsandbytes') else 'absent')"
+}
+
+for tool in "${@:-llamafactory trl tunelab}"; do
   for t in $tool; do
     echo "== $t"; "setup_$t"
   done
