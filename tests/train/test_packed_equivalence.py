@@ -17,7 +17,14 @@ import datasets
 import pytest
 import torch
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+)
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.data.collate import (
@@ -236,6 +243,15 @@ def test_padding_free_default_only_where_samples_stay_isolated_natively(tiny_lla
     ]
     # Asked for explicitly, it still isolates samples, with the explicit block mask.
     assert build_collator(remote, 0, packing=False, padding_free=True).packed.attention == "block_mask"
+    # Positions that do not restart with position ids (learned absolute here; ALiBi elsewhere): padded.
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, use_cache=False))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tunelab.data.collate"):
+        assert build_collator(gpt2, 0, packing=False, padding_free=None) == SupervisedCollator(0)
+    assert caplog.messages == [
+        "padding-free batches off (GPT2LMHeadModel has no rotary position embeddings): examples are padded to the "
+        "longest of each batch"
+    ]
 
 
 @pytest.mark.slow

@@ -216,13 +216,18 @@ def side_by_side(examples: list[dict]) -> dict[str, list[int]]:
 def padding_free_support(model) -> str | None:
     """Why this model cannot take padding-free batches by default, or None when it can: only where
     transformers' own modelling code isolates samples natively (position ids or varlen flash
-    attention), not through the explicit O(L²) block mask, which would cost more than it saves."""
+    attention), not through the explicit O(L²) block mask, which would cost more than it saves;
+    and only with rotary positions, which restart with the position ids (ALiBi or positions derived
+    from the attention mask would not: packing such a model is the user's explicit choice)."""
     base = _base_model(model)
     attn = getattr(base.config, "_attn_implementation", None) or "eager"
     if not _native(base):
         return f"{type(base).__name__} is not transformers' own model code"
     if attn not in ("sdpa", "eager", "flex_attention") and not attn.startswith("flash_attention"):
         return f"attention '{attn}' is not known to isolate packed samples"
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):
+        return f"{type(base).__name__} has no rotary position embeddings"
     return None
 
 
