@@ -185,6 +185,13 @@ def test_pt_stats_and_verify(tmp_path: Path, capsys) -> None:
     assert any(line.startswith("windows: ") and line.endswith("nothing is truncated") for line in lines)
     code, lines, _ = run(capsys, "verify", str(config))
     assert code == 0 and lines[-1].startswith("ok: every check passed")
+    # Packed documents go through the PackedCollator training uses; samples are read from position restarts.
+    packed = tmp_path / "pt_packed.yaml"
+    packed.write_text(config.read_text().replace("stride: 48\n", "packing: true\n"), encoding="utf-8")
+    code, lines, _ = run(capsys, "verify", str(packed))
+    assert code == 0 and lines[-1].startswith("ok: every check passed")
+    assert "through PackedCollator (position_ids)" in lines[0]
+    assert re.fullmatch(r"  \d+ packed samples in \d+ batch rows: position ids restart .*", lines[2])
 
 
 def test_bad_override_is_a_config_error(demo: Path, capsys) -> None:

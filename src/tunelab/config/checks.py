@@ -230,17 +230,13 @@ def _check_data(config: RunConfig) -> None:
         raise ConfigError(f"cutoff_len must be at least 2, got {data.cutoff_len}")
     if data.train_on_prompt and data.mask_history:
         raise ConfigError("train_on_prompt and mask_history contradict each other: keep one")
-    if data.packing and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
-        # Packed fa2 relies on transformers' own attention code taking cu_seq_lens (data/packing.py).
-        raise ConfigError(
-            "packing with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
-            "set flash_attn: sdpa (a block mask is used), or packing: false"
-        )
-    if data.padding_free and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
-        raise ConfigError(
-            "padding_free with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
-            "set flash_attn: sdpa (a block mask is used), or padding_free: false"
-        )
+    for key in ("packing", "padding_free"):
+        if getattr(data, key) and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
+            # Packed fa2 relies on transformers' own attention code taking cu_seq_lens (data/packing.py).
+            raise ConfigError(
+                f"{key} with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
+                f"set flash_attn: sdpa (a block mask is used), or {key}: false"
+            )
     if not data.dataset:
         raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
     if data.val_size < 0:

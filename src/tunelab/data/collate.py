@@ -191,6 +191,10 @@ class PaddingFreeCollator:
 
     packed: PackedCollator
 
+    @property
+    def attention(self) -> PackedAttention:
+        return self.packed.attention
+
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor | int]:
         layout = padding_free_layout([len(e["input_ids"]) for e in examples])
         return self.packed([side_by_side([examples[i] for i in row]) for row in layout])

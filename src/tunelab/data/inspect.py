@@ -500,8 +500,7 @@ def _verify_row(
     if packed:
         positions = batch["position_ids"][row].tolist()
         if given is None:  # every restart is a sample start (padding is a sample of its own)
-            starts = [t for t, p in enumerate(positions) if p == 0]
-            given = [b - a for a, b in zip(starts, [*starts[1:], length])] if starts else [length]
+            given = restart_lengths(positions)
     else:
         mask = batch["attention_mask"][row].tolist()
         if given is None:
@@ -564,6 +563,12 @@ class VerifyCounts:
     keys: tuple[str, ...] = ()
 
 
+def restart_lengths(position_ids: Sequence[int]) -> list[int]:
+    """Lengths of the samples of a packed row: each starts where its position ids restart at 0."""
+    starts = [t for t, p in enumerate(position_ids) if p == 0] or [0]
+    return [b - a for a, b in zip(starts, [*starts[1:], len(position_ids)])]
+
+
 def verify_split(
     name: str,
     dataset: datasets.Dataset,
@@ -579,8 +584,7 @@ def verify_split(
     """Collate batches of `dataset` in `order` and verify each; the first problem (prefixed by name) stops."""
     counts = VerifyCounts()
     columns = list(dataset.column_names)
-    attention = collator.packed.attention if isinstance(collator, PaddingFreeCollator) else getattr(collator, "attention", None)
-    flattened = attention == "varlen"
+    flattened = getattr(collator, "attention", None) == "varlen"
     for number, start in enumerate(range(0, len(order), batch_size)):
         if max_batches and number >= max_batches:
             break
@@ -591,7 +595,10 @@ def verify_split(
         if lengths_per_row is not None:
             lengths = [lengths_per_row[i] for i in index]
         elif isinstance(collator, PaddingFreeCollator):
-            lengths = [[len(rows[i]["input_ids"]) for i in row] for row in padding_free_layout([len(r["input_ids"]) for r in rows])]
+            layout = padding_free_layout([len(r["input_ids"]) for r in rows])
+            lengths = [[len(rows[i]["input_ids"]) for i in row] for row in layout]
+        elif isinstance(collator, PackedCollator):  # rows packed upstream (pt): samples end where positions restart
+            lengths = [restart_lengths(r["position_ids"]) for r in rows]
         else:
             lengths = [[len(r["input_ids"])] for r in rows]
         if flattened:
@@ -621,8 +628,8 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
     collator = stage_collator(config, tokenizer)
     vocab_size = model_vocab_size(config.model.model_name_or_path)
     strategy = str(getattr(args, "train_sampling_strategy", "random"))
-    side_by_side = isinstance(collator, PaddingFreeCollator)
-    attention = collator.packed.attention if side_by_side else getattr(collator, "attention", None)
+    attention = getattr(collator, "attention", None)  # None: padded with an attention mask
+    layout = "packed" if isinstance(collator, PackedCollator) else "padding-free"
     kind = type(collator).__name__ + (f" ({attention})" if attention else "")
     lines = []
     for name, samples in data.splits.items():
@@ -637,7 +644,7 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
         )
         if problem:
             return problem, lines
-        unit = f"{counts.rows} packed rows" if packed else f"{counts.rows} samples"
+        unit = f"{counts.rows} packed rows" if isinstance(collator, PackedCollator) else f"{counts.rows} samples"
         of = "" if counts.rows == len(dataset) else f" (of {len(dataset)})"
         lines.append(
             f"{name}: {counts.batches} batch{'es' if counts.batches != 1 else ''}, {unit}{of}, through {kind}: "
@@ -645,14 +652,14 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             f"first batch {tuple(counts.shape or ())}"
         )
         lines.append(f"  {counts.supervised} supervised positions: label == input_id (the loss shifts them)")
-        if packed or side_by_side:
+        if attention:
             lines.append(
-                f"  {counts.samples} {'packed' if packed else 'padding-free'} samples in {counts.batch_rows} batch rows: "
+                f"  {counts.samples} {layout} samples in {counts.batch_rows} batch rows: "
                 "position ids restart at 0 at each start and step by 1; label -100 at every sample start"
             )
         lines.append(
             f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
-            + ("" if packed or side_by_side else ", attention_mask 0 (1 on every real token)")
+            + ("" if attention else ", attention_mask 0 (1 on every real token)")
         )
     checked = "dtypes int64, shapes consistent" + (f", every input id < vocab_size {vocab_size}" if vocab_size else "")
     lines.append(f"ok: every check passed ({checked})")
