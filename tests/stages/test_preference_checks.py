@@ -58,11 +58,19 @@ def test_kto_needs_ranking_data_or_a_kto_tag(tmp_path):
 
 def test_packing_is_refused(tmp_path):
     assert error_of(tmp_path, {**base(tmp_path, "dpo"), "packing": True}) == (
-        "packing: true is not supported with stage dpo (pairs are padded, not packed); set packing: false"
+        "packing: true is not supported with stage dpo (each step's pairs are laid out padding-free instead); "
+        "set packing: false"
+    )
+    assert error_of(tmp_path, {**base(tmp_path, "rm"), "packing": True}) == (
+        "packing: true is not supported with stage rm (pairs are padded); set packing: false"
     )
     assert error_of(tmp_path, {**base(tmp_path, "rm"), "padding_free": True}) == (
-        "padding_free: true does not apply to stage rm (pairs are padded); remove it"
+        "padding_free: true does not apply to stage rm (a reward is read at each padded row's end); remove it"
     )
+    for stage in ("dpo", "kto"):
+        path = tmp_path / f"{stage}.yaml"
+        path.write_text(yaml.safe_dump({**base(tmp_path, stage), "padding_free": True}))
+        assert load_config(path).data.padding_free is True
 
 
 def test_precompute_needs_a_reference(tmp_path):

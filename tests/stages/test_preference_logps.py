@@ -1,5 +1,6 @@
 """Log-probs of the preference stages: batched pairs equal a direct per-sequence computation, the LoRA
-reference (adapter disabled) equals the base model, precomputed reference log-probs equal on-the-fly ones.
+reference (adapter disabled) equals the base model, precomputed reference log-probs equal on-the-fly ones,
+and padding-free pair batches give the padded batches' log-probs, losses and gradients.
 
 On the embedded tiny Llama (untrained for these tasks, which does not matter for equalities).
 """
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.config.args import DataArguments, FinetuningArguments, ModelArguments, TrainingArguments
-from tunelab.data.collate import PairedCollator
+from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator, build_paired_collator
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.formats import to_canonical
 from tunelab.data.pairwise import PAIR_COLUMNS, preference_encoder
@@ -45,14 +46,16 @@ def batch_of(pairs):
     return PairedCollator(0)(list(pairs.select_columns(list(PAIR_COLUMNS))))
 
 
-def base_model():
+def base_model(attn: str = "sdpa"):
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False  # as load_model sets it for training
+    return model.eval()
 
 
-def lora_policy():
+def lora_policy(attn: str = "sdpa"):
     """The tiny model with a LoRA adapter whose B matrices are non-zero, so the adapter changes outputs."""
-    model = get_peft_model(base_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = get_peft_model(base_model(attn), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     torch.manual_seed(1)
     for name, param in model.named_parameters():
         if "lora_B" in name:
@@ -140,3 +143,90 @@ def test_kto_counts_two_examples_per_pair_and_every_drop(tokenizer, cutoff_len, 
     encoded, stats = encode_dataset(rows, encoder, "train", None)
     assert (stats.examples, stats.dropped_no_supervised) == (examples, dropped)
     assert encoded["kto_tag"][:2] == [True, False]
+
+
+PADDING_FREE = PaddingFreeCollator(PackedCollator(0))
+
+
+def test_padding_free_pair_layout():
+    """The 2B sequences side by side (best-fit decreasing into rows of the longest); sequence_ids says
+    which sequence (chosen 0..B-1, rejected B..2B-1) owns each position, -1 at padding."""
+    rows = [
+        {"chosen_input_ids": [5, 6, 7, 8], "chosen_labels": [-100, -100, 7, 8],
+         "rejected_input_ids": [5, 9], "rejected_labels": [-100, 9], "ref_chosen_logps": -1.5},
+        {"chosen_input_ids": [3, 4], "chosen_labels": [-100, 4],
+         "rejected_input_ids": [3, 2, 1], "rejected_labels": [-100, 2, 1], "ref_chosen_logps": -2.5},
+    ]
+    batch = PairedCollator(0, padding_free=PADDING_FREE)(rows)  # lengths 4, 2 (chosen), 2, 3 (rejected); rows of 4
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [3, 2, 1, 0], [3, 4, 5, 9]]
+    assert batch["labels"].tolist() == [[-100, -100, 7, 8], [-100, 2, 1, -100], [-100, 4, -100, 9]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 0, 1]]
+    assert batch["sequence_ids"].tolist() == [[0, 0, 0, 0], [3, 3, 3, -1], [1, 1, 2, 2]]
+    assert batch["ref_chosen_logps"].tolist() == [-1.5, -2.5]
+    assert set(batch) == {"input_ids", "labels", "position_ids", "sequence_ids", "ref_chosen_logps"}
+    varlen = PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0, "varlen")))(rows)
+    assert varlen["sequence_ids"].tolist() == [[0, 0, 0, 0, 3, 3, 3, 1, 1, 2, 2]]
+    assert varlen["cu_seq_lens_q"].tolist() == [0, 4, 7, 9, 11]
+
+def mixed_lengths(pairs) -> list[dict]:
+    """The pairs (25 to 37 tokens, prompts of 19 to 27), four with the start of their prompt cut off:
+    sequences of 7 to 33 tokens, so that several share a padding-free row."""
+    rows = list(pairs.select_columns(list(PAIR_COLUMNS)))
+    for i, cut in ((1, 18), (2, 22), (3, 24), (5, 20)):
+        rows[i] = {key: values[cut:] for key, values in rows[i].items()}
+    return rows
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_padding_free_pair_log_probs_equal_padded(pairs, attn):
+    model = base_model(attn)
+    rows = mixed_lengths(pairs)
+    padded = PairedCollator(0)(rows)
+    free = PairedCollator(0, padding_free=PADDING_FREE)(rows)
+    assert free["input_ids"].shape[0] < padded["input_ids"].shape[0]
+    with torch.no_grad():
+        logps_p, counts_p = batch_log_probs(model, padded)
+        logps_f, counts_f = batch_log_probs(model, free)
+    assert counts_f.tolist() == counts_p.tolist()
+    assert (logps_f - logps_p).abs().max() < 1e-4  # sums of ~10 float32 token log-probs
+
+
+@pytest.mark.parametrize("stage, loss", [("dpo", "sigmoid"), ("dpo", "ipo"), ("dpo", "simpo"), ("kto", "kto")])
+def test_padding_free_preference_step_equals_padded(pairs, tokenizer, tmp_path, stage, loss):
+    """The trainer's loss (reference = the policy with its adapter disabled) and the LoRA gradients."""
+    from tunelab.data.pairwise import KTO_COLUMNS  # noqa: PLC0415
+
+    if stage == "kto":  # each pair as a desirable example (chosen) with its KL example (rejected)
+        rows = [{"input_ids": r["chosen_input_ids"], "labels": r["chosen_labels"],
+                 "kl_input_ids": r["rejected_input_ids"], "kl_labels": r["rejected_labels"], "kto_tag": i % 2 == 0}
+                for i, r in enumerate(mixed_lengths(pairs))]
+        assert set(rows[0]) == set(KTO_COLUMNS)
+        prefixes = ("", "kl_")
+    else:
+        rows, prefixes = mixed_lengths(pairs), ("chosen_", "rejected_")
+    finetuning = FinetuningArguments(stage=stage, **({} if stage == "kto" else {"pref_loss": loss}))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, remove_unused_columns=False)
+
+    def step(collator):
+        policy = lora_policy()
+        policy.train()
+        trainer = PreferenceTrainer(stage=stage, finetuning=finetuning, model=policy, args=args,
+                                    data_collator=collator, processing_class=tokenizer)
+        loss_value = trainer.compute_loss(policy, collator(rows))
+        loss_value.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        return loss_value.item(), grads
+
+    loss_p, grads_p = step(PairedCollator(0, *prefixes))
+    loss_f, grads_f = step(PairedCollator(0, *prefixes, padding_free=PADDING_FREE))
+    assert PairedCollator(0, *prefixes, padding_free=PADDING_FREE)(rows)["input_ids"].shape == (7, 33)  # padded: (12, 33)
+    assert len(grads_f) == len(grads_p) == 16  # lora_A and lora_B of q_proj and v_proj in 4 layers
+    assert loss_f == pytest.approx(loss_p, abs=1e-5)
+    assert max((grads_f[n] - grads_p[n]).abs().max().item() for n in grads_p) < 1e-5
+
+
+def test_pair_stages_pick_padding_free_where_the_model_supports_it():
+    model = base_model()
+    picked = build_paired_collator(model, 0, "chosen_", "rejected_", padding_free=None)
+    assert picked == PairedCollator(0, "chosen_", "rejected_", padding_free=PADDING_FREE)
+    assert build_paired_collator(model, 0, "", "kl_", padding_free=False) == PairedCollator(0, "", "kl_")

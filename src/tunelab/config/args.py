@@ -69,8 +69,8 @@ class DataArguments:
         default=False,
     )
     padding_free: bool | None = _help(
-        "Unpacked sft/pt: lay each batch's examples side by side in rows no longer than its longest example "
-        "(isolated as in packing) instead of padding each one: same examples, same loss, fewer positions. "
+        "Unpacked sft/pt, and dpo/kto pairs: lay each batch's sequences side by side in rows no longer than its "
+        "longest (isolated as in packing) instead of padding each one: same sequences, same loss, fewer positions. "
         "Default: on where the model's attention isolates packed samples natively (logged when off).",
         default=None,
     )

@@ -307,7 +307,7 @@ def _check_stage_data(config: RunConfig) -> None:
 
 
 def _check_preference(config: RunConfig) -> None:
-    """Stages rm / dpo / kto: ranking data (kto: or a kto_tag column), padded pairs, their own options."""
+    """Stages rm / dpo / kto: ranking data (kto: or a kto_tag column), unpacked pairs, their own options."""
     from tunelab.data.registry import load_registry  # noqa: PLC0415
 
     ft, data, stage = config.finetuning, config.data, config.finetuning.stage
@@ -328,9 +328,10 @@ def _check_preference(config: RunConfig) -> None:
                     f"set ranking: true with chosen/rejected columns in dataset_info.json {fix}(e.g. demo_preference)"
                 )
     if data.packing:
-        raise ConfigError(f"packing: true is not supported with stage {stage} (pairs are padded, not packed); set packing: false")
-    if data.padding_free:
-        raise ConfigError(f"padding_free: true does not apply to stage {stage} (pairs are padded); remove it")
+        layout = "pairs are padded" if stage == "rm" else "each step's pairs are laid out padding-free instead"
+        raise ConfigError(f"packing: true is not supported with stage {stage} ({layout}); set packing: false")
+    if data.padding_free and stage == "rm":
+        raise ConfigError("padding_free: true does not apply to stage rm (a reward is read at each padded row's end); remove it")
     if data.streaming:
         raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
     if data.train_on_prompt:

@@ -70,19 +70,27 @@ class PairedCollator:
         kto:             first "",        second "kl_"           rows 0..B-1 examples, B..2B-1 KL examples
 
     Every other column (kto_tag, precomputed reference log-probs) becomes a (B,) tensor.
+
+    With `padding_free`, the 2B sequences are laid out as PaddingFreeCollator lays out examples, and
+    `sequence_ids` (same shape as input_ids) gives the sequence (0..2B-1, in the order above) that
+    owns each position, -1 at padding: per-sequence sums come from it (preference_losses).
     """
 
     pad_token_id: int
     first: str = "chosen_"
     second: str = "rejected_"
     pad_to_multiple_of: int | None = None
+    padding_free: PaddingFreeCollator | None = None  # lay the 2B sequences side by side instead of padding them
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         sequences = [
             {"input_ids": row[f"{prefix}input_ids"], "labels": row[f"{prefix}labels"]}
             for prefix in (self.first, self.second) for row in rows
         ]
-        batch = SupervisedCollator(self.pad_token_id, self.pad_to_multiple_of)(sequences)
+        if self.padding_free is not None:
+            batch = self.padding_free(sequences, sequence_ids=True)
+        else:
+            batch = SupervisedCollator(self.pad_token_id, self.pad_to_multiple_of)(sequences)
         sequence_keys = {f"{p}{k}" for p in (self.first, self.second) for k in ("input_ids", "labels")}
         for key in rows[0]:
             if key not in sequence_keys:
@@ -195,9 +203,19 @@ class PaddingFreeCollator:
     def attention(self) -> PackedAttention:
         return self.packed.attention
 
-    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor | int]:
+    def __call__(self, examples: list[dict], sequence_ids: bool = False) -> dict[str, torch.Tensor | int]:
+        """The packed batch; with `sequence_ids`, also which example (index into `examples`) owns each
+        position, -1 at padding (not a model input: PairedCollator's per-sequence sums need it)."""
         layout = padding_free_layout([len(e["input_ids"]) for e in examples])
-        return self.packed([side_by_side([examples[i] for i in row]) for row in layout])
+        batch = self.packed([side_by_side([examples[i] for i in row]) for row in layout])
+        if sequence_ids:
+            owners = [[i for i in row for _ in examples[i]["input_ids"]] for row in layout]
+            if self.attention == "varlen":  # one flattened row, rows concatenated in order
+                owners = [[i for row in owners for i in row]]
+            batch["sequence_ids"] = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
+            for r, row in enumerate(owners):
+                batch["sequence_ids"][r, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        return batch
 
 
 def padding_free_layout(lengths: list[int]) -> list[list[int]]:
@@ -243,14 +261,27 @@ def build_collator(
     logged) or padded."""
     if packing:
         return PackedCollator.for_model(model, pad_token_id)
+    side_by_side_collator = _padding_free(model, pad_token_id, padding_free)
+    return side_by_side_collator if side_by_side_collator is not None else SupervisedCollator(pad_token_id)
+
+
+def build_paired_collator(
+    model, pad_token_id: int, first: str, second: str, padding_free: bool | None = False
+) -> PairedCollator:
+    """The collator of the pair stages that score sequences by summed log-probs (dpo and relatives, kto):
+    padding-free as build_collator decides it for plain examples."""
+    return PairedCollator(pad_token_id, first, second, padding_free=_padding_free(model, pad_token_id, padding_free))
+
+
+def _padding_free(model, pad_token_id: int, padding_free: bool | None) -> PaddingFreeCollator | None:
+    """The padding-free collator when asked (True), or by default (None) where the model supports it
+    (logged when not); None means pad."""
     if padding_free is None:
         reason = padding_free_support(model)
         if reason is not None:
             logger.info("padding-free batches off (%s): examples are padded to the longest of each batch", reason)
         padding_free = reason is None
-    if padding_free:
-        return PaddingFreeCollator(PackedCollator.for_model(model, pad_token_id))
-    return SupervisedCollator(pad_token_id)
+    return PaddingFreeCollator(PackedCollator.for_model(model, pad_token_id)) if padding_free else None
 
 
 def _base_model(model):

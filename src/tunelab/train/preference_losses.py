@@ -26,18 +26,28 @@ REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 AVERAGED_LOSSES = ("ipo", "orpo", "simpo")  # log-probs averaged over the answer's tokens
 
 
-def sequence_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of log-probs over supervised tokens, number of supervised tokens), one per row.
+def sequence_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log-probs over supervised tokens, number of supervised tokens), one per sequence.
 
     logits: (N, L, V); labels: (N, L), -100 where nothing is supervised. Token t's logits predict
     label t+1. Computed as gathered logit - logsumexp, in float32, without a (N, L, V) log-softmax copy.
+    A sequence is a row, or with `sequence_ids` ((N, L): the owner 0..S-1 of each position, -1 at
+    padding; padding-free pair batches) every position with that id; a sequence's first label is
+    -100, so no prediction crosses from one sequence into the next.
     """
     logits = logits[:, :-1, :].float()
     labels = labels[:, 1:].to(logits.device)
     mask = labels != IGNORE_INDEX
     targets = labels.masked_fill(~mask, 0)
     token_logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return (token_logps * mask).sum(-1), mask.sum(-1)
+    if sequence_ids is None:
+        return (token_logps * mask).sum(-1), mask.sum(-1)
+    owners = sequence_ids[:, 1:].to(logits.device)[mask]
+    count = int(sequence_ids.max()) + 1
+    sums = token_logps.new_zeros(count).index_add(0, owners, token_logps[mask])
+    return sums, torch.bincount(owners, minlength=count)
 
 
 def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The Trainer of the preference stages: rm (Bradley–Terry), dpo and its relatives, kto.
 
-Batches come from collate.PairedCollator: 2B rows, the first B chosen answers (kto: the examples)
-and the last B rejected answers (kto: the KL examples), so one forward pass scores both halves.
+Batches come from collate.PairedCollator: 2B sequences, the first B chosen answers (kto: the
+examples) and the last B rejected answers (kto: the KL examples), so one forward pass scores both
+halves. dpo and kto batches are padding-free where the model supports it (the sequences laid side by
+side, summed by `sequence_ids`); rm's are padded rows, scored at their last token.
 The loss maths is train/preference_losses.py's; this class runs the forward passes, picks the
 reference, and logs the rewards.
 
@@ -38,6 +40,11 @@ from tunelab.train.trainer import TunelabTrainer
 
 PAIR_REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 KTO_REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")
+# What a PairedCollator batch passes to the model: padded (input_ids, attention_mask) or padding-free
+# (data/collate.py's packed keys); labels, sequence_ids and per-pair columns stay with the loss.
+MODEL_INPUTS = (
+    "input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+)
 
 
 def needs_reference(stage: str, finetuning: FinetuningArguments) -> bool:
@@ -59,9 +66,11 @@ def reference_view(model: nn.Module, ref_model: nn.Module | None):
 
 
 def batch_log_probs(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-prob, supervised token count) of every row of a PairedCollator batch."""
-    outputs = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    return losses.sequence_log_probs(outputs.logits, batch["labels"])
+    """(summed log-prob, supervised token count) of every sequence of a PairedCollator batch, padded
+    (a row each) or padding-free (`sequence_ids`; the model gets the packed keys of PackedCollator)."""
+    inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    outputs = model(**inputs, use_cache=False)
+    return losses.sequence_log_probs(outputs.logits, batch["labels"], batch.get("sequence_ids"))
 
 
 @torch.no_grad()

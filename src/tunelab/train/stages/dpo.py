@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from tunelab.config.args import RunConfig
-from tunelab.data.collate import PairedCollator
+from tunelab.data.collate import build_paired_collator
 from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
@@ -42,7 +42,10 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     model = load_model(config.model, ft, args, tokenizer, is_trainable=True)
     trainable, total = count_parameters(model)
     logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
-    collator = PairedCollator(tokenizer.pad_token_id, *(("", "kl_") if stage == "kto" else ("chosen_", "rejected_")))
+    collator = build_paired_collator(
+        model, tokenizer.pad_token_id, *(("", "kl_") if stage == "kto" else ("chosen_", "rejected_")),
+        padding_free=config.data.padding_free,
+    )
 
     # LoRA: the reference is the policy with its adapter disabled; full / freeze: a frozen copy, except
     # when precomputing, where the policy before training is the reference.
