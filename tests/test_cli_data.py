@@ -198,3 +198,17 @@ def test_bad_override_is_a_config_error(demo: Path, capsys) -> None:
     code, lines, err = run(capsys, "stats", str(demo), "cutof_len=64")
     assert (code, lines) == (2, [])
     assert err == f"tunelab: error: unknown key 'cutof_len' in {demo}; did you mean 'cutoff_len'?\n"
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
+def test_preference_stages_are_refused_in_one_line(tmp_path: Path, capsys, stage: str) -> None:
+    """Ranking rows through the sft pipeline would all be dropped as answerless, with a misleading error."""
+    path = tmp_path / "pairs.yaml"
+    path.write_text(DEMO.format(out=tmp_path / "run").replace("stage: sft", f"stage: {stage}").replace(
+        "dataset: demo_reverse", "dataset: demo_preference"), encoding="utf-8")
+    code, lines, err = run(capsys, "stats", str(path))
+    assert (code, lines) == (2, [])
+    assert err == (
+        f"tunelab: error: stage {stage}: `tunelab data` does not read preference pairs yet (it reads the data of "
+        "stages sft and pt); a training run writes the pair counts, truncations and drops to data_report.json\n"
+    )

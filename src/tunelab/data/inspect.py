@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import torch
 
 from tunelab.config.args import RunConfig
-from tunelab.config.checks import DATA_STATS_DIR
+from tunelab.config.checks import DATA_STATS_DIR, PREFERENCE_STAGES
 from tunelab.data.collate import (
     PackedCollator,
     PaddingFreeCollator,
@@ -42,7 +42,7 @@ from tunelab.data.collate import (
 )
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.packing import PackingStats, pack_dataset, pack_lengths
-from tunelab.errors import ModelError
+from tunelab.errors import ConfigError, ModelError
 
 HISTOGRAM_BINS = 12
 BAR_WIDTH = 40
@@ -80,9 +80,15 @@ class PackedRows:
 def load_run_data(config: RunConfig) -> RunData:
     from tunelab.model.load import load_tokenizer  # noqa: PLC0415 - pulls in peft; only the commands need it
 
+    stage = config.finetuning.stage
+    if stage in PREFERENCE_STAGES:  # the sft pipeline would read ranking rows as answerless conversations
+        raise ConfigError(
+            f"stage {stage}: `tunelab data` does not read preference pairs yet (it reads the data of stages sft and pt); "
+            "a training run writes the pair counts, truncations and drops to data_report.json"
+        )
     tokenizer = load_tokenizer(config.model)
     seed = config.training.seed
-    if config.finetuning.stage == "pt":
+    if stage == "pt":
         from tunelab.data.pretrain import build_pretrain_datasets  # noqa: PLC0415
 
         bundle = build_pretrain_datasets(config.data, tokenizer, seed=seed)
