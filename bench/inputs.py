@@ -11,8 +11,12 @@ What it writes (deterministic: the same files on every run and machine):
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
     pref.json           preference rows, alpaca ranking {"instruction", "input", "chosen", "rejected"}
     pref_chat.json      the same rows as TRL's conversational preference format
+    pref_mixed.json     mixed-length pairs: the first SFT rows' prompts, chosen = the row's own answer,
+                        rejected = another row's answer (seeded), so the two sides differ in length as
+                        real preference data does (pref.json's answers are all 21-37 tokens long)
+    pref_mixed_chat.json  the same rows for TRL
     corpus.json         plain-text documents {"text"} for the pt workload
-    dataset_info.json   tunelab's registry of the three files (bench_sft, bench_pref, bench_corpus)
+    dataset_info.json   tunelab's registry of the files (bench_sft, bench_pref, bench_pref_mixed, bench_corpus)
     lf/dataset_info.json  LlamaFactory's registry of the same files (pt text: alpaca with prompt=text)
     manifest.json       row counts, token lengths (min/median/max) and a content hash
 
@@ -89,6 +93,16 @@ def chat_pref(rows: list[dict]) -> list[dict]:
     ]
 
 
+def mixed_pairs(rows: list[dict]) -> list[dict]:
+    """Ranking rows whose sides differ in length: the row's answer is chosen, another row's is rejected."""
+    others = list(range(len(rows)))
+    random.Random(0).shuffle(others)
+    return [
+        {"instruction": r["instruction"], "input": r["input"], "chosen": r["output"], "rejected": rows[j]["output"]}
+        for r, j in zip(rows, others)
+    ]
+
+
 def _user(row: dict) -> str:
     return f"{row['instruction']}\n{row['input']}" if row["input"] else row["instruction"]
 
@@ -110,12 +124,15 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
 
     sft = sft_rows(sft_rows_n)
     pref = synthetic.generate("preference", "train", pref_rows_n, seed=0)
+    pref_mixed = mixed_pairs(sft[:pref_rows_n])
     docs = corpus.generate("corpus", "train", docs_n, seed=0)
     hashes = {
         "sft.json": _write(out / "sft.json", sft),
         "sft_chat.json": _write(out / "sft_chat.json", chat_sft(sft)),
         "pref.json": _write(out / "pref.json", pref),
         "pref_chat.json": _write(out / "pref_chat.json", chat_pref(pref)),
+        "pref_mixed.json": _write(out / "pref_mixed.json", pref_mixed),
+        "pref_mixed_chat.json": _write(out / "pref_mixed_chat.json", chat_pref(pref_mixed)),
         "corpus.json": _write(out / "corpus.json", [{"text": d["text"]} for d in docs]),
     }
     info = {
@@ -123,6 +140,9 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
                       "columns": {"prompt": "instruction", "query": "input", "response": "output"}},
         "bench_pref": {"file_name": "pref.json", "formatting": "alpaca", "ranking": True,
                        "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen", "rejected": "rejected"}},
+        "bench_pref_mixed": {"file_name": "pref_mixed.json", "formatting": "alpaca", "ranking": True,
+                             "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
+                                         "rejected": "rejected"}},
         "bench_corpus": {"file_name": "corpus.json", "formatting": "text"},
     }
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2))
@@ -137,7 +157,7 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     lengths = [len(tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=True)["input_ids"]) for r in chat_sft(sft)]
     doc_tokens = sum(len(tok(d["text"])["input_ids"]) for d in docs)
     manifest = {
-        "rows": {"sft": len(sft), "pref": len(pref), "corpus_docs": len(docs)},
+        "rows": {"sft": len(sft), "pref": len(pref), "pref_mixed": len(pref_mixed), "corpus_docs": len(docs)},
         "sft_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
                        "total": sum(lengths), "over_512": sum(n > 512 for n in lengths)},
         "corpus_tokens": doc_tokens,

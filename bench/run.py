@@ -93,9 +93,14 @@ WORKLOADS = {
     "sft_full": Workload("sft", "full", False, 5e-5, "sft.json"),
     "pt": Workload("pt", "full", True, 1e-4, "corpus.json"),
     "dpo_lora": Workload("dpo", "lora", False, 1e-4, "pref.json", ("tunelab", "llamafactory", "trl")),
+    "dpo_lora_mixed": Workload("dpo", "lora", False, 1e-4, "pref_mixed.json", ("tunelab", "llamafactory", "trl")),
     "sft_lora_defaults": Workload("sft", "lora", False, 2e-4, "sft.json", defaults=True),
 }
-DATASETS = {"sft": "bench_sft", "pt": "bench_corpus", "dpo": "bench_pref"}
+# Per input file: the registry name (tunelab, LlamaFactory) and the file TRL / plain HF read.
+DATASETS = {"sft.json": "bench_sft", "corpus.json": "bench_corpus", "pref.json": "bench_pref",
+            "pref_mixed.json": "bench_pref_mixed"}
+CHAT_FILES = {"sft.json": "sft_chat.json", "corpus.json": "corpus.json", "pref.json": "pref_chat.json",
+              "pref_mixed.json": "pref_mixed_chat.json"}
 
 
 @dataclass
@@ -125,7 +130,7 @@ DEFAULTS_UNPINNED = ("flash_attn", "bf16", "gradient_checkpointing", "packing", 
 
 def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.stage],
+        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
         "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
         "packing": w.packing,
         "flash_attn": "sdpa", "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
@@ -149,7 +154,7 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
 
 def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.stage],
+        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
         "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
         "cutoff_len": s.cutoff_len, "packing": w.packing, "neat_packing": w.packing and w.stage == "sft",
         "flash_attn": "sdpa", "disable_gradient_checkpointing": True,
@@ -175,7 +180,8 @@ def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tup
 def _spec_file(w: Workload, s: Settings, steps: int, out: Path) -> Path:
     spec = {
         "stage": w.stage, "finetuning": w.finetuning, "packing": w.packing, "model": str(model_dir(s)),
-        "data_dir": str(DATA), "output_dir": str(out / "output"), "cutoff_len": s.cutoff_len,
+        "data_dir": str(DATA), "data_file": CHAT_FILES[w.rows_file], "output_dir": str(out / "output"),
+        "cutoff_len": s.cutoff_len,
         "batch_size": s.batch_size, "max_steps": steps, "learning_rate": w.learning_rate, "seed": s.seed,
         "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1, "defaults": w.defaults,
     }
@@ -448,7 +454,7 @@ def main() -> None:
         subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py")], check=True, stdout=subprocess.DEVNULL)
     manifest = json.loads((DATA / "manifest.json").read_text())
     rows = {"sft.json": manifest["rows"]["sft"], "pref.json": manifest["rows"]["pref"],
-            "corpus.json": manifest["rows"]["corpus_docs"]}
+            "pref_mixed.json": manifest["rows"].get("pref_mixed"), "corpus.json": manifest["rows"]["corpus_docs"]}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",

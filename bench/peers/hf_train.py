@@ -2,7 +2,7 @@
 
 Run by bench/run.py through bench/peers/probe.py, in tunelab's own venv (the same transformers,
 peft and datasets as tunelab), with one argument: the JSON spec run.py wrote
-({"workload", "stage", "finetuning", "model", "data_dir", "output_dir", "cutoff_len", "batch_size",
+({"workload", "stage", "finetuning", "model", "data_dir", "data_file", "output_dir", "cutoff_len", "batch_size",
 "max_steps", "learning_rate", "seed", "lora_rank", "lora_alpha", "bf16"}).
 
     sft  alpaca rows rendered with the tokenizer's chat_template (ChatML); prompt tokens masked to
@@ -25,7 +25,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSe
 
 
 def sft_dataset(spec: dict, tokenizer) -> datasets.Dataset:
-    rows = datasets.load_dataset("json", data_files=str(Path(spec["data_dir"]) / "sft_chat.json"), split="train")
+    rows = datasets.load_dataset("json", data_files=str(Path(spec["data_dir"]) / spec["data_file"]), split="train")
     cutoff = spec["cutoff_len"]
 
     def encode(row):
@@ -39,7 +39,7 @@ def sft_dataset(spec: dict, tokenizer) -> datasets.Dataset:
 
 
 def pt_dataset(spec: dict, tokenizer) -> datasets.Dataset:
-    docs = datasets.load_dataset("json", data_files=str(Path(spec["data_dir"]) / "corpus.json"), split="train")
+    docs = datasets.load_dataset("json", data_files=str(Path(spec["data_dir"]) / spec["data_file"]), split="train")
     block = spec["cutoff_len"]
 
     def tokenize(batch):

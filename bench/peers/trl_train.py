@@ -49,16 +49,15 @@ def main() -> None:
         from trl import DPOConfig, DPOTrainer  # noqa: PLC0415
 
         with probe.timed("trl: load_dataset"):
-            train = datasets.load_dataset("json", data_files=str(data / "pref_chat.json"), split="train")
+            train = datasets.load_dataset("json", data_files=str(data / spec["data_file"]), split="train")
         args = DPOConfig(**common, beta=spec["beta"], loss_type=["sigmoid"])
         trainer = DPOTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                              peft_config=peft_config)
     else:
         from trl import SFTConfig, SFTTrainer  # noqa: PLC0415
 
-        file = "corpus.json" if spec["stage"] == "pt" else "sft_chat.json"
         with probe.timed("trl: load_dataset"):
-            train = datasets.load_dataset("json", data_files=str(data / file), split="train")
+            train = datasets.load_dataset("json", data_files=str(data / spec["data_file"]), split="train")
         packing = {"packing": True, "packing_strategy": "wrapped"} if spec["stage"] == "pt" else (
             {"packing": True, "packing_strategy": "bfd"} if spec["packing"] else {"packing": False})
         args = SFTConfig(**common, **packing)
