@@ -200,15 +200,67 @@ def test_bad_override_is_a_config_error(demo: Path, capsys) -> None:
     assert err == f"tunelab: error: unknown key 'cutof_len' in {demo}; did you mean 'cutoff_len'?\n"
 
 
-@pytest.mark.parametrize("stage", ["rm", "dpo", "kto"])
-def test_preference_stages_are_refused_in_one_line(tmp_path: Path, capsys, stage: str) -> None:
-    """Ranking rows through the sft pipeline would all be dropped as answerless, with a misleading error."""
+PAIRS = DEMO.replace("stage: sft", "stage: dpo").replace("dataset: demo_reverse", "dataset: demo_preference").replace(
+    "max_samples: 64", "max_samples: 24").replace("per_device_train_batch_size: 16", "per_device_train_batch_size: 4")
+
+
+def pairs_config(tmp_path: Path) -> Path:
     path = tmp_path / "pairs.yaml"
-    path.write_text(DEMO.format(out=tmp_path / "run").replace("stage: sft", f"stage: {stage}").replace(
-        "dataset: demo_reverse", "dataset: demo_preference"), encoding="utf-8")
-    code, lines, err = run(capsys, "stats", str(path))
-    assert (code, lines) == (2, [])
-    assert err == (
-        f"tunelab: error: stage {stage}: `tunelab data` does not read preference pairs yet (it reads the data of "
-        "stages sft and pt); a training run writes the pair counts, truncations and drops to data_report.json\n"
-    )
+    path.write_text(PAIRS.format(out=tmp_path / "run"), encoding="utf-8")
+    return path
+
+
+def test_stats_of_pairs_count_sequences_as_the_collators_batch_them(tmp_path: Path, capsys) -> None:
+    """The utilisation lines equal the real positions of PairedCollator's batches, padded and padding-free,
+    drawn in the training order."""
+    import numpy as np  # noqa: PLC0415
+
+    from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator  # noqa: PLC0415
+
+    path = pairs_config(tmp_path)
+    code, lines, _ = run(capsys, "stats", str(path))
+    assert code == 0
+    data = data_inspect.load_run_data(load_config(path, purpose="data"))
+    rows = list(data.train)
+    order = data_inspect.batch_order(len(rows), "random", 42)
+    batches = [[rows[i] for i in order[s : s + 4]] for s in range(0, len(rows), 4)]
+    padded = sum(PairedCollator(0)(b)["input_ids"].numel() for b in batches)
+    free = sum(PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))(b)["input_ids"].numel()
+               for b in batches)
+    lengths = [len(r[f"{side}_input_ids"]) for side in ("chosen", "rejected") for r in rows]
+    supervised = sum(sum(v != -100 for v in r[f"{side}_labels"][1:]) for side in ("chosen", "rejected") for r in rows)
+    tokens = sum(lengths)
+    assert len(rows) == 24
+    assert lines[:4] == [
+        "train: 24 pairs, 48 sequences (stage dpo, template chatml, cutoff_len 128)",
+        f"length (tokens): min {min(lengths)}, max {max(lengths)}, mean {np.mean(lengths):.2f}, "
+        f"median {np.median(lengths):g}, p95 {np.percentile(lengths, 95):.2f}".rstrip("0").rstrip("."),
+        f"supervised tokens: {supervised} of {tokens} ({100 * supervised / tokens:.1f}%) reach the loss",
+        f"token utilisation: {100 * tokens / padded:.1f}% in batches of 4 pairs (8 sequences) padded to their longest, "
+        f"{100 * tokens / free:.1f}% padding-free (shuffled, seed 42); {100 * tokens / (48 * 128):.1f}% if padded to "
+        "cutoff_len 128",
+    ]
+    assert lines[6] == "length histogram (tokens, sequences):"
+
+
+@pytest.mark.parametrize("stage, unit", [("dpo", "pairs"), ("kto", "examples"), ("rm", "pairs")])
+def test_verify_and_coverage_of_pair_stages(tmp_path: Path, capsys, stage: str, unit: str) -> None:
+    path = pairs_config(tmp_path)
+    code, lines, _ = run(capsys, "verify", str(path), f"stage={stage}")
+    assert code == 0
+    rows = 24 if stage != "kto" else 48  # a pair gives kto a desirable and an undesirable example
+    assert lines[0].startswith(f"train: {rows // 4} batches, {rows} {unit} ({2 * rows} sequences), through PairedCollator")
+    if stage == "rm":  # rewards are read at each padded row's end
+        assert "through PairedCollator: input_ids, labels, attention_mask; first batch (8, " in lines[0]
+        assert not any("sequence_ids" in line for line in lines)
+    else:
+        assert "through PairedCollator (position_ids): input_ids, labels, position_ids, sequence_ids" in lines[0]
+        assert lines[3] == "  sequence_ids: one id per sequence, each of the batch's sequences once, -1 on padding"
+    assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
+
+    code, lines, _ = run(capsys, "coverage", str(path), f"stage={stage}")
+    data = data_inspect.load_run_data(load_config(path, [f"stage={stage}"], purpose="data"))
+    first, second = data_inspect.pair_sides(stage)
+    tokens = sum(len(r[f"{first}input_ids"]) + len(r[f"{second}input_ids"]) for r in data.train)
+    assert code == 0
+    assert lines[0].startswith(f"train: {rows} rows of 2 sequences, {tokens} tokens (tokenizer: byte-level")

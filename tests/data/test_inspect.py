@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from tunelab.config.args import DataArguments
-from tunelab.data.collate import PackedCollator, SupervisedCollator
+from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator, SupervisedCollator
 from tunelab.data.inspect import (
     batch_order,
     byte_piece_kind,
     histogram,
     histogram_lines,
     id_coverage,
+    in_batches,
     length_stats,
     pack_rows,
     padded_slots,
@@ -261,3 +262,67 @@ def test_id_coverage_counts_unk_and_out_of_range() -> None:
     cov = id_coverage(np.array([0, 5, 0, 900, 7]), vocab_size=864, unk_id=0)
     assert (cov.tokens, cov.distinct, cov.unk, cov.out_of_range, cov.max_id) == (5, 4, 2, 1, 900)
     assert id_coverage(np.array([1]), vocab_size=None, unk_id=None).unk is None
+
+
+# ---- pairs (stages rm, dpo, kto)
+
+
+def test_in_batches_orders_sequences_as_paired_batches() -> None:
+    """Per batch of rows: every first side, then every second side (PairedCollator's 2B rows)."""
+    values = np.array([[10, 11, 12, 13, 14], [20, 21, 22, 23, 24]])
+    order = np.array([3, 0, 4, 1, 2])
+    assert in_batches(values, order, 2).tolist() == [13, 10, 23, 20, 14, 11, 24, 21, 12, 22]
+    assert in_batches(values[:1], order, 2).tolist() == [13, 10, 14, 11, 12]  # plain samples: just the order
+
+
+PAIR_ROWS = [
+    {"chosen_input_ids": [5, 6, 7, 8], "chosen_labels": [IGNORE, IGNORE, 7, 8],
+     "rejected_input_ids": [5, 9], "rejected_labels": [IGNORE, 9]},
+    {"chosen_input_ids": [3, 4], "chosen_labels": [IGNORE, 4],
+     "rejected_input_ids": [3, 2, 1], "rejected_labels": [IGNORE, 2, 1]},
+]
+
+
+def padding_free_pairs() -> dict:
+    return PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))(PAIR_ROWS)
+
+
+def test_padding_free_pair_batches_pass_and_bad_sequence_ids_are_caught() -> None:
+    # Sequences 0..3 (chosen, chosen, rejected, rejected) of lengths 4, 2, 2, 3 in rows [0] [3] [1 2].
+    layout = {"sample_lengths": [[4], [3], [2, 2]], "sequence_lengths": [4, 2, 2, 3]}
+    assert verify_batch(padding_free_pairs(), pad_token_id=0, **layout) is None
+    swapped = padding_free_pairs()
+    swapped["sequence_ids"][2] = torch.tensor([1, 1, 1, 1])
+    assert verify_batch(swapped, pad_token_id=0, **layout) == (
+        "batch 0: sequence_ids cover [0, 1, 1, 3], expected each of 0..3 once"
+    )
+    split = padding_free_pairs()
+    split["sequence_ids"][0, 3] = 1
+    assert verify_batch(split, pad_token_id=0, **layout) == (
+        "batch 0, sample 0, position 0: sequence_ids [0, 1] within one sequence, expected one id"
+    )
+    wrong_length = padding_free_pairs()
+    wrong_length["sequence_ids"][1, :3] = 2
+    assert verify_batch(wrong_length, pad_token_id=0, **layout) == (
+        "batch 0, sample 1, position 0: sequence_ids 2 on 3 tokens, but that sequence has 2"
+    )
+    on_padding = padding_free_pairs()
+    on_padding["sequence_ids"][1, 3] = 3
+    assert verify_batch(on_padding, pad_token_id=0, **layout) == (
+        "batch 0, sample 1, position 3: sequence_ids on padding must be -1, got [3]"
+    )
+
+
+def test_verify_split_lays_out_pairs_as_the_collator_does() -> None:
+    dataset = datasets.Dataset.from_list(PAIR_ROWS)
+    collator = PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))
+    problem, counts = verify_split("train", dataset, collator, 2, np.arange(2), pad_token_id=0, vocab_size=16,
+                                   max_batches=0)
+    assert problem is None
+    assert (counts.batches, counts.rows, counts.samples, counts.batch_rows) == (1, 2, 4, 3)
+    assert (counts.tokens, counts.padding, counts.supervised) == (11, 1, 6)
+    assert counts.keys == ("input_ids", "labels", "position_ids", "sequence_ids")
+    problem, counts = verify_split("train", dataset, PairedCollator(0), 2, np.arange(2), pad_token_id=0,
+                                   vocab_size=16, max_batches=0)
+    assert problem is None
+    assert (counts.batch_rows, counts.padding, counts.keys) == (4, 5, ("input_ids", "labels", "attention_mask"))

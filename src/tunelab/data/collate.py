@@ -82,6 +82,15 @@ class PairedCollator:
     pad_to_multiple_of: int | None = None
     padding_free: PaddingFreeCollator | None = None  # lay the 2B sequences side by side instead of padding them
 
+    @property
+    def attention(self) -> PackedAttention | None:
+        """How padding-free batches isolate the sequences; None when padded (attention_mask)."""
+        return self.padding_free.attention if self.padding_free is not None else None
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        return self.first, self.second
+
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         sequences = [
             {"input_ids": row[f"{prefix}input_ids"], "labels": row[f"{prefix}labels"]}

@@ -1,8 +1,10 @@
 """`tunelab data stats|verify|coverage`: a run's data, measured and checked before any training.
 
 This module owns the three inspections. Each reads exactly the datasets the stage's trainer would
-get (data/pipeline.py for sft, data/pretrain.py for pt; packed with data/packing.py when packing is
-on) and loads the tokenizer only, never model weights:
+get (data/pipeline.py for sft, data/pretrain.py for pt, data/pairwise.py's pairs for rm/dpo/kto;
+packed with data/packing.py when packing is on) and loads the tokenizer only, never model weights.
+A pair row holds two sequences (`RunData.sides`: chosen_/rejected_, kto: the example and its KL
+example); stats, verify and coverage count sequences, batched as PairedCollator batches them.
 
 - stats: sample lengths (count, min/max/mean/median/p95; percentiles interpolate linearly between
   order statistics, numpy's default), the share of real tokens when batches are padded to their
@@ -35,6 +37,7 @@ from tunelab.config.checks import DATA_STATS_DIR, PREFERENCE_STAGES
 from tunelab.data.collate import (
     PackedCollator,
     PaddingFreeCollator,
+    PairedCollator,
     SupervisedCollator,
     block_causal_mask,
     build_collator,
@@ -64,6 +67,7 @@ class RunData:
     evals: dict[str, datasets.Dataset]
     report: dict[str, Any]
     packed: dict[str, "PackedRows"] = field(default_factory=dict)  # split name -> rows, when packing
+    sides: tuple[str, str] | None = None  # pair stages: the column prefixes of each row's two sequences
 
     @property
     def splits(self) -> dict[str, datasets.Dataset]:
@@ -81,11 +85,6 @@ def load_run_data(config: RunConfig) -> RunData:
     from tunelab.model.load import load_tokenizer  # noqa: PLC0415 - pulls in peft; only the commands need it
 
     stage = config.finetuning.stage
-    if stage in PREFERENCE_STAGES:  # the sft pipeline would read ranking rows as answerless conversations
-        raise ConfigError(
-            f"stage {stage}: `tunelab data` does not read preference pairs yet (it reads the data of stages sft and pt); "
-            "a training run writes the pair counts, truncations and drops to data_report.json"
-        )
     tokenizer = load_tokenizer(config.model)
     seed = config.training.seed
     if stage == "pt":
@@ -97,6 +96,12 @@ def load_run_data(config: RunConfig) -> RunData:
     from tunelab.data.templates import get_template  # noqa: PLC0415
 
     template = get_template(config.data.template, tokenizer)
+    if stage in PREFERENCE_STAGES:
+        from tunelab.data.pairwise import preference_encoder  # noqa: PLC0415
+
+        encoder = preference_encoder(stage, tokenizer, template, config.data)
+        bundle = build_datasets(config.data, tokenizer, template, seed=seed, encoder=encoder)
+        return RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report, sides=pair_sides(stage))
     # Packed here, not in the pipeline, to keep each row's sample lengths (the rows are the same).
     unpacked = dataclasses.replace(config.data, packing=False)
     bundle = build_datasets(unpacked, tokenizer, template, seed=seed)
@@ -107,6 +112,11 @@ def load_run_data(config: RunConfig) -> RunData:
     return data
 
 
+def pair_sides(stage: str) -> tuple[str, str]:
+    """The column prefixes of a pair stage's two sequences, in PairedCollator's order."""
+    return ("", "kl_") if stage == "kto" else ("chosen_", "rejected_")
+
+
 def pack_rows(samples: datasets.Dataset, cutoff_len: int) -> PackedRows:
     """pack_dataset's rows, with the sample lengths of each row (pack_lengths places them the same way)."""
     rows, stats = pack_dataset(samples, cutoff_len)
@@ -115,9 +125,24 @@ def pack_rows(samples: datasets.Dataset, cutoff_len: int) -> PackedRows:
     return PackedRows(rows, stats, [[lengths[i] for i in b] for b in bins])
 
 
-def stage_collator(config: RunConfig, tokenizer) -> SupervisedCollator | PackedCollator | PaddingFreeCollator:
-    """The collator the stage's trainer uses (build_collator in train/stages), chosen without loading weights."""
+def stage_collator(
+    config: RunConfig, tokenizer
+) -> SupervisedCollator | PackedCollator | PaddingFreeCollator | PairedCollator:
+    """The collator the stage's trainer uses (build_collator / build_paired_collator in train/stages), chosen
+    without loading weights."""
     pad = tokenizer.pad_token_id
+    stage = config.finetuning.stage
+    if stage == "rm":  # rewards are read at each padded row's end
+        return PairedCollator(pad)
+    collator = _example_collator(config, pad)
+    if stage in PREFERENCE_STAGES:  # dpo, kto: the pairs' sequences laid out as examples are (never packed)
+        return PairedCollator(
+            pad, *pair_sides(stage), padding_free=collator if isinstance(collator, PaddingFreeCollator) else None
+        )
+    return collator
+
+
+def _example_collator(config: RunConfig, pad: int) -> SupervisedCollator | PackedCollator | PaddingFreeCollator:
     packing, padding_free = config.data.packing, config.data.padding_free
     if not packing and padding_free is False:
         return SupervisedCollator(pad)
@@ -170,13 +195,13 @@ def _flat_column(dataset: datasets.Dataset, column: str) -> tuple[np.ndarray, np
     return lengths, pc.list_flatten(values).to_numpy().astype(np.int64)
 
 
-def token_lengths(dataset: datasets.Dataset) -> np.ndarray:
-    return _flat_column(dataset, "input_ids")[0]
+def token_lengths(dataset: datasets.Dataset, column: str = "input_ids") -> np.ndarray:
+    return _flat_column(dataset, column)[0]
 
 
-def supervised_counts(dataset: datasets.Dataset) -> np.ndarray:
+def supervised_counts(dataset: datasets.Dataset, column: str = "labels") -> np.ndarray:
     """Per sample, the positions that reach the loss: labels != -100, the first position excluded (the loss shifts)."""
-    lengths, labels = _flat_column(dataset, "labels")
+    lengths, labels = _flat_column(dataset, column)
     supervised = labels != IGNORE_INDEX
     starts = np.cumsum(lengths) - lengths
     supervised[starts[lengths > 0]] = False
@@ -185,6 +210,21 @@ def supervised_counts(dataset: datasets.Dataset) -> np.ndarray:
     if nonempty.any():
         counts[nonempty] = np.add.reduceat(supervised.astype(np.int64), starts[nonempty])
     return counts
+
+
+def sequence_arrays(dataset: datasets.Dataset, sides: tuple[str, str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """(token lengths, supervised counts) of the sequences of each row, shape (1, rows) for plain samples
+    and (2, rows) for pairs (row 0 the first side, row 1 the second)."""
+    prefixes = sides or ("",)
+    lengths = np.stack([token_lengths(dataset, f"{p}input_ids") for p in prefixes])
+    supervised = np.stack([supervised_counts(dataset, f"{p}labels") for p in prefixes])
+    return lengths, supervised
+
+
+def in_batches(values: np.ndarray, order: np.ndarray, batch_size: int) -> np.ndarray:
+    """Per-sequence values (sequence_arrays' shape) in the order batches hold them: batch after batch of
+    `batch_size` rows of `order`, each batch's first sides, then its second sides (PairedCollator)."""
+    return np.concatenate([values[:, order[s : s + batch_size]].reshape(-1) for s in range(0, len(order), batch_size)])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,21 +408,28 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
     cutoff = config.data.cutoff_len
     batch_size = args.per_device_train_batch_size
     strategy = str(getattr(args, "train_sampling_strategy", "random"))
-    lengths = token_lengths(data.train)
-    supervised = supervised_counts(data.train)
-    order = batch_order(len(lengths), strategy, args.seed)
-    stats = length_stats(lengths[order], supervised[order], cutoff, batch_size)
+    per_row, supervised_per_row = sequence_arrays(data.train, data.sides)
+    order = batch_order(per_row.shape[1], strategy, args.seed)
+    lengths = in_batches(per_row, order, batch_size)  # every sequence, in the order batches hold them
+    per_batch = batch_size * len(per_row)
+    stats = length_stats(lengths, in_batches(supervised_per_row, order, batch_size), cutoff, per_batch)
     order_text = "in stored order" if strategy == "sequential" else f"shuffled, seed {args.seed}"
 
-    title = f"stage {config.finetuning.stage}"
-    if config.finetuning.stage != "pt":
-        title += f", template {config.data.template}"
+    stage = config.finetuning.stage
+    title = f"stage {stage}" + ("" if stage == "pt" else f", template {config.data.template}")
+    what = "sample" if data.sides is None else "sequence"
+    if data.sides is None:
+        count, batches = f"{stats.count} samples", f"batches of {batch_size}"
+    else:
+        unit = "examples with their KL examples" if stage == "kto" else "pairs"
+        count = f"{len(data.train)} {unit}, {stats.count} sequences"
+        batches = f"batches of {batch_size} {unit.split()[0]} ({per_batch} sequences)"
     lines = [
-        f"train: {stats.count} samples ({title}, cutoff_len {cutoff})",
+        f"train: {count} ({title}, cutoff_len {cutoff})",
         f"length (tokens): min {stats.min}, max {stats.max}, mean {_num(stats.mean)}, median {_num(stats.median)}, "
         f"p95 {_num(stats.p95)}",
         f"supervised tokens: {stats.supervised} of {stats.tokens} ({100 * stats.supervised_share:.1f}%) reach the loss",
-        f"token utilisation: {100 * stats.utilisation_longest:.1f}% in batches of {batch_size} padded to their longest, "
+        f"token utilisation: {100 * stats.utilisation_longest:.1f}% in {batches} padded to their longest, "
         f"{100 * stats.utilisation_padding_free:.1f}% padding-free ({order_text}); "
         f"{100 * stats.utilisation_cutoff:.1f}% if padded to cutoff_len {cutoff}",
     ]
@@ -400,16 +447,16 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
         result["packing"] = packed.stats.as_dict()
     lines += pipeline_lines(data.report, config)
     for name, dataset in data.evals.items():
-        eval_lengths = token_lengths(dataset)
+        eval_lengths = sequence_arrays(dataset, data.sides)[0].reshape(-1)
         lines.append(
-            f"eval:{name}: {len(eval_lengths)} samples, length {int(eval_lengths.min())}-{int(eval_lengths.max())}, "
+            f"eval:{name}: {len(eval_lengths)} {what}s, length {int(eval_lengths.min())}-{int(eval_lengths.max())}, "
             f"mean {_num(float(eval_lengths.mean()))}"
         )
     hist = histogram(lengths)
-    lines.append("length histogram (tokens, samples):")
+    lines.append(f"length histogram (tokens, {what}s):")
     lines += histogram_lines(hist)
 
-    png = save_histogram(lengths, cutoff, out_dir / "length_histogram.png", f"train sample lengths ({stats.count})")
+    png = save_histogram(lengths, cutoff, out_dir / "length_histogram.png", f"train {what} lengths ({stats.count})")
     result.update(histogram=[list(h) for h in hist], pipeline=data.report)
     (out_dir / "stats.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     lines.append(f"wrote {png} and {out_dir / 'stats.json'}")
@@ -432,13 +479,15 @@ def verify_batch(
     sample_lengths: Sequence[Sequence[int]] | None = None,
     vocab_size: int | None = None,
     batch_index: int = 0,
+    sequence_lengths: Sequence[int] | None = None,
 ) -> str | None:
     """The first problem of one collated batch, as one line, or None.
 
     sample_lengths: per batch row, the lengths of the samples it holds in order (one per row unless
     packed; a flattened varlen batch is one row). Without it, lengths are read from the
     attention_mask (padded batches) or from restarts of position_ids (packed: then padding counts
-    as a sample). Packed batches are recognised by their position_ids.
+    as a sample). Packed batches are recognised by their position_ids. sequence_lengths: for padding-free
+    pair batches, the length of sequence j (sequence_ids must name each sample's sequence, -1 on padding).
     """
     where = f"batch {batch_index}"
     for key in ("input_ids", "labels"):
@@ -469,6 +518,10 @@ def verify_batch(
         if problem:
             return f"{where}, sample {row}{problem}"
 
+    if "sequence_ids" in batch:
+        problem = _verify_sequence_ids(batch["sequence_ids"], sample_lengths, sequence_lengths)
+        if problem:
+            return f"{where}{problem}"
     if packed and mask is not None:  # block_mask path: the 4-D mask must be exactly the block-causal one
         if mask.dim() != 4 or tuple(mask.shape) != (rows, 1, length, length) or not mask.is_floating_point():
             return (f"{where}: attention_mask beside position_ids must be a float (batch, 1, L, L) block mask, "
@@ -493,6 +546,36 @@ def verify_batch(
         for key in ("max_length_q", "max_length_k"):
             if batch.get(key) != longest:
                 return f"{where}: {key} is {batch.get(key)}, expected the longest sample, {longest}"
+    return None
+
+
+def _verify_sequence_ids(
+    owners: torch.Tensor, sample_lengths: Sequence[Sequence[int]] | None, sequence_lengths: Sequence[int] | None
+) -> str | None:
+    """sequence_ids of a padding-free pair batch: one id per sample, each sequence exactly once and as long as
+    it is, -1 on padding; as ', sample r: ...' (or ': ...'), or None."""
+    if sample_lengths is None or sequence_lengths is None:
+        return ": sequence_ids cannot be checked without the batch's sample and sequence lengths"
+    if owners.shape != (len(sample_lengths), owners.shape[-1]) or owners.dtype != torch.long:
+        return f": sequence_ids has shape {tuple(owners.shape)} {owners.dtype}; expected input_ids' shape, torch.int64"
+    seen: list[int] = []
+    for row, given in enumerate(sample_lengths):
+        values = owners[row].tolist()
+        start = 0
+        for n in given:
+            ids = set(values[start : start + n])
+            if len(ids) != 1:
+                return f", sample {row}, position {start}: sequence_ids {sorted(ids)} within one sequence, expected one id"
+            (owner,) = ids
+            if not 0 <= owner < len(sequence_lengths) or sequence_lengths[owner] != n:
+                expected = sequence_lengths[owner] if 0 <= owner < len(sequence_lengths) else "no sequence"
+                return f", sample {row}, position {start}: sequence_ids {owner} on {n} tokens, but that sequence has {expected}"
+            seen.append(owner)
+            start += n
+        if any(v != -1 for v in values[start:]):
+            return f", sample {row}, position {start}: sequence_ids on padding must be -1, got {values[start:]}"
+    if sorted(seen) != list(range(len(sequence_lengths))):
+        return f": sequence_ids cover {sorted(seen)}, expected each of 0..{len(sequence_lengths) - 1} once"
     return None
 
 
@@ -598,7 +681,14 @@ def verify_split(
         block = dataset[index]
         rows = [dict(zip(columns, values)) for values in zip(*(block[c] for c in columns))]
         batch = collator(rows)
-        if lengths_per_row is not None:
+        sequence_lengths = None  # pairs: the length of each sequence, by its index in the batch
+        if isinstance(collator, PairedCollator):
+            sequence_lengths = [len(r[f"{side}input_ids"]) for side in collator.sides for r in rows]
+            if collator.padding_free is not None:
+                lengths = [[sequence_lengths[i] for i in row] for row in padding_free_layout(sequence_lengths)]
+            else:
+                lengths = [[n] for n in sequence_lengths]
+        elif lengths_per_row is not None:
             lengths = [lengths_per_row[i] for i in index]
         elif isinstance(collator, PaddingFreeCollator):
             layout = padding_free_layout([len(r["input_ids"]) for r in rows])
@@ -610,7 +700,8 @@ def verify_split(
         if flattened:
             lengths = [[n for row in lengths for n in row]]
         problem = verify_batch(
-            batch, pad_token_id=pad_token_id, sample_lengths=lengths, vocab_size=vocab_size, batch_index=number
+            batch, pad_token_id=pad_token_id, sample_lengths=lengths, vocab_size=vocab_size, batch_index=number,
+            sequence_lengths=sequence_lengths,
         )
         if problem:
             return f"{name}: {problem}", counts
@@ -650,7 +741,12 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
         )
         if problem:
             return problem, lines
-        unit = f"{counts.rows} packed rows" if isinstance(collator, PackedCollator) else f"{counts.rows} samples"
+        if isinstance(collator, PackedCollator):
+            unit = f"{counts.rows} packed rows"
+        elif isinstance(collator, PairedCollator):
+            unit = f"{counts.rows} {'examples' if config.finetuning.stage == 'kto' else 'pairs'} ({counts.samples} sequences)"
+        else:
+            unit = f"{counts.rows} samples"
         of = "" if counts.rows == len(dataset) else f" (of {len(dataset)})"
         lines.append(
             f"{name}: {counts.batches} batch{'es' if counts.batches != 1 else ''}, {unit}{of}, through {kind}: "
@@ -659,10 +755,13 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
         )
         lines.append(f"  {counts.supervised} supervised positions: label == input_id (the loss shifts them)")
         if attention:
+            noun = "sequences" if isinstance(collator, PairedCollator) else "samples"
             lines.append(
-                f"  {counts.samples} {layout} samples in {counts.batch_rows} batch rows: "
+                f"  {counts.samples} {layout} {noun} in {counts.batch_rows} batch rows: "
                 "position ids restart at 0 at each start and step by 1; label -100 at every sample start"
             )
+        if attention and isinstance(collator, PairedCollator):
+            lines.append("  sequence_ids: one id per sequence, each of the batch's sequences once, -1 on padding")
         lines.append(
             f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
             + ("" if attention else ", attention_mask 0 (1 on every real token)")
@@ -737,27 +836,29 @@ def id_coverage(ids: np.ndarray, vocab_size: int | None, unk_id: int | None) -> 
 
 
 def _texts(data: RunData) -> Iterable[str]:
-    """The text of the training samples, each token once (pt windows from their first target: no overlap)."""
+    """The text of the training samples (pairs: of both sequences), each token once (pt windows from their
+    first target: no overlap)."""
     pt = data.config.finetuning.stage == "pt"
-    for sample in data.train.select_columns(["input_ids", "labels"]):
-        ids = sample["input_ids"]
-        if pt:
-            first = next((t for t, label in enumerate(sample["labels"]) if label != IGNORE_INDEX), len(ids))
-            ids = ids[first:]
-        yield data.tokenizer.decode(ids, skip_special_tokens=True)
+    for side in data.sides or ("",):
+        for sample in data.train.select_columns([f"{side}input_ids", f"{side}labels"]):  # row by row: lazy
+            ids, labels = sample[f"{side}input_ids"], sample[f"{side}labels"]
+            if pt:
+                ids = ids[next((t for t, label in enumerate(labels) if label != IGNORE_INDEX), len(ids)) :]
+            yield data.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def coverage_report(data: RunData) -> list[str]:
     """The `tunelab data coverage` output for the training samples."""
     tokenizer, config = data.tokenizer, data.config
     vocab_size = model_vocab_size(config.model.model_name_or_path)
-    _, flat = _flat_column(data.train, "input_ids")
+    flat = np.concatenate([_flat_column(data.train, f"{side}input_ids")[1] for side in data.sides or ("",)])
     unk_id = tokenizer.unk_token_id if tokenizer.unk_token is not None else None
     cov = id_coverage(flat, vocab_size, unk_id)
     kind = byte_piece_kind(tokenizer)
     vocab_text = f"model vocab_size {vocab_size} from config.json" if vocab_size else "model vocab_size unknown"
+    rows = f"{len(data.train)} samples" if data.sides is None else f"{len(data.train)} rows of 2 sequences"
     lines = [
-        f"train: {len(data.train)} samples, {cov.tokens} tokens (tokenizer: {kind or 'no byte pieces'}, "
+        f"train: {rows}, {cov.tokens} tokens (tokenizer: {kind or 'no byte pieces'}, "
         f"{len(tokenizer)} entries; {vocab_text})"
     ]
     if cov.unk is None:
