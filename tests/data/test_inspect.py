@@ -287,30 +287,24 @@ def padding_free_pairs() -> dict:
     return PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))(PAIR_ROWS)
 
 
-def test_padding_free_pair_batches_pass_and_bad_sequence_ids_are_caught() -> None:
-    # Sequences 0..3 (chosen, chosen, rejected, rejected) of lengths 4, 2, 2, 3 in rows [0] [3] [1 2].
-    layout = {"sample_lengths": [[4], [3], [2, 2]], "sequence_lengths": [4, 2, 2, 3]}
-    assert verify_batch(padding_free_pairs(), pad_token_id=0, **layout) is None
-    swapped = padding_free_pairs()
-    swapped["sequence_ids"][2] = torch.tensor([1, 1, 1, 1])
-    assert verify_batch(swapped, pad_token_id=0, **layout) == (
-        "batch 0: sequence_ids cover [0, 1, 1, 3], expected each of 0..3 once"
-    )
-    split = padding_free_pairs()
-    split["sequence_ids"][0, 3] = 1
-    assert verify_batch(split, pad_token_id=0, **layout) == (
-        "batch 0, sample 0, position 0: sequence_ids [0, 1] within one sequence, expected one id"
-    )
-    wrong_length = padding_free_pairs()
-    wrong_length["sequence_ids"][1, :3] = 2
-    assert verify_batch(wrong_length, pad_token_id=0, **layout) == (
-        "batch 0, sample 1, position 0: sequence_ids 2 on 3 tokens, but that sequence has 2"
-    )
-    on_padding = padding_free_pairs()
-    on_padding["sequence_ids"][1, 3] = 3
-    assert verify_batch(on_padding, pad_token_id=0, **layout) == (
-        "batch 0, sample 1, position 3: sequence_ids on padding must be -1, got [3]"
-    )
+# Sequences 0..3 (chosen, chosen, rejected, rejected) of lengths 4, 2, 2, 3 in rows [0] [3] [1 2].
+PAIR_LAYOUT = {"sample_lengths": [[4], [3], [2, 2]], "sequence_lengths": [4, 2, 2, 3]}
+
+
+def test_a_correct_padding_free_pair_batch_passes() -> None:
+    assert verify_batch(padding_free_pairs(), pad_token_id=0, **PAIR_LAYOUT) is None
+
+
+@pytest.mark.parametrize("row, columns, owner, message", [
+    (2, slice(0, 4), 1, "batch 0: sequence_ids cover [0, 1, 1, 3], expected each of 0..3 once"),
+    (0, slice(3, 4), 1, "batch 0, sample 0, position 0: sequence_ids [0, 1] within one sequence, expected one id"),
+    (1, slice(0, 3), 2, "batch 0, sample 1, position 0: sequence_ids 2 on 3 tokens, but that sequence has 2"),
+    (1, slice(3, 4), 3, "batch 0, sample 1, position 3: sequence_ids on padding must be -1, got [3]"),
+])
+def test_bad_sequence_ids_are_caught(row: int, columns: slice, owner: int, message: str) -> None:
+    batch = padding_free_pairs()
+    batch["sequence_ids"][row, columns] = owner
+    assert verify_batch(batch, pad_token_id=0, **PAIR_LAYOUT) == message
 
 
 def test_verify_split_lays_out_pairs_as_the_collator_does() -> None:
