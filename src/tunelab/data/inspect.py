@@ -45,7 +45,7 @@ from tunelab.data.collate import (
 )
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.packing import PackingStats, pack_dataset, pack_lengths
-from tunelab.errors import ConfigError, ModelError
+from tunelab.errors import ModelError
 
 HISTOGRAM_BINS = 12
 BAR_WIDTH = 40
@@ -421,9 +421,9 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
     if data.sides is None:
         count, batches = f"{stats.count} samples", f"batches of {batch_size}"
     else:
-        unit = "examples with their KL examples" if stage == "kto" else "pairs"
+        unit = "examples" if stage == "kto" else "pairs"  # kto: each example with its KL example
         count = f"{len(data.train)} {unit}, {stats.count} sequences"
-        batches = f"batches of {batch_size} {unit.split()[0]} ({per_batch} sequences)"
+        batches = f"batches of {batch_size} {unit} ({per_batch} sequences)"
     lines = [
         f"train: {count} ({title}, cutoff_len {cutoff})",
         f"length (tokens): min {stats.min}, max {stats.max}, mean {_num(stats.mean)}, median {_num(stats.median)}, "
@@ -503,6 +503,8 @@ def verify_batch(
     if packed and mask is not None and mask.dim() == 2:
         return f"{where}: a 2-D attention_mask beside packed position_ids lets samples attend to each other; leave it out"
     two_d = ["labels", "position_ids"] if packed else ["labels", "attention_mask"]
+    if "sequence_ids" in batch:
+        two_d.append("sequence_ids")
     for key in ["input_ids", *two_d]:
         if batch[key].shape != ids.shape:
             return f"{where}: {key} has shape {tuple(batch[key].shape)}, input_ids {tuple(ids.shape)}; they must match"
@@ -556,8 +558,6 @@ def _verify_sequence_ids(
     it is, -1 on padding; as ', sample r: ...' (or ': ...'), or None."""
     if sample_lengths is None or sequence_lengths is None:
         return ": sequence_ids cannot be checked without the batch's sample and sequence lengths"
-    if owners.shape != (len(sample_lengths), owners.shape[-1]) or owners.dtype != torch.long:
-        return f": sequence_ids has shape {tuple(owners.shape)} {owners.dtype}; expected input_ids' shape, torch.int64"
     seen: list[int] = []
     for row, given in enumerate(sample_lengths):
         values = owners[row].tolist()
