@@ -7,7 +7,7 @@ VENV ?= .venv
 TUNELAB_TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,12 @@ test: setup
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "not slow"
+
+# The peer comparison (docs/benchmarks.md): the peers' venvs once (~5 min, idempotent), then every
+# workload, 3 repeats of 30 steps (~45 min on 2 cores). Arguments for bench/run.py: make bench BENCH_ARGS="..."
+bench: setup
+	bash bench/peers/setup.sh
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) saves outputs .pytest_cache
