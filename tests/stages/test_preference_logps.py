@@ -7,6 +7,7 @@ On the embedded tiny Llama (untrained for these tasks, which does not matter for
 
 from __future__ import annotations
 
+import datasets
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -230,3 +231,17 @@ def test_pair_stages_pick_padding_free_where_the_model_supports_it():
     picked = build_paired_collator(model, 0, "chosen_", "rejected_", padding_free=None)
     assert picked == PairedCollator(0, "chosen_", "rejected_", padding_free=PADDING_FREE)
     assert build_paired_collator(model, 0, "", "kl_", padding_free=False) == PairedCollator(0, "", "kl_")
+
+
+def test_precompute_on_flattened_varlen_pairs_equals_padded(pairs):
+    """The flash-attention layout (every sequence in one row, with cu_seq_lens and int max lengths) through
+    precompute: on CPU sdpa isolates the sequences of the one row from its restarting position ids."""
+    rows = datasets.Dataset.from_list(mixed_lengths(pairs))
+    policy = lora_policy()
+    varlen = PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0, "varlen")))
+    assert varlen(list(rows))["input_ids"].shape[0] == 1 and isinstance(varlen(list(rows))["max_length_q"], int)
+    columns, cpu = PAIR_REFERENCE_COLUMNS, torch.device("cpu")
+    flattened = precompute_reference_log_probs(rows, policy, None, varlen, columns, batch_size=3, device=cpu)
+    padded = precompute_reference_log_probs(rows, policy, None, PairedCollator(0), columns, batch_size=3, device=cpu)
+    for column in columns:
+        assert flattened[column] == pytest.approx(padded[column], abs=1e-4)

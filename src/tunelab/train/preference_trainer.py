@@ -86,7 +86,7 @@ def precompute_reference_log_probs(
     with reference_view(model, ref_model) as reference:
         for start in range(0, len(dataset), batch_size):
             rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
-            batch = {k: v.to(device) for k, v in collator(list(rows)).items()}
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collator(list(rows)).items()}
             logps, _ = batch_log_probs(reference, batch)
             half = len(rows)
             first += logps[:half].tolist()
