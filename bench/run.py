@@ -450,11 +450,12 @@ def main() -> None:
         if not tool_python(tool).exists():
             parser.error(f"{tool}: {tool_python(tool)} is missing; run `bash bench/peers/setup.sh` first")
 
-    if not (DATA / "manifest.json").exists() or not model_dir(settings).exists():
+    inputs = [DATA / "manifest.json", model_dir(settings), *(DATA / w.rows_file for w in WORKLOADS.values())]
+    if not all(path.exists() for path in inputs):  # first run, or inputs written before a workload was added
         subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py")], check=True, stdout=subprocess.DEVNULL)
     manifest = json.loads((DATA / "manifest.json").read_text())
     rows = {"sft.json": manifest["rows"]["sft"], "pref.json": manifest["rows"]["pref"],
-            "pref_mixed.json": manifest["rows"].get("pref_mixed"), "corpus.json": manifest["rows"]["corpus_docs"]}
+            "pref_mixed.json": manifest["rows"]["pref_mixed"], "corpus.json": manifest["rows"]["corpus_docs"]}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",

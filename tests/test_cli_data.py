@@ -11,6 +11,7 @@ import pytest
 from tunelab.cli import main
 from tunelab.config.loader import load_config
 from tunelab.data import inspect as data_inspect
+from tunelab.data.pairwise import pair_sides
 from tunelab.data.collate import SupervisedCollator
 from tunelab.errors import ConfigError
 
@@ -260,7 +261,7 @@ def test_verify_and_coverage_of_pair_stages(tmp_path: Path, capsys, stage: str, 
 
     code, lines, _ = run(capsys, "coverage", str(path), f"stage={stage}")
     data = data_inspect.load_run_data(load_config(path, [f"stage={stage}"], purpose="data"))
-    first, second = data_inspect.pair_sides(stage)
+    first, second = pair_sides(stage)
     tokens = sum(len(r[f"{first}input_ids"]) + len(r[f"{second}input_ids"]) for r in data.train)
     assert code == 0
     assert lines[0].startswith(f"train: {rows} rows of 2 sequences, {tokens} tokens (tokenizer: byte-level")

@@ -45,6 +45,7 @@ from tunelab.data.collate import (
 )
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.packing import PackingStats, pack_dataset, pack_lengths
+from tunelab.data.pairwise import pair_sides
 from tunelab.errors import ModelError
 
 HISTOGRAM_BINS = 12
@@ -110,11 +111,6 @@ def load_run_data(config: RunConfig) -> RunData:
         data.packed = {name: pack_rows(ds, config.data.cutoff_len) for name, ds in data.splits.items()}
         data.report["packing"] = {name: packed.stats.as_dict() for name, packed in data.packed.items()}
     return data
-
-
-def pair_sides(stage: str) -> tuple[str, str]:
-    """The column prefixes of a pair stage's two sequences, in PairedCollator's order."""
-    return ("", "kl_") if stage == "kto" else ("chosen_", "rejected_")
 
 
 def pack_rows(samples: datasets.Dataset, cutoff_len: int) -> PackedRows:

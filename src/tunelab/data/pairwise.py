@@ -36,6 +36,11 @@ PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "reje
 KTO_COLUMNS = ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tag")
 
 
+def pair_sides(stage: str) -> tuple[str, str]:
+    """The column prefixes of a pair stage's two sequences per row, in PairedCollator's order."""
+    return ("", "kl_") if stage == "kto" else ("chosen_", "rejected_")
+
+
 def _assistant(content: str) -> dict[str, str]:
     return {"role": "assistant", "content": content, "tool_calls": "", "tool_call_id": ""}
 

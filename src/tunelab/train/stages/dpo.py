@@ -12,7 +12,7 @@ import logging
 
 from tunelab.config.args import RunConfig
 from tunelab.data.collate import build_paired_collator
-from tunelab.data.pairwise import preference_bundle
+from tunelab.data.pairwise import pair_sides, preference_bundle
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
@@ -43,8 +43,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     trainable, total = count_parameters(model)
     logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
     collator = build_paired_collator(
-        model, tokenizer.pad_token_id, *(("", "kl_") if stage == "kto" else ("chosen_", "rejected_")),
-        padding_free=config.data.padding_free,
+        model, tokenizer.pad_token_id, *pair_sides(stage), padding_free=config.data.padding_free,
     )
 
     # LoRA: the reference is the policy with its adapter disabled; full / freeze: a frozen copy, except
