@@ -70,3 +70,11 @@ def isolated_tokenized_cache(tmp_path_factory):
         os.environ.pop("TUNELAB_CACHE", None)
     else:
         os.environ["TUNELAB_CACHE"] = previous
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """scripts/record_golden_renders.py: write the official renders this session recorded (tests/official.py)."""
+    from tests import official  # noqa: PLC0415
+
+    if official.RECORDING and exitstatus == 0:
+        official.write_recording()

@@ -381,10 +381,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_optional_kernel_notes() -> None:
+    """Keep bitsandbytes' import-time note about an optional hub kernel off the terminal.
+
+    transformers' TrainingArguments imports peft, and peft imports bitsandbytes whenever it is installed, so
+    every command imports it; on CPUs with AVX512-BF16 it then logs "Failed to load CPU gemm_4bit_forward from
+    kernels-community" (a faster 4-bit CPU inference kernel that is not installed). It is not an error and
+    concerns only quantized models, so it goes below the warning level.
+    """
+    import logging  # noqa: PLC0415
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     # tunelab never downloads: models, tokenizers and data come from local paths (docs/distributed.md,
     # "Safety"). Offline mode also stops remote code from fetching more. An explicit HF_HUB_OFFLINE wins.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    quiet_optional_kernel_notes()
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:

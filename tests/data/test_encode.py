@@ -6,7 +6,7 @@ import datasets
 import pytest
 import torch
 
-from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tests.official import official_render
 from tunelab.data.collate import SupervisedCollator
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
 from tunelab.data.pipeline import encode_dataset
@@ -69,13 +69,8 @@ def test_train_on_prompt_trains_everything(tiny_tokenizer):
 
 def test_ids_equal_tokenizing_the_official_render(tiny_tokenizer):
     """Our ids == tokenizer(official ChatML render), token for token."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    official = (CHAT_TEMPLATE_FIXTURES / "chatml.jinja").read_text()
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     messages = [{"role": "system", "content": CONVERSATION["system"]}] + CONVERSATION["messages"]
-    text = env.from_string(official).render(messages=messages, add_generation_prompt=False)
+    text = official_render("chatml", messages)
     ids, _ = encode(tiny_tokenizer)
     assert ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.data.test_encode import supervised_runs
-from tests.data.test_template_official import official
+from tests.official import official_render
 from tests.data.test_template_spans import ANSWER, EXCHANGES, SYSTEM, family_tokenizer, special_tokens
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
 from tunelab.data.formats import template_messages
@@ -53,13 +53,13 @@ def official_texts(name: str, system: bool) -> list[str]:
     messages = template_messages(row(system))
     if name == "default":  # our own format: no official counterpart
         return [get_template(name).render(messages, **special_tokens(name))]
-    template, tokens = official(name), special_tokens(name)
+    tokens = special_tokens(name)
     if (name, system) not in EXPANDS:
-        return [template.render(messages, **tokens)]
+        return [official_render(name, messages, **tokens)]
     texts = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            texts.append(template.render(messages[:i], add_generation_prompt=True, **tokens)
+            texts.append(official_render(name, messages[:i], add_generation_prompt=True, **tokens)
                          + ANSWER[name](message["content"], True))
     return texts
 
@@ -94,8 +94,8 @@ def test_train_on_prompt_trains_everything(name: str, system: bool) -> None:
     (ids,), (labels,) = out["input_ids"], out["labels"]
     assert labels == ids and IGNORE_INDEX not in labels
     full = template_messages(row(system))
-    reference = get_template(name) if name == "default" else official(name)
-    assert tokenizer.decode(ids) == reference.render(full, **special_tokens(name))
+    render = get_template(name).render if name == "default" else lambda *a, **k: official_render(name, *a, **k)
+    assert tokenizer.decode(ids) == render(full, **special_tokens(name))
 
 
 # --- bos ----------------------------------------------------------------------------------------------

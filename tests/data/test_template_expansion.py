@@ -14,7 +14,7 @@ import datasets
 import pytest
 
 from tests.data.test_encode import supervised_runs
-from tests.data.test_template_official import official, special_tokens
+from tests.official import official_render, special_tokens
 from tests.data.test_template_spans import family_tokenizer
 from tunelab.data.encode import EncodeStats, SupervisedEncoder
 from tunelab.data.formats import template_messages
@@ -76,7 +76,7 @@ def test_qwen3_each_answer_is_its_own_official_example(
     messages = template_messages(row)
     assert len(out["input_ids"]) == 3 and out["expanded"] == [2, 0, 0]
     for ids, labels, i, answer in zip(out["input_ids"], out["labels"], answer_indices(messages), trained, strict=True):
-        text = official("qwen3").render(messages[: i + 1], **QWEN3_TOKENS, **template_vars)
+        text = official_render("qwen3", messages[: i + 1], **QWEN3_TOKENS, **template_vars)
         assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert supervised_runs(tokenizer, ids, labels) == [answer + "<|im_end|>"]
     # in the last example the earlier answers appear as the template rewrites them: reasoning dropped
@@ -109,7 +109,7 @@ def test_qwen3_reasoning_content_field_in_earlier_turns() -> None:
     for variables in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
         examples = template.training_examples(messages, **variables)
         assert [text for text, _ in examples] == [
-            official("qwen3").render(messages[:3], **variables), official("qwen3").render(messages, **variables)
+            official_render("qwen3", messages[:3], **variables), official_render("qwen3", messages, **variables)
         ]
         trained = [text[start:end] for text, spans in examples for start, end in spans]
         if variables.get("enable_thinking") is False:  # "<think>\n" is the shared header; the rest trains
@@ -133,7 +133,7 @@ def test_qwen3_mask_history_is_the_last_example() -> None:
 
 def test_qwen3_train_on_prompt_is_one_official_render() -> None:
     tokenizer, out = encode("qwen3", THINKING, train_on_prompt=True)
-    text = official("qwen3").render(template_messages(THINKING), **QWEN3_TOKENS)
+    text = official_render("qwen3", template_messages(THINKING), **QWEN3_TOKENS)
     assert out["input_ids"] == out["labels"] == [tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
@@ -149,7 +149,7 @@ def test_mistral_nemo_system_goes_with_each_answers_prompt() -> None:
     assert out["expanded"] == [2, 0, 0]
     for ids, labels, i in zip(out["input_ids"], out["labels"], answer_indices(messages), strict=True):
         # The official render of a finished turn drops the system prompt; the prompt the model is given has it.
-        prompt = official("mistral_nemo").render(messages[:i], add_generation_prompt=True, **tokens)
+        prompt = official_render("mistral_nemo", messages[:i], add_generation_prompt=True, **tokens)
         answer = messages[i]["content"] + "</s>"
         assert "[INST]Be brief.\n\n" in prompt
         assert ids == tokenizer(prompt + answer, add_special_tokens=False)["input_ids"]

@@ -1,27 +1,28 @@
 """Byte-identity of every built-in template with its family's official Hugging Face chat template.
 
-The official texts are test data in ../shared/fixtures/chat_templates (beside the repo); each is rendered
-with the same engine and compared with ours over many conversation shapes, including tool use and the
-family-specific variables. Where the official template refuses a conversation, ours must refuse it too.
+The official texts are test data in ../shared/fixtures/chat_templates (beside the repo; CI has it, so these
+tests run there and skip with the reason shown elsewhere); each is rendered with the same engine and compared
+with ours over many conversation shapes, including tool use and the family-specific variables. Where the
+official template refuses a conversation, ours must refuse it too.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-from functools import cache
 from typing import Any
 
 import pytest
 
 from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
-from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tests.official import FAMILY as OFFICIAL
+from tests.official import needs_official, special_tokens
+from tests.official import official_template as official
+from tunelab.data.templates import Template, get_template
 from tunelab.errors import TemplateError
 
+pytestmark = needs_official
 FIXTURES = CHAT_TEMPLATE_FIXTURES
-
-# built-in name -> fixture family (default is our own format and has no official counterpart)
-OFFICIAL = {name: name for name in TEMPLATE_NAMES if name != "default"} | {"llama2": "llama2_chat"}
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 EXCHANGES = [
@@ -40,26 +41,6 @@ WEATHER_TOOL = {
     },
 }
 CALL = {"id": "call12345", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-
-
-def fixture_family(family: str) -> dict[str, Any]:
-    return _index()[family]
-
-
-@cache
-def _index() -> dict[str, dict[str, Any]]:
-    assert FIXTURES.is_dir(), f"official chat templates not found at {FIXTURES}; check out ../shared beside the repo"
-    return {entry["family"]: entry for entry in json.loads((FIXTURES / "INDEX.json").read_text())["families"]}
-
-
-def official(name: str) -> Template:
-    family = OFFICIAL[name]
-    return Template(name=f"official:{family}", jinja=(FIXTURES / f"{family}.jinja").read_text(encoding="utf-8"))
-
-
-def special_tokens(name: str) -> dict[str, str]:
-    entry = fixture_family(OFFICIAL[name])
-    return {"bos_token": entry["bos_token"] or "", "eos_token": entry["eos_token"] or ""}
 
 
 def conversation(turns: int, system: bool, answered: bool) -> list[dict[str, Any]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +19,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tests.official import family_facts, official_render, special_tokens
 from tunelab.data.templates import TEMPLATE_NAMES, HistoryRewriteError, Template, get_template
 from tunelab.errors import TemplateError
-
-FIXTURES = CHAT_TEMPLATE_FIXTURES
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 EXCHANGES = [
@@ -56,17 +53,6 @@ ANSWER: dict[str, Callable[[str, bool], str]] = {
     "deepseek_r1_distill": lambda c, last: c + EOS_R1,
     "glm4": lambda c, last: ("\n" + c).rstrip(),
 }
-
-FAMILY = {"llama2": "llama2_chat"}
-
-
-def special_tokens(name: str) -> dict[str, str]:
-    if name == "default":
-        return {"bos_token": "<s>", "eos_token": "</s>"}
-    families = json.loads((FIXTURES / "INDEX.json").read_text(encoding="utf-8"))["families"]
-    entry = next(e for e in families if e["family"] == FAMILY.get(name, name))
-    return {"bos_token": entry["bos_token"] or "", "eos_token": entry["eos_token"] or ""}
-
 
 def conversation(turns: int, system: bool) -> list[dict[str, Any]]:
     messages = [SYSTEM] if system else []
@@ -235,12 +221,7 @@ def family_tokenizer(name: str, add_bos_token: bool = False) -> PreTrainedTokeni
     Markup-like literals only ("<|im_start|>", "[INST]"): DeepSeek-V2's "User: " is plain text, not a token.
     """
     tokens = special_tokens(name)
-    if name == "default":
-        literal: list[str] = []
-    else:
-        families = json.loads((FIXTURES / "INDEX.json").read_text(encoding="utf-8"))["families"]
-        entry = next(e for e in families if e["family"] == FAMILY.get(name, name))
-        literal = [t for t in entry["literal_special_tokens"] if t[0] in "<["]
+    literal = [] if name == "default" else [t for t in family_facts(name)["literal_special_tokens"] if t[0] in "<["]
     marks = [t for t in (tokens["bos_token"], tokens["eos_token"]) if t and t not in literal]
     return tiny_tokenizer(literal + marks, tokens["bos_token"] or None, tokens["eos_token"] or None, add_bos_token)
 
@@ -262,11 +243,9 @@ TOKEN_CASES = {
 def test_tokens_match_official_and_mask_exactly(name: str, system: bool) -> None:
     special, bos, eos = TOKEN_CASES[name]
     tokenizer = tiny_tokenizer(special, bos, eos)
-    family = FAMILY.get(name, name)
-    official = Template(f"official:{family}", (FIXTURES / f"{family}.jinja").read_text(encoding="utf-8"))
     messages = conversation(3, system)
     ours_text, spans = get_template(name, tokenizer).render_with_spans(messages, bos_token=bos, eos_token=eos)
-    official_text = official.render(messages, bos_token=bos, eos_token=eos)
+    official_text = official_render(name, messages, bos_token=bos, eos_token=eos)
 
     encoded = tokenizer(ours_text, add_special_tokens=False, return_offsets_mapping=True)
     assert encoded["input_ids"] == tokenizer(official_text, add_special_tokens=False)["input_ids"]

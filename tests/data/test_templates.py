@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tests.official import needs_official
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template, tokenizer_chat_template
 from tunelab.data.templates.engine import compile_template
 from tunelab.errors import TemplateError
@@ -279,6 +280,7 @@ def test_no_warning_when_they_agree(caplog: pytest.LogCaptureFixture, name: str,
     assert caplog.records == []
 
 
+@needs_official
 def test_official_template_matches_its_builtin_without_warning(caplog: pytest.LogCaptureFixture) -> None:
     own = (CHAT_TEMPLATE_FIXTURES / "llama3_1.jinja").read_text(encoding="utf-8")
     with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):

@@ -15,7 +15,8 @@ import datasets
 import pytest
 
 from tests.data.test_encode import supervised_runs
-from tests.data.test_template_official import WEATHER_TOOL, official, special_tokens
+from tests.data.test_template_official import WEATHER_TOOL
+from tests.official import official_render, special_tokens
 from tests.data.test_template_spans import family_tokenizer
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import template_messages, to_canonical
@@ -186,7 +187,7 @@ def encode(name: str, row: dict[str, Any]) -> tuple[Any, dict[str, list]]:
 def test_tool_conversation_renders_officially_and_trains_calls(name: str, source: str) -> None:
     (row,) = canonical([SHAREGPT_ROW]) if source == "sharegpt" else canonical([OPENAI_ROW], "openai")
     tokenizer, out = encode(name, row)
-    text = official(name).render(OFFICIAL_MESSAGES, tools=[WEATHER_TOOL], **special_tokens(name))
+    text = official_render(name, OFFICIAL_MESSAGES, tools=[WEATHER_TOOL], **special_tokens(name))
     (ids,), (labels,) = out["input_ids"], out["labels"]
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     # exactly the call and the answer train; the tool result (Llama-3.1 JSON-encodes even a string) is prompt
@@ -199,7 +200,7 @@ def test_qwen3_tool_conversation_is_one_example_per_answer(source: str) -> None:
     (row,) = canonical([SHAREGPT_ROW]) if source == "sharegpt" else canonical([OPENAI_ROW], "openai")
     tokenizer, out = encode("qwen3", row)
     tokens = special_tokens("qwen3")
-    texts = [official("qwen3").render(OFFICIAL_MESSAGES[:cut], tools=[WEATHER_TOOL], **tokens) for cut in (2, 4)]
+    texts = [official_render("qwen3", OFFICIAL_MESSAGES[:cut], tools=[WEATHER_TOOL], **tokens) for cut in (2, 4)]
     assert out["input_ids"] == [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     runs = [supervised_runs(tokenizer, ids, labels) for ids, labels in zip(out["input_ids"], out["labels"])]
     assert runs == [[CALL_TEXT["qwen3"]], [ANSWER_TEXT["qwen3"]]]
@@ -212,7 +213,7 @@ def test_mistral_tool_ids_come_from_openai_rows(name: str) -> None:
     messages = [*OFFICIAL_MESSAGES]
     messages[1] = {**messages[1], "tool_calls": [{**CALL, "id": "call12345"}]}
     messages[2] = {**messages[2], "tool_call_id": "call12345"}
-    text = official(name).render(messages, tools=[WEATHER_TOOL], **special_tokens(name))
+    text = official_render(name, messages, tools=[WEATHER_TOOL], **special_tokens(name))
     (ids,), (labels,) = out["input_ids"], out["labels"]
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert supervised_runs(tokenizer, ids, labels) == [CALL_TEXT[name], ANSWER_TEXT[name]]
