@@ -75,30 +75,6 @@ def test_ids_equal_tokenizing_the_official_render(tiny_tokenizer):
     assert ids == tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def test_truncation_keeps_prompt_and_start_of_answer(tiny_tokenizer):
-    full_ids, full_labels = encode(tiny_tokenizer)
-    first_answer = next(i for i, label in enumerate(full_labels) if label != IGNORE_INDEX)
-    cutoff = first_answer + 2
-    ids, labels = encode(tiny_tokenizer, cutoff_len=cutoff)
-    assert ids == full_ids[:cutoff] and labels == full_labels[:cutoff]
-
-
-def test_examples_left_without_answers_are_dropped_and_counted(tiny_tokenizer):
-    template = get_template("chatml", tiny_tokenizer)
-    encoder = SupervisedEncoder(tokenizer=tiny_tokenizer, template=template, cutoff_len=12)
-    short = {**CONVERSATION, "system": "", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
-    rows = datasets.Dataset.from_list([CONVERSATION, short, CONVERSATION])
-    encoded, stats = encode_dataset(rows, encoder, "train", num_proc=None)
-    # The two long conversations lose every answer at 12 tokens; the short one fits whole.
-    assert (stats.examples, stats.dropped_no_supervised, stats.truncated) == (1, 2, 0)
-    assert encoded.column_names == ["input_ids", "labels"]
-    assert encoded[0]["input_ids"] == encode(tiny_tokenizer, row=short)[0]
-    # A cut that keeps part of an answer keeps the example and counts it as truncated.
-    encoder = SupervisedEncoder(tokenizer=tiny_tokenizer, template=template, cutoff_len=40)
-    encoded, stats = encode_dataset(datasets.Dataset.from_list([CONVERSATION]), encoder, "train", num_proc=None)
-    assert (stats.examples, stats.dropped_no_supervised, stats.truncated) == (1, 0, 1)
-
-
 def test_collator_pads_right_with_minus_100():
     collate = SupervisedCollator(pad_token_id=7, pad_to_multiple_of=4)
     batch = collate([

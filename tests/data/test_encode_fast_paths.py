@@ -1,21 +1,18 @@
 """The shortcuts encoding takes for speed give exactly what the plain way gives.
 
-Tokenising through the fast tokenizer's backend equals ``tokenizer(texts, ...)`` (ids and offsets), and falls
-back to it whenever the call would configure the backend first; labelling only the tokens truncation keeps
-equals truncating the labels; the last turn's span reuses the full render; format conversion in one batched
+Tokenising through the fast tokenizer's backend equals ``tokenizer(texts, ...)``, and falls back to it whenever
+the call would configure the backend first; the last turn's span reuses the full render; format conversion in one batched
 pass equals the per-row converter followed by the empty-answer filter (the streaming path).
 """
 
 from __future__ import annotations
-
-import random
 
 import datasets
 import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.data.test_template_spans import family_tokenizer, tiny_tokenizer
-from tunelab.data.encode import SupervisedEncoder, _direct_backend, tokenize_with_offsets
+from tunelab.data.encode import _direct_backend, _Tokens
 from tunelab.data.formats import CANONICAL_FEATURES, _Converter, _has_empty_answer, to_canonical
 from tunelab.data.registry import DatasetSpec
 from tunelab.data.templates import TEMPLATE_NAMES, get_template
@@ -31,15 +28,18 @@ TEXTS = [
 
 
 def expected(tokenizer, texts):
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    return encoded["input_ids"], encoded["offset_mapping"]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def tokenize(tokenizer, texts):
+    return _Tokens(tokenizer)._raw(texts)
 
 
 @pytest.mark.parametrize("which", ["tiny", "word", *sorted(TEMPLATE_NAMES)])
 def test_backend_tokenisation_equals_the_tokenizer_call(which, tiny_tokenizer, word_tokenizer):
     tokenizer = {"tiny": tiny_tokenizer, "word": word_tokenizer}.get(which) or family_tokenizer(which)
     assert _direct_backend(tokenizer) is not None  # the shortcut is what is under test
-    assert tokenize_with_offsets(tokenizer, TEXTS) == expected(tokenizer, TEXTS)
+    assert tokenize(tokenizer, TEXTS) == expected(tokenizer, TEXTS)
 
 
 def fresh_tokenizer():
@@ -51,10 +51,10 @@ def test_backend_with_truncation_or_padding_falls_back_to_the_call():
     reference = expected(tokenizer, TEXTS)
     tokenizer.backend_tokenizer.enable_truncation(max_length=4)
     assert _direct_backend(tokenizer) is None
-    assert tokenize_with_offsets(tokenizer, TEXTS) == reference  # the call switched truncation off again
+    assert tokenize(tokenizer, TEXTS) == reference  # the call switched truncation off again
     tokenizer.backend_tokenizer.enable_padding(length=64)
     assert _direct_backend(tokenizer) is None
-    assert tokenize_with_offsets(tokenizer, TEXTS) == reference
+    assert tokenize(tokenizer, TEXTS) == reference
 
 
 def test_a_class_with_its_own_encoding_path_keeps_it():
@@ -64,40 +64,17 @@ def test_a_class_with_its_own_encoding_path_keeps_it():
 
     tokenizer = Custom(tokenizer_object=fresh_tokenizer().backend_tokenizer)
     assert _direct_backend(tokenizer) is None
-    assert tokenize_with_offsets(tokenizer, TEXTS) == expected(tokenizer, TEXTS)
+    assert tokenize(tokenizer, TEXTS) == expected(tokenizer, TEXTS)
 
 
 def test_split_special_tokens_is_honoured():
     tokenizer = fresh_tokenizer()
     tokenizer.split_special_tokens = True
     assert _direct_backend(tokenizer) is None  # the backend does not split them yet; the call will set it
-    first = tokenize_with_offsets(tokenizer, TEXTS)
+    first = tokenize(tokenizer, TEXTS)
     assert _direct_backend(tokenizer) is not None
-    assert tokenize_with_offsets(tokenizer, TEXTS) == first == expected(tokenizer, TEXTS)
-    assert 3 < len(first[0][2])  # "<|im_start|>" was split into bytes
-
-
-def random_case(rng: random.Random) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
-    offsets, position = [], 0
-    for _ in range(rng.randrange(0, 40)):
-        start = max(0, position - rng.choice([0, 0, 0, 1, 3]))  # mostly increasing, sometimes stepping back
-        end = start + rng.choice([0, 1, 1, 2, 4])  # zero-width tokens too
-        offsets.append((start, end))
-        position = end
-    bounds = sorted(rng.choices(range(position + 5), k=2 * rng.randrange(0, 4)))  # empty spans too
-    spans = list(zip(bounds[::2], bounds[1::2]))
-    return offsets, spans, [rng.randrange(1000) for _ in offsets]
-
-
-def test_labelling_kept_tokens_equals_truncating_the_labels():
-    rng = random.Random(0)
-    for train_on_prompt in (False, True):
-        encoder = SupervisedEncoder(tokenizer=None, template=None, cutoff_len=0, train_on_prompt=train_on_prompt)
-        for _ in range(2000):
-            offsets, spans, ids = random_case(rng)
-            labels = encoder.label_tokens(offsets, spans, ids)
-            for n in range(len(ids) + 1):
-                assert encoder.label_tokens(offsets[:n], spans, ids[:n]) == labels[:n]
+    assert tokenize(tokenizer, TEXTS) == first == expected(tokenizer, TEXTS)
+    assert 3 < len(first[2])  # "<|im_start|>" was split into bytes
 
 
 def test_the_last_answer_reuses_the_full_render():

@@ -174,11 +174,17 @@ def test_pipeline_counts_expanded_conversations_and_dropped_examples() -> None:
     encoded, stats = encode_dataset(rows, encoder, "train", num_proc=None)
     assert encoded.column_names == ["input_ids", "labels"]
     assert (stats.examples, stats.expanded_conversations, stats.dropped_no_supervised) == (7, 2, 0)
-    # Cut at the second example's length: each third example (its prompt alone is longer) is dropped, and counted.
+    # Cut at the second example's length: each third example drops its earliest exchange (untrained history) to fit.
     cutoff = len(encoded[1]["input_ids"])
     encoder = SupervisedEncoder(tokenizer=tokenizer, template=get_template("qwen3", tokenizer), cutoff_len=cutoff)
     _, stats = encode_dataset(rows, encoder, "train", num_proc=None)
-    assert (stats.examples, stats.expanded_conversations, stats.dropped_no_supervised, stats.truncated) == (5, 2, 2, 0)
+    assert (stats.examples, stats.expanded_conversations, stats.dropped_no_supervised, stats.truncated) == (7, 2, 0, 2)
+    assert stats.answers_dropped == 0
+    # With a system prompt longer than the cutoff every example of a conversation is dropped: counted per row.
+    long_system = {**THINKING, "system": "rules " * cutoff}
+    rows = datasets.Dataset.from_list([long_system, single, long_system])
+    _, stats = encode_dataset(rows, encoder, "train", num_proc=None)
+    assert (stats.examples, stats.expanded_conversations, stats.dropped_no_supervised, stats.truncated) == (1, 0, 2, 0)
 
 
 def test_encode_stats_merge_sums_expanded() -> None:

@@ -133,7 +133,7 @@ def test_precomputed_reference_equals_on_the_fly(pairs, tokenizer, tmp_path):
     assert loss_fly.item() != pytest.approx(0.6931471805599453, abs=1e-3)  # the policy differs from its reference
 
 
-@pytest.mark.parametrize("cutoff_len, examples, dropped", [(64, 12, 0), (24, 8, 4), (20, 2, 10)])
+@pytest.mark.parametrize("cutoff_len, examples, dropped", [(64, 12, 0), (18, 4, 8), (16, 2, 10)])
 def test_kto_counts_two_examples_per_pair_and_every_drop(tokenizer, cutoff_len, examples, dropped):
     """A pair gives a desirable and an undesirable example: examples + dropped = 2 per pair, exactly."""
     from tunelab.data.pipeline import encode_dataset  # noqa: PLC0415

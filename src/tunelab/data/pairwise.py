@@ -54,6 +54,11 @@ def _rows(batch: dict[str, list]) -> list[dict]:
     return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
+def _size(messages: list[dict]) -> tuple[int, int]:
+    """How much of a conversation truncation left: turns, then characters."""
+    return len(messages), sum(len(str(m.get("content") or "")) for m in messages)
+
+
 def _stats(kept: list[dict]) -> dict[str, Any]:
     return {
         "truncated": any(e["truncated"] for e in kept),
@@ -92,6 +97,7 @@ class PairwiseEncoder:
             [with_answer(r, _assistant(r["chosen"])) for r in rows]
             + [with_answer(r, _assistant(r["rejected"])) for r in rows]
         )
+        self._same_prompts(rows, encoded)
         out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "truncated", "num_supervised", "num_tokens", "expanded")}
         for chosen, rejected in zip(encoded[:n], encoded[n:]):
             if not chosen or not rejected:
@@ -105,6 +111,27 @@ class PairwiseEncoder:
             for key, value in stats.items():
                 out[key].append(value)
         return out
+
+
+    def _same_prompts(self, rows: list[dict], encoded: list[list[dict]]) -> None:
+        """Both sides of a pair must see the same prompt. When truncation shortened one side's history more
+        (its answer is longer), the other side is encoded again on that shorter prompt, in place."""
+        n = len(rows)
+        redo: list[tuple[int, list[dict], dict]] = []  # (index in encoded, messages, options)
+        for i, (chosen, rejected) in enumerate(zip(encoded[:n], encoded[n:])):
+            if not chosen or not rejected:
+                continue
+            prompts = chosen[0]["_messages"][:-1], rejected[0]["_messages"][:-1]
+            if prompts[0] == prompts[1]:
+                continue
+            shorter = min((0, 1), key=lambda side: _size(prompts[side]))
+            other = i + n if shorter == 0 else i
+            answer = encoded[other][0]["_messages"][-1]
+            redo.append((other, [*prompts[shorter], answer], self.encoder.options(rows[i])))
+        if redo:
+            again = self.encoder.encode_conversations([(m, o) for _, m, o in redo], fixed_prompt=True)
+            for (at, _, _), examples in zip(redo, again):
+                encoded[at] = examples
 
 
 @dataclass(frozen=True)

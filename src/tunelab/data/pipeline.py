@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from tunelab.config.args import DataArguments
 from tunelab.data.dedup import deduplicate_training_rows
-from tunelab.data.encode import EncodeStats, SupervisedEncoder
+from tunelab.data.encode import COUNTER_COLUMNS, EncodeStats, SupervisedEncoder
 from tunelab.data.formats import to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, load_registry, load_rows
@@ -95,24 +95,41 @@ def encode_dataset(
     # Sums in Arrow: iterating a column makes one Python object per row, as slow as the encoding itself.
     table = encoded.with_format("arrow")[:]
     added = table["expanded"]  # examples added by conversations split per answer (see SupervisedEncoder)
+    present = set(table.column_names)
     stats = EncodeStats(
         examples=len(encoded),
         truncated=_sum(table["truncated"]),
+        answers_dropped=_sum(table["answers_dropped"]) if "answers_dropped" in present else 0,
         dropped_no_supervised=len(canonical) + _sum(added) - len(encoded),
         # pairwise encoders (data/pairwise.py) count their tokens in a num_tokens column
-        tokens=_sum(table["num_tokens"]) if "num_tokens" in table.column_names
-        else _sum(pc.list_value_length(table["input_ids"])),
+        tokens=_sum(table["num_tokens"]) if "num_tokens" in present else _sum(pc.list_value_length(table["input_ids"])),
         supervised_tokens=_sum(table["num_supervised"]),
         expanded_conversations=_sum(pc.not_equal(added, 0)),
+        split_at_seams=_sum(table["split_at_seams"]) if "split_at_seams" in present else 0,
     )
-    counters = ("truncated", "num_supervised", "expanded", "num_tokens")
-    encoded = encoded.remove_columns([c for c in counters if c in encoded.column_names])
+    encoded = encoded.remove_columns([c for c in (*COUNTER_COLUMNS, "num_tokens") if c in present])
+    log_encode_stats(name, stats, encoder.cutoff_len)
+    return encoded, stats
+
+
+def log_encode_stats(name: str, stats: EncodeStats, cutoff_len: int) -> None:
+    """Warn about everything encoding changed: examples shortened, answers lost, examples dropped."""
+    if stats.truncated or stats.answers_dropped:
+        logger.warning(
+            "%s: %d examples shortened to fit cutoff_len=%d (earliest turns dropped first), losing %d trained answers",
+            name, stats.truncated, cutoff_len, stats.answers_dropped,
+        )
     if stats.dropped_no_supervised:
         logger.warning(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
-            name, stats.dropped_no_supervised, encoder.cutoff_len,
+            name, stats.dropped_no_supervised, cutoff_len,
         )
-    return encoded, stats
+    if stats.split_at_seams:
+        logger.info(
+            "%s: %d conversations encoded one example per answer: tokenised whole, an earlier answer's seam gives "
+            "other ids than its training pieces (see docs/data.md, 'Training ids are inference ids')",
+            name, stats.split_at_seams,
+        )
 
 
 def _sum(column: pa.ChunkedArray | pa.Array) -> int:
@@ -148,8 +165,9 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
         evals[name], eval_stats = encode_dataset(rows, encoder, f"eval:{name}", num_proc)
         report[f"eval:{name}"] = eval_stats.__dict__
     logger.info(
-        "train: %d examples, %d tokens, %d supervised, %d truncated, %d dropped",
-        stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.dropped_no_supervised,
+        "train: %d examples, %d tokens, %d supervised, %d truncated (%d answers lost), %d dropped",
+        stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.answers_dropped,
+        stats.dropped_no_supervised,
     )
     if data_args.packing:
         # Eval sets too: the trainer has one collator, and it takes packed rows.

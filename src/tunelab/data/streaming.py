@@ -372,6 +372,7 @@ class _CountingEncoder:
     rows: int = 0
     examples: int = 0
     truncated: int = 0
+    answers_dropped: int = 0
     added: int = 0  # examples added by conversations split per answer
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
@@ -379,6 +380,7 @@ class _CountingEncoder:
         self.rows += len(next(iter(batch.values()), []))
         self.examples += len(out["input_ids"])
         self.truncated += sum(out["truncated"])
+        self.answers_dropped += sum(out["answers_dropped"])
         self.added += sum(out["expanded"])
         return out
 
@@ -444,8 +446,10 @@ class SupervisedStream:
                 yield from examples
         finally:
             logger.info(
-                "streaming train: %d rows → %d examples so far, %d truncated, %d dropped with no supervised token",
-                counter.rows, counter.examples, counter.truncated, counter.rows + counter.added - counter.examples,
+                "streaming train: %d rows → %d examples so far, %d truncated (%d answers lost), %d dropped with no "
+                "supervised token",
+                counter.rows, counter.examples, counter.truncated, counter.answers_dropped,
+                counter.rows + counter.added - counter.examples,
             )
             _log_packing(packing, self.data_args.buffer_size)
 

@@ -118,21 +118,37 @@ class Template:
         """
         answers = [i for i, message in enumerate(messages) if message.get("role") == "assistant"]
 
-        def render(part: Sequence[Message], add_generation_prompt: bool, bos: str, eos: str) -> str:
-            return self.render(part, tools, add_generation_prompt, bos, eos, **kwargs)
-
         def upto(i: int) -> Example:
-            text, span = answer_example(render, messages[: i + 1], bos_token, eos_token, self.name)
+            text, span = self.answer_example(messages[: i + 1], tools, bos_token, eos_token, **kwargs)
             return text, [span]
 
         if not answers:
-            return [(render(messages, False, bos_token, eos_token), [])]
+            return [(self.render(messages, tools, False, bos_token, eos_token, **kwargs), [])]
         if last_only:
             return [upto(answers[-1])]
         try:
-            return [assistant_spans(render, messages, bos_token, eos_token, self.name)]
+            return [self.render_with_spans(messages, tools, bos_token, eos_token, **kwargs)]
         except HistoryRewriteError:
             return [upto(i) for i in answers]
+
+    def answer_example(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        bos_token: str = "",
+        eos_token: str = "",
+        **kwargs: Any,
+    ) -> tuple[str, Span]:
+        """For a conversation ending with an answer: the text that trains only that answer, and its span.
+
+        The conversation's own render; for a template that rewrites the history once the answer follows, the
+        generation prompt the model is given followed by the answer (spans.answer_example).
+        """
+
+        def render(part: Sequence[Message], add_generation_prompt: bool, bos: str, eos: str) -> str:
+            return self.render(part, tools, add_generation_prompt, bos, eos, **kwargs)
+
+        return answer_example(render, messages, bos_token, eos_token, self.name)
 
     def prompt(
         self,

@@ -1,0 +1,144 @@
+"""Truncation keeps the answers, not the oldest turns (docs/data.md, "Truncation").
+
+An example longer than cutoff_len drops whole earliest exchanges first (the system prompt stays), then cuts
+the end of the oldest remaining user turn so the answer fits whole, and only when the answer alone is too long
+keeps the prompt and the start of the answer. A row never ends inside a prompt; lost answers are counted.
+Each case is an equality with the encoding of the conversation that should be left.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import datasets
+import pytest
+
+from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder, supervised_runs
+from tunelab.data.pairwise import PairwiseEncoder
+from tunelab.data.pipeline import encode_dataset
+from tunelab.data.templates import get_template
+
+
+def message(role: str, content: str, tool_calls: str = "") -> dict[str, str]:
+    return {"role": role, "content": content, "tool_calls": tool_calls, "tool_call_id": ""}
+
+
+def row(exchanges: list[tuple[str, str]], system: str = "You reverse strings.") -> dict[str, Any]:
+    messages = [m for q, a in exchanges for m in (message("user", q), message("assistant", a))]
+    return {"messages": messages, "system": system, "tools": "", "chosen": "", "rejected": ""}
+
+
+EXCHANGES = [("Reverse: abc", "cba"), ("Reverse: hello", "olleh"), ("Reverse: xy", "yx")]
+
+
+def encoder(tokenizer: Any, cutoff_len: int, template: str = "chatml", **options: Any) -> SupervisedEncoder:
+    return SupervisedEncoder(tokenizer=tokenizer, template=get_template(template, tokenizer), cutoff_len=cutoff_len,
+                             **options)
+
+
+def encode(tokenizer: Any, r: dict[str, Any], cutoff_len: int = 4096, **options: Any) -> list[dict[str, Any]]:
+    return encoder(tokenizer, cutoff_len, **options).encode_rows([r])[0]
+
+
+def texts(tokenizer: Any, example: dict[str, Any]) -> list[str]:
+    return [tokenizer.decode(example["input_ids"][s:e]) for s, e in supervised_runs(example["labels"])]
+
+
+@pytest.mark.parametrize("kept", [2, 1])
+def test_earliest_exchanges_are_dropped_first_and_counted(tiny_tokenizer, kept: int) -> None:
+    expected = encode(tiny_tokenizer, row(EXCHANGES[-kept:]))[0]
+    (example,) = encode(tiny_tokenizer, row(EXCHANGES), cutoff_len=len(expected["input_ids"]))
+    assert (example["input_ids"], example["labels"]) == (expected["input_ids"], expected["labels"])
+    assert tiny_tokenizer.decode(example["input_ids"]).startswith("<|im_start|>system\nYou reverse strings.")
+    assert texts(tiny_tokenizer, example) == [f"{a}<|im_end|>" for _, a in EXCHANGES[-kept:]]
+    assert (example["truncated"], example["answers_dropped"]) == (True, 3 - kept)
+
+
+def test_the_fewest_exchanges_are_dropped(tiny_tokenizer) -> None:
+    two = encode(tiny_tokenizer, row(EXCHANGES[-2:]))[0]
+    (example,) = encode(tiny_tokenizer, row(EXCHANGES), cutoff_len=len(two["input_ids"]) + 1)  # one token more
+    assert example["input_ids"] == two["input_ids"] and example["answers_dropped"] == 1
+
+
+def test_mask_history_drops_history_without_losing_trained_answers(tiny_tokenizer) -> None:
+    expected = encode(tiny_tokenizer, row(EXCHANGES[-1:]), mask_history=True)[0]
+    (example,) = encode(tiny_tokenizer, row(EXCHANGES), cutoff_len=len(expected["input_ids"]), mask_history=True)
+    assert example["input_ids"] == expected["input_ids"] and example["labels"] == expected["labels"]
+    assert (example["truncated"], example["answers_dropped"]) == (True, 0)
+
+
+def test_a_long_prompt_is_cut_so_the_answer_trains_whole(tiny_tokenizer) -> None:
+    document = " ".join(f"word{i}" for i in range(300))
+    r = row([(f"Summarise: {document}", "A list of words.")])
+    (example,) = encode(tiny_tokenizer, r, cutoff_len=96)
+    assert len(example["input_ids"]) <= 96
+    assert texts(tiny_tokenizer, example) == ["A list of words.<|im_end|>"]
+    text = tiny_tokenizer.decode(example["input_ids"])
+    kept = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert kept and f"Summarise: {document}".startswith(kept) and len(kept) < len(document)
+    assert (example["truncated"], example["answers_dropped"]) == (True, 0)
+    # exactly the encoding of the conversation with that shorter user turn
+    expected = encode(tiny_tokenizer, row([(kept, "A list of words.")]))[0]
+    assert example["input_ids"] == expected["input_ids"]
+
+
+def test_an_answer_longer_than_cutoff_keeps_the_prompt_and_its_start(tiny_tokenizer) -> None:
+    long_answer = " ".join(f"part{i}" for i in range(200))
+    full = encode(tiny_tokenizer, row([("Write it all.", long_answer)]))[0]
+    (example,) = encode(tiny_tokenizer, row([("Write it all.", long_answer)]), cutoff_len=64)
+    assert example["input_ids"] == full["input_ids"][:64] and example["labels"] == full["labels"][:64]
+    assert example["labels"][-1] != IGNORE_INDEX  # it ends inside the answer
+    assert (example["truncated"], example["answers_dropped"]) == (True, 0)
+
+
+def test_a_prompt_longer_than_cutoff_is_dropped_and_counted(tiny_tokenizer) -> None:
+    huge_system = " ".join(f"rule{i}" for i in range(300))
+    rows = datasets.Dataset.from_list([row([("q", "a")], system=huge_system), row([("q", "a")])])
+    encoded, stats = encode_dataset(rows, encoder(tiny_tokenizer, 64), "train", num_proc=None)
+    assert (stats.examples, stats.dropped_no_supervised) == (1, 1)
+    assert encoded[0]["input_ids"] == encode(tiny_tokenizer, row([("q", "a")]))[0]["input_ids"]
+
+
+def test_a_row_never_ends_inside_a_prompt(tiny_tokenizer) -> None:
+    # One exchange with a tool round: the cut falls inside the tool result, so the row ends after the call.
+    call = json.dumps([{"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}])
+    result = " ".join(f"line{i}" for i in range(200))
+    r = {
+        "messages": [message("user", "Look it up."), message("assistant", "", call), message("tool", result),
+                     message("assistant", "Found it.")],
+        "system": "", "tools": "", "chosen": "", "rejected": "",
+    }
+    full = encode(tiny_tokenizer, r, template="qwen2_5")[0]
+    (first_end,) = [end for _, end in supervised_runs(full["labels"])[:1]]
+    (example,) = encode(tiny_tokenizer, r, cutoff_len=first_end + 20, template="qwen2_5")
+    assert example["input_ids"] == full["input_ids"][:first_end]
+    assert texts(tiny_tokenizer, example) == [texts(tiny_tokenizer, full)[0]]
+    assert texts(tiny_tokenizer, full)[0].endswith("</tool_call><|im_end|>")
+    assert (example["truncated"], example["answers_dropped"]) == (True, 1)
+
+
+def test_the_pipeline_reports_truncations_and_lost_answers(tiny_tokenizer, caplog) -> None:
+    two = encode(tiny_tokenizer, row(EXCHANGES[-2:]))[0]
+    rows = datasets.Dataset.from_list([row(EXCHANGES), row(EXCHANGES[:1]), row(EXCHANGES)])
+    with caplog.at_level("WARNING", logger="tunelab.data.pipeline"):
+        _, stats = encode_dataset(rows, encoder(tiny_tokenizer, len(two["input_ids"])), "train", num_proc=None)
+    assert (stats.examples, stats.truncated, stats.answers_dropped, stats.dropped_no_supervised) == (3, 2, 2, 0)
+    assert f"train: 2 examples shortened to fit cutoff_len={len(two['input_ids'])} (earliest turns dropped " \
+           "first), losing 2 trained answers" in caplog.text
+
+
+def test_both_sides_of_a_pair_keep_the_same_prompt(tiny_tokenizer) -> None:
+    # The chosen answer is longer, so fitting it drops more history; the rejected side gets the same prompt.
+    history = [m for q, a in EXCHANGES for m in (message("user", q), message("assistant", a))]
+    pair = {"messages": [*history, message("user", "Reverse: ok")], "system": "S", "tools": "",
+            "chosen": "ko " + " ".join(f"w{i}" for i in range(12)), "rejected": "ko"}
+    inner = encoder(tiny_tokenizer, 4096, mask_history=True)
+    full = PairwiseEncoder(inner)({k: [v] for k, v in pair.items()})
+    cutoff = len(full["chosen_input_ids"][0]) - 5
+    out = PairwiseEncoder(encoder(tiny_tokenizer, cutoff, mask_history=True))({k: [v] for k, v in pair.items()})
+    chosen, rejected = out["chosen_input_ids"][0], out["rejected_input_ids"][0]
+    assert len(chosen) <= cutoff and len(rejected) < len(full["rejected_input_ids"][0])
+    prompt = next(i for i, label in enumerate(out["chosen_labels"][0]) if label != IGNORE_INDEX)
+    assert chosen[:prompt] == rejected[:prompt]
+    assert out["rejected_labels"][0][prompt] != IGNORE_INDEX  # the rejected answer starts right there
