@@ -52,7 +52,8 @@ def test_stats_prints_the_numbers_and_saves_the_histogram(demo: Path, capsys) ->
         "token utilisation: 86.2% in batches of 16 padded to their longest, 86.2% padding-free (shuffled, seed 42); "
         "22.2% if padded to cutoff_len 128",
         "rows (demo_reverse): 64 read, 0 dropped with an empty answer",
-        "encoding: 0 truncated to cutoff_len 128 (answers cut short), 0 dropped with no supervised token left",
+        "encoding: 0 shortened to fit cutoff_len 128 (earliest turns dropped first; 0 trained answers lost), 0 "
+        "dropped with no supervised token left",
     ]
     assert lines[6] == "length histogram (tokens, samples):"
     assert lines[7].split() == ["25", "█" * 40, "27", "42.2%"]
@@ -86,7 +87,31 @@ def test_verify_passes_and_summarises(demo: Path, capsys) -> None:
         "train: 4 batches, 64 samples, through SupervisedCollator: input_ids, labels, attention_mask; first batch (16, 33)"
     )
     assert lines[1] == "  494 supervised positions: label == input_id (the loss shifts them)"
+    assert lines[-2] == (
+        "encoding: 64 training rows re-encoded: every trained answer follows its inference prompt's exact ids and is "
+        "its own ids, ending with '<|im_end|>' as one token; no example over cutoff_len 128, the last answer of each "
+        "conversation kept"
+    )
     assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
+
+
+def test_verify_catches_ids_that_are_not_the_inference_prompt(demo: Path, capsys, monkeypatch) -> None:
+    from tunelab.data.encode import SupervisedEncoder  # noqa: PLC0415
+
+    encode_rows = SupervisedEncoder.encode_rows
+
+    def first_token_lost(self, rows):  # as if the prompt had tokenised differently in training
+        examples = encode_rows(self, rows)
+        return [[{**e, "input_ids": e["input_ids"][1:], "labels": e["labels"][1:]} for e in row] for row in examples]
+
+    monkeypatch.setattr(SupervisedEncoder, "encode_rows", first_token_lost)
+    code, lines, err = run(capsys, "verify", str(demo), "--max-batches", "1")
+    assert (code, lines) == (1, [])
+    assert re.fullmatch(
+        r"tunelab: verify failed: train row 0: example: answer 1: the ids before it are not the tokenised prompt "
+        r"\(\d+ prompt tokens, \d+ ids; first difference at 0\)\n",
+        err.splitlines(keepends=True)[-1],
+    )
 
 
 def test_verify_padding_free_is_the_default(demo: Path, capsys) -> None:

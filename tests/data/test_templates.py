@@ -15,6 +15,7 @@ import pytest
 from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
 from tests.official import needs_official
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template, tokenizer_chat_template
+from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.engine import compile_template
 from tunelab.errors import TemplateError
 
@@ -271,13 +272,24 @@ def test_builtin_unlike_the_tokenizer_template_warns(caplog: pytest.LogCaptureFi
 
 @pytest.mark.parametrize(
     ("name", "chat_template"),
-    [("chatml", CHATML), ("qwen2_5", CHATML), ("llama3", None), ("chatml", {"default": CHATML})],
-    ids=["same", "same-render-with-system", "tokenizer-has-none", "dict"],
+    [("chatml", CHATML), ("llama3", None), ("chatml", {"default": CHATML})],
+    ids=["same", "tokenizer-has-none", "dict"],
 )
 def test_no_warning_when_they_agree(caplog: pytest.LogCaptureFixture, name: str, chat_template: object) -> None:
     with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
         get_template(name, tokenizer(chat_template, bos="<s>", eos="<|im_end|>"))
     assert caplog.records == []
+
+
+def test_chatml_on_a_qwen2_5_tokenizer_warns(caplog: pytest.LogCaptureFixture) -> None:
+    # They agree when a system turn is given; without one Qwen2.5 writes its default system prompt.
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        get_template("chatml", tokenizer(builtin_source("qwen2_5"), bos="<s>", eos="<|im_end|>"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "template 'chatml' renders differently from the tokenizer's own chat_template from character 12: built-in "
+        "'user\\nWhat is 2+2?<|im_en', tokenizer 'system\\nYou are Qwen, cre'; the model learned its own format, so "
+        "set template: model unless you mean to switch formats"
+    ]
 
 
 @needs_official

@@ -34,6 +34,12 @@ class ModelArguments:
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
         "dtype of the loaded weights; auto follows bf16/fp16 training flags, else float32.", default="auto"
     )
+    add_special_tokens: list[str] | None = _help(
+        "Tokens to add to the tokenizer as special tokens, comma separated (e.g. a template's end-of-turn marker the "
+        "tokenizer lacks). The embeddings grow to fit and the new rows train (LoRA: as trainable tokens saved with "
+        "the adapter; freeze: the embedding and output layers train).",
+        default=None,
+    )
     quantization_bit: int | None = _help("Load the base weights in 4 or 8 bits with bitsandbytes (QLoRA).", default=None)
     quantization_type: Literal["nf4", "fp4"] = _help("4-bit data type.", default="nf4")
     double_quantization: bool = _help("Quantize the 4-bit quantization constants too.", default=True)

@@ -555,6 +555,37 @@ def inference_mismatch(encoder: SupervisedEncoder, example: dict[str, Any], opti
         cut_short = end == len(ids) and end - start < len(answer)
         if ids[start:end] != answer[: end - start] or (end - start != len(answer) and not cut_short):
             return f"answer {number}: the supervised ids are not the answer's own ids"
+    if ids[end:] and ids[end:] != encoder._tokens([(text[span_end:], False)])[0]:
+        return "the ids after the last answer are not the template's closing text (a row must not end in a prompt)"
+    return None
+
+
+def encoded_row_problem(encoder: SupervisedEncoder, row: dict) -> str | None:
+    """Everything ``tunelab data verify`` checks about how one canonical row encodes, first problem or None:
+    each example within cutoff_len; every trained answer after its exact inference prompt, as its own ids
+    (``inference_mismatch``); each whole answer ending with the template's end-of-turn token; the
+    conversation's last answer kept (truncation drops the earliest turns, never the last answer)."""
+    options = encoder.options(row)
+    examples = encoder.encode_rows([row])[0]
+    marker = encoder.template.stop_words[0] if encoder.template.stop_words else ""
+    marker_ids = encoder.tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
+    for number, example in enumerate(examples, 1):
+        where = f"example {number}" if len(examples) > 1 else "example"
+        if len(example["input_ids"]) > encoder.cutoff_len:
+            return f"{where}: {len(example['input_ids'])} tokens > cutoff_len {encoder.cutoff_len}"
+        problem = inference_mismatch(encoder, example, options)
+        if problem:
+            return f"{where}: {problem}"
+        if len(marker_ids) == 1 and not encoder.train_on_prompt:
+            runs = supervised_runs(example["labels"])
+            whole = runs if runs[-1][1] < len(example["input_ids"]) or not example["truncated"] else runs[:-1]
+            for start, end in whole:
+                text = encoder.tokenizer.decode(example["input_ids"][start:end])
+                if text.endswith(marker) and example["input_ids"][end - 1] != marker_ids[0]:
+                    return f"{where}: an answer ends with the text of {marker!r} but not with its token"
+    answers = [m for m in template_messages(row) if m.get("role") == "assistant"]
+    if examples and answers and examples[-1]["_messages"][-1] != answers[-1]:
+        return "the conversation's last answer is not the last example's last answer"
     return None
 
 

@@ -389,11 +389,14 @@ def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
         )
     train = report["train"]
     lines.append(
-        f"encoding: {train['truncated']} truncated to cutoff_len {data.cutoff_len} (answers cut short), "
-        f"{train['dropped_no_supervised']} dropped with no supervised token left"
+        f"encoding: {train['truncated']} shortened to fit cutoff_len {data.cutoff_len} (earliest turns dropped "
+        f"first; {train.get('answers_dropped', 0)} trained answers lost), {train['dropped_no_supervised']} dropped "
+        "with no supervised token left"
     )
     if train.get("expanded_conversations"):
-        lines.append(f"encoding: {train['expanded_conversations']} conversations encoded as one example per answer")
+        seams = train.get("split_at_seams", 0)
+        why = f" ({seams} because a seam tokenises differently in a later prompt)" if seams else ""
+        lines.append(f"encoding: {train['expanded_conversations']} conversations encoded as one example per answer{why}")
     return lines
 
 
@@ -762,9 +765,51 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
             + ("" if attention else ", attention_mask 0 (1 on every real token)")
         )
+    if config.finetuning.stage != "pt":
+        problem, encoding_lines = verify_encoding(config, tokenizer, max_batches * args.per_device_train_batch_size)
+        if problem:
+            return problem, lines
+        lines += encoding_lines
     checked = "dtypes int64, shapes consistent" + (f", every input id < vocab_size {vocab_size}" if vocab_size else "")
     lines.append(f"ok: every check passed ({checked})")
     return None, lines
+
+
+def verify_encoding(config: RunConfig, tokenizer, max_rows: int) -> tuple[str | None, list[str]]:
+    """Re-encode up to ``max_rows`` training rows (0: all) and check each with ``encoded_row_problem``: answers
+    after their exact inference prompts, ending with the end-of-turn token, truncation keeping the last answer."""
+    from tunelab.data.encode import SupervisedEncoder, encoded_row_problem  # noqa: PLC0415
+    from tunelab.data.pairwise import with_answer  # noqa: PLC0415
+    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
+    from tunelab.data.templates import get_template  # noqa: PLC0415
+
+    data_args = config.data
+    pairs = config.finetuning.stage in PREFERENCE_STAGES
+    encoder = SupervisedEncoder(
+        tokenizer=tokenizer, template=get_template(data_args.template, tokenizer), cutoff_len=data_args.cutoff_len,
+        train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history or pairs,
+    )
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # the second reading of the rows: no second set of bars
+    try:
+        rows, _ = load_canonical_splits(data_args, config.training.seed, {})
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+    count = len(rows) if max_rows <= 0 else min(len(rows), max_rows)
+    for index, row in enumerate(rows.select(range(count))):
+        sides = [with_answer(row, {"role": "assistant", "content": row[key], "tool_calls": "", "tool_call_id": ""})
+                 for key in ("chosen", "rejected") if row.get(key)] or [row]
+        for side in sides:
+            problem = encoded_row_problem(encoder, side)
+            if problem:
+                return f"train row {index}: {problem}", []
+    marker = encoder.template.stop_words[0] if encoder.template.stop_words else "(none)"
+    return None, [
+        f"encoding: {count} training rows re-encoded: every trained answer follows its inference prompt's exact ids "
+        f"and is its own ids, ending with {marker!r} as one token; no example over cutoff_len "
+        f"{data_args.cutoff_len}, the last answer of each conversation kept"
+    ]
 
 
 # --------------------------------------------------------------------------------------------------

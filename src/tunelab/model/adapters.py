@@ -33,8 +33,13 @@ def setup_finetuning(
     finetuning_args: FinetuningArguments,
     training_args: TrainingArguments,
     adapter_name_or_path: str | None = None,
+    new_token_ids: list[int] | None = None,
 ) -> nn.Module:
-    """Mark the parameters that train; returns the model to train (a PeftModel for LoRA)."""
+    """Mark the parameters that train; returns the model to train (a PeftModel for LoRA).
+
+    ``new_token_ids``: rows of tokens added to the tokenizer (add_special_tokens); they must train whatever the
+    method: full trains them anyway, LoRA as peft trainable tokens, freeze by training the embedding layers.
+    """
     kind = finetuning_args.finetuning_type
     if adapter_name_or_path and kind != "lora":
         raise ConfigError(
@@ -51,10 +56,13 @@ def setup_finetuning(
         trainable = set(freeze_trainable_parameters(model, finetuning_args))
         if is_reward_model(model):  # the new reward head always trains
             trainable |= {name for name, _ in model.named_parameters() if name.startswith(("score.", "classifier."))}
+        if new_token_ids:
+            embeddings = {id(p) for layer in _embedding_layers(model).values() for p in layer.parameters()}
+            trainable |= {name for name, p in model.named_parameters() if id(p) in embeddings}
         for name, param in model.named_parameters():
             param.requires_grad_(name in trainable)
     elif kind == "lora":
-        model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path)
+        model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path, new_token_ids)
     else:
         raise ConfigError(f"finetuning_type: '{kind}' is not one of lora, freeze, full")
     if training_args.bf16 or training_args.fp16:
@@ -198,9 +206,12 @@ def _setup_lora(
     finetuning_args: FinetuningArguments,
     training_args: TrainingArguments,
     adapter_name_or_path: str | None,
+    new_token_ids: list[int] | None = None,
 ) -> nn.Module:
     # Build (and so check) the config before prepare_model_for_kbit_training spends time upcasting weights.
     config = build_lora_config(model, finetuning_args)
+    if new_token_ids:  # the added tokens' rows train as peft trainable tokens, saved with the adapter
+        config.trainable_token_indices = {name: list(new_token_ids) for name in _embedding_layers(model)}
     if is_quantized(model):
         checkpointing, checkpoint_kwargs = _checkpointing(training_args)
         model = prepare_model_for_kbit_training(
@@ -212,11 +223,34 @@ def _setup_lora(
     return get_peft_model(model, config)
 
 
+def _embedding_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The input embedding and output layers by their module's own name (embed_tokens, lm_head)."""
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    return {name.rsplit(".", 1)[-1]: module for name, module in model.named_modules() if any(module is l for l in layers)}
+
+
 def load_adapter(model: nn.Module, path: str, is_trainable: bool) -> PeftModel:
+    _grow_for_trainable_tokens(model, path)
     try:
         return PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt adapter files, targets absent from the model)
         raise ModelError(f"adapter_name_or_path: cannot load {path}: {first_line(exc)}") from exc
+
+
+def _grow_for_trainable_tokens(model: nn.Module, path: str) -> None:
+    """An adapter trained with added tokens (add_special_tokens) holds their rows: the base must have them."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # PeftModel.from_pretrained reports the unreadable folder
+    indices = config.get("trainable_token_indices") or []
+    ids = [i for value in (indices.values() if isinstance(indices, dict) else [indices]) for i in value]
+    rows = model.get_input_embeddings().weight.shape[0]
+    if ids and max(ids) >= rows:
+        model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)  # the adapter overwrites these rows
 
 
 def first_line(exc: BaseException) -> str:

@@ -31,6 +31,10 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
     except Exception as exc:  # noqa: BLE001  (any failure here is an unreadable tokenizer folder)
         raise ModelError(f"model_name_or_path: cannot load a tokenizer from {path}: {first_line(exc)}") from exc
+    if model_args.add_special_tokens:
+        added = tokenizer.add_tokens(list(model_args.add_special_tokens), special_tokens=True)
+        logger.info("Added %d special tokens to the tokenizer (add_special_tokens): %s", added,
+                    ", ".join(model_args.add_special_tokens))
     # Right padding: labels and attention masks line up with the tokens during training.
     tokenizer.padding_side = "right"
     if tokenizer.pad_token is None:
@@ -104,6 +108,7 @@ def load_model(
             f"model_name_or_path: the weights in {path} lack {', '.join(missing[:3])}{more}; "
             "the checkpoint is incomplete"
         )
+    new_token_ids = added_token_rows(model, tokenizer, model_args.add_special_tokens)
     _check_vocabulary(model, tokenizer, path)
     if tokenizer.pad_token_id is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -116,7 +121,20 @@ def load_model(
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
     quantization.keep_4bit_trainable_on_cpu(model)
-    return setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path)
+    return setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
+
+
+def added_token_rows(model: nn.Module, tokenizer: PreTrainedTokenizerBase, tokens: list[str] | None) -> list[int]:
+    """The ids of the tokens add_special_tokens added, the embeddings grown to hold them (their rows train)."""
+    if not tokens:
+        return []
+    ids = sorted({tokenizer.convert_tokens_to_ids(token) for token in tokens})
+    rows = model.get_input_embeddings().weight.shape[0]
+    if ids[-1] >= rows:
+        # New rows start at the mean of the old ones (transformers' default), a sensible start for a marker.
+        model.resize_token_embeddings(len(tokenizer))
+        logger.info("Embeddings grown from %d to %d rows for the added tokens.", rows, len(tokenizer))
+    return ids
 
 
 def reward_head_name(model: nn.Module) -> str:

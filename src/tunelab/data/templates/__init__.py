@@ -18,7 +18,13 @@ from tunelab.data.templates.builtin import BUILTIN_NAMES, builtin_source, builti
 from tunelab.data.templates.mismatch import mismatch_message
 from tunelab.data.templates.model_folder import tokenizer_chat_template
 from tunelab.data.templates.spans import HistoryRewriteError
-from tunelab.data.templates.template import Template, special_token, tokenizer_source
+from tunelab.data.templates.template import (
+    Template,
+    end_of_turn_message,
+    special_token,
+    split_end_of_turn_markers,
+    tokenizer_source,
+)
 from tunelab.errors import TemplateError
 
 TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
@@ -33,7 +39,7 @@ def get_template(name: str | None, tokenizer: Any = None) -> Template:
     if name is None or name == "model":
         if tokenizer is None:
             raise TemplateError("template: 'model' reads the tokenizer's chat_template, but no tokenizer was given")
-        return Template.from_tokenizer(tokenizer)
+        return _checked(Template.from_tokenizer(tokenizer), tokenizer)
     if name not in TEMPLATE_NAMES:
         close = difflib.get_close_matches(name, TEMPLATE_NAMES, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -45,6 +51,18 @@ def get_template(name: str | None, tokenizer: Any = None) -> Template:
         message = mismatch_message(template, own, bos, eos)
         if message:
             logger.warning(message)
+    return _checked(template, tokenizer)
+
+
+def _checked(template: Template, tokenizer: Any) -> Template:
+    """The template, once its end-of-turn markers are known to be tokens of this tokenizer (docs/data.md)."""
+    if not callable(tokenizer):  # no tokenizer, or only its chat_template / bos / eos: no vocabulary to check
+        return template
+    for word, count in split_end_of_turn_markers(template, tokenizer):
+        message = end_of_turn_message(template, word, count)
+        if template.stop_words and word == template.stop_words[0]:  # ends every answer: the run cannot work
+            raise TemplateError(message)
+        logger.warning("%s (only turns that end with it are affected)", message)
     return template
 
 

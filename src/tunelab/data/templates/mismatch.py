@@ -20,7 +20,8 @@ _EXCHANGES = [
     {"role": "user", "content": "And 3+3?"},
     {"role": "assistant", "content": "3+3 equals 6."},
 ]
-# With a system turn first; without one for families that refuse system turns (Gemma-2).
+# With a system turn first, and without one: both must agree (Qwen2.5 writes a default system prompt that ChatML
+# does not, so they differ only without one; Gemma-2 refuses system turns).
 _PROBES = ([{"role": "system", "content": "You are a helpful assistant."}, *_EXCHANGES], _EXCHANGES)
 
 
@@ -34,7 +35,7 @@ def mismatch_message(builtin: Template, tokenizer_jinja: str, bos_token: str, eo
         except TemplateError:
             continue  # one side refuses this probe (or cannot render at all): try the next, else say nothing
         if ours == theirs:
-            return None
+            continue  # templates can agree with a system turn and differ without (ChatML vs Qwen2.5's default)
         at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
         return (
             f"template '{builtin.name}' renders differently from the tokenizer's own chat_template from character "

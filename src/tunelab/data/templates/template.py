@@ -8,6 +8,7 @@ and for a tokenizer's own ``chat_template``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -208,3 +209,28 @@ def special_token(tokenizer: Any, attr: str) -> str:
     """A tokenizer's special token as text ("" when there is no tokenizer or no such token)."""
     value = getattr(tokenizer, attr, None) if tokenizer is not None else None
     return value if isinstance(value, str) else ""
+
+
+_MARKUP = re.compile(r"^(<[^<>\s]+>|\[[^\[\]\s]+\])$")  # looks like a special token: <|eot_id|>, </s>, [/INST]
+
+
+def split_end_of_turn_markers(template: Template, tokenizer: Any) -> list[tuple[str, int]]:
+    """The template's end-of-turn markers that look like special tokens but are several tokens of this tokenizer,
+    with their token counts. The first marker ends every answer; others end special turns (Llama-3.1's
+    <|eom_id|> after a built-in tool call). Such a marker would be trained as plain text, and generation, which
+    stops on single token ids, could never end a turn on it."""
+    split = []
+    for word in template.stop_words:
+        if _MARKUP.match(word):  # a plain-text marker (a custom format) is text by design: stop strings handle it
+            ids = tokenizer(word, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                split.append((word, len(ids)))
+    return split
+
+
+def end_of_turn_message(template: Template, word: str, count: int) -> str:
+    return (
+        f"template '{template.name}' ends answers with {word!r}, which this tokenizer splits into {count} tokens, so "
+        "the model could never stop on it; use the tokenizer's own template (template: model) or the one of the "
+        f"model's family, or add the marker as a token (add_special_tokens: {word})"
+    )
