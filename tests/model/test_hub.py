@@ -230,21 +230,23 @@ def test_train_chat_by_hub_ids(hub, tmp_path):
         "repo_id": "org/tiny", "commit": MAIN, "revision": "main", "folder": snapshot(hub, "org/tiny", MAIN)}}
     adapter = json.loads((out / "adapter_config.json").read_text())
     assert (adapter["base_model_name_or_path"], adapter["revision"]) == ("org/tiny", MAIN)
-    (source,) = json.loads((out / "data_report.json").read_text())["train"]["sources"]
+    (source,) = json.loads((out / "data_report.json").read_text())["sources"]
     assert source["hub"] == {"repo_id": "org/reverse", "revision": "main", "commit": DATA, "subset": None,
                              "folder": None, "split": "train"}
     assert source["rows"] == 37
 
     loaded = run_python(f"""
 import json
-from tunelab.infer.engine import load_engine, resolve_folders
+from tunelab.infer.engine import SamplingOptions, load_engine, resolve_folders
 adapter = load_engine({str(out)!r})
 base = load_engine("org/tiny", template="chatml")
+answer = adapter.complete([{{"role": "user", "content": "w5 w6"}}], SamplingOptions(temperature=0, max_new_tokens=4))
 print(json.dumps([resolve_folders({str(out)!r}), resolve_folders("org/tiny"),
-                  type(adapter.model).__name__, type(base.model).__name__]))
+                  type(adapter.model).__name__, type(base.model).__name__, answer.completion_tokens]))
 """, hub_env(hub), tmp_path)
-    assert loaded == [[snapshot(hub, "org/tiny", MAIN), str(out)], [snapshot(hub, "org/tiny", MAIN), None],
-                      "LlamaForCausalLM", "LlamaForCausalLM"]
+    assert loaded[:4] == [[snapshot(hub, "org/tiny", MAIN), str(out)], [snapshot(hub, "org/tiny", MAIN), None],
+                          "PeftModelForCausalLM", "LlamaForCausalLM"]
+    assert 1 <= loaded[4] <= 4  # it answers
 
     # The written config reruns the same commit, here as an eval of the adapter by its pinned revision.
     rerun = config_outcomes({"rerun": (str(out / "tunelab_config.yaml"), [f"output_dir={tmp_path / 'again'}"])},
