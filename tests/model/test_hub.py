@@ -27,6 +27,7 @@ MAIN = hashlib.sha1(b"main").hexdigest()  # the commit refs/main names
 V1 = hashlib.sha1(b"v1").hexdigest()  # an older commit, tagged v1: another model (Qwen2)
 PICKLED = hashlib.sha1(b"pickled").hexdigest()
 CUSTOM = hashlib.sha1(b"custom").hexdigest()
+PARTIAL = hashlib.sha1(b"partial").hexdigest()
 DATA = hashlib.sha1(b"data").hexdigest()
 
 
@@ -42,12 +43,22 @@ def hub(tmp_path_factory, tiny_llama_dir, tiny_qwen2_dir) -> Path:
     bin_file = cache.parent / "pytorch_model.bin"
     torch.save(load_file(tiny_llama_dir / "model.safetensors"), bin_file)
     lay_out(cache, "org/pickled", pickled | {"pytorch_model.bin": bin_file}, PICKLED)
+    lay_out(cache, "org/shadowed", pickled | {"pytorch_model.bin": bin_file}, PICKLED)
 
     custom = json.loads((tiny_llama_dir / "config.json").read_text())
     custom.update(model_type="tiny_custom", auto_map={"AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM"})
     lay_out(cache, "org/custom", folder_files(tiny_llama_dir) | {
         "config.json": json.dumps(custom), "modeling_tiny.py": "raise SystemExit('custom code ran')\n",
     }, CUSTOM)
+
+    # Cached in part: a tokenizer run fetched all but the weights; a download stopped after one of two shards.
+    lay_out(cache, "org/noweights", folder_files(tiny_llama_dir, skip=("model.safetensors",)), PARTIAL)
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    lay_out(cache, "org/sharded", folder_files(tiny_llama_dir, skip=("model.safetensors",)) | {
+        "model.safetensors.index.json": json.dumps(index),
+        "model-00001-of-00002.safetensors": tiny_llama_dir / "model.safetensors",
+    }, PARTIAL)
 
     rows = [{"instruction": f"w{i} w{i + 1}", "output": f"w{i + 1} w{i}"} for i in range(3, 40)]
     lay_out(cache, "org/reverse", {"data/train.jsonl": "".join(json.dumps(r) + "\n" for r in rows)}, DATA,
@@ -88,7 +99,7 @@ def test_repo_ids_and_cache_folders():
 
 def test_hub_ids_resolve_offline_and_fail_in_one_line(hub, tmp_path, tiny_llama_dir):
     cfg = str(write_config(tmp_path / "run"))
-    shutil.copytree(tiny_llama_dir, tmp_path / "local" / "org" / "tiny")  # a folder spelled like the Hub id
+    shutil.copytree(tiny_llama_dir, tmp_path / "run" / "org" / "shadowed")  # a folder spelled like a cached Hub id
     local_bin = tmp_path / "local-bin"
     shutil.copytree(tiny_llama_dir, local_bin, ignore=shutil.ignore_patterns("model.safetensors"))
     torch.save(load_file(tiny_llama_dir / "model.safetensors"), local_bin / "pytorch_model.bin")
@@ -104,7 +115,7 @@ def test_hub_ids_resolve_offline_and_fail_in_one_line(hub, tmp_path, tiny_llama_
         "remote code": (cfg, ["model_name_or_path=org/custom"]),
         "typo, id-like": (cfg, ["model_name_or_path=saves/typo"]),
         "typo, a path": (cfg, ["model_name_or_path=./saves/typo"]),
-        "local folder": (cfg, [f"model_name_or_path={tmp_path / 'local' / 'org' / 'tiny'}"]),
+        "local folder wins": (cfg, ["model_name_or_path=org/shadowed"]),  # the cached one has only pickle weights
     }, hub_env(hub), tmp_path / "run")
     assert outcomes == {
         "main": f"ok {snapshot(hub, 'org/tiny', MAIN)}",
@@ -128,10 +139,36 @@ def test_hub_ids_resolve_offline_and_fail_in_one_line(hub, tmp_path, tiny_llama_
         "typo, id-like": f"model_name_or_path: saves/typo is no local folder, not in the Hugging Face cache ({hub}), "
                          "and HF_HUB_OFFLINE is set; fetch it with `hf download saves/typo` or unset HF_HUB_OFFLINE",
         "typo, a path": "model_name_or_path: saves/typo is not a folder; point it at a local Hugging Face model folder",
-        "local folder": f"ok {tmp_path / 'local' / 'org' / 'tiny'}",
+        "local folder wins": "ok org/shadowed",
     }
-    # A folder spelled like the Hub id wins over it.
-    assert config_outcomes({"local": (cfg, [])}, hub_env(hub), tmp_path / "local") == {"local": "ok org/tiny"}
+
+
+def test_weights_missing_from_the_cache_fail_when_the_model_loads(hub, tmp_path):
+    """Offline, the config checks pass on a cache holding all but the weights (`tunelab data` needs no more);
+    loading the model names what is missing."""
+    outcomes = run_python("""
+import json
+from tunelab.errors import TunelabError
+from tunelab.model.hub import fetch_weights, resolve_model
+
+def outcome(name):
+    folder = resolve_model(name, "model_name_or_path")
+    try:
+        fetch_weights(folder)
+        return "ok"
+    except TunelabError as exc:
+        return str(exc)
+
+print(json.dumps({name: outcome(name) for name in ("org/tiny", "org/noweights", "org/sharded")}))
+""", hub_env(hub), tmp_path)
+    fix = f"fetch it with `hf download {{}} --revision {PARTIAL}` or unset HF_HUB_OFFLINE"
+    assert outcomes == {
+        "org/tiny": "ok",
+        "org/noweights": f"model_name_or_path: org/noweights (commit {PARTIAL}) has no model.safetensors or "
+                         f"adapter_model.safetensors in the Hugging Face cache ({hub}); {fix.format('org/noweights')}",
+        "org/sharded": f"model_name_or_path: org/sharded: model-00002-of-00002.safetensors is not in the Hugging Face "
+                       f"cache ({hub}) at revision '{PARTIAL}'; {fix.format('org/sharded')}",
+    }
 
 
 # ---- the Hub's answers, over HTTP --------------------------------------------------------------------------------

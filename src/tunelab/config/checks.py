@@ -167,8 +167,8 @@ def _check_model_folder(config: RunConfig) -> None:
 
     model = config.model
     model.model_name_or_path = resolve_model(
-        model.model_name_or_path, "model_name_or_path", model.model_revision, model.trust_remote_code,
-        model.allow_pickle_weights,
+        model.model_name_or_path, "model_name_or_path", model.model_revision,
+        trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle_weights,
     )
     if model.adapter_name_or_path:
         model.adapter_name_or_path = resolve_model(

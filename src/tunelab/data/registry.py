@@ -158,13 +158,16 @@ def _hub_files(
         for prefix in prefixes for suffix in FILE_TYPES
     ]
     snapshot = hub.fetch_dataset(repo_id, card.name, patterns, what)  # card.name: the commit, pinned
-    try:
-        builder = datasets.load_dataset_builder(str(snapshot), name=subset, data_dir=folder)
-    except ValueError as exc:  # an unknown subset; EmptyDatasetError (a FileNotFoundError) is below
-        raise DataError(f"{what} has no subset {subset!r} ({str(exc).splitlines()[0]})") from None
-    except FileNotFoundError:
-        builder = None
-    data_files = {str(k): v for k, v in ((builder.config.data_files or {}) if builder is not None else {}).items()}
+    data_files = {}
+    if snapshot.is_dir():  # else nothing matched: no data files of the types tunelab reads
+        try:
+            builder = datasets.load_dataset_builder(str(snapshot), name=subset, data_dir=folder)
+            data_files = {str(k): v for k, v in (builder.config.data_files or {}).items()}
+        except ValueError as exc:  # an unknown subset, mostly
+            problem = f"has no subset {subset!r}" if subset else "cannot be read"
+            raise DataError(f"{what} {problem} ({str(exc).splitlines()[0]})") from None
+        except FileNotFoundError:  # datasets' EmptyDatasetError: no data files (under folder)
+            pass
     files = tuple(Path(p) for p in data_files.get(split) or [])
     if not files:
         where = f" under {folder}/" if folder else ""

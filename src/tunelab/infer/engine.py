@@ -70,11 +70,12 @@ class SamplingOptions:
 
 
 def resolve_folders(
-    path: str, base_model: str | None = None, allow_pickle_weights: bool = False
+    path: str, base_model: str | None = None, allow_pickle_weights: bool = False, trust_remote_code: bool = False
 ) -> tuple[str, str | None]:
     """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
     Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (model/hub.py)."""
-    folder = TINY_MODEL_DIR if path == "tiny" else Path(hub.resolve_model(path, "", allow_pickle=allow_pickle_weights))
+    hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
+    folder = TINY_MODEL_DIR if path == "tiny" else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
         raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
     adapter_config = folder / "adapter_config.json"
@@ -91,9 +92,7 @@ def resolve_folders(
                 raise ModelError(f"{adapter_config} names no base_model_name_or_path; pass the base model with --model")
             key = f"{adapter_config}: base_model_name_or_path"
         base_model = ModelArguments(model_name_or_path=base_model).model_name_or_path
-        base_model = hub.resolve_model(
-            base_model, key, revision, allow_pickle=allow_pickle_weights, revision_key=f"{adapter_config}: revision"
-        )
+        base_model = hub.resolve_model(base_model, key, revision, revision_key=f"{adapter_config}: revision", **hub_options)
         return base_model, str(folder)
     if (folder / "config.json").is_file():
         if base_model is not None:
@@ -121,7 +120,7 @@ def load_engine(
 ) -> ChatEngine:
     """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`);
     either may be a Hub id (model/hub.py)."""
-    model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights)
+    model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     # An adapter folder written by tunelab holds the tokenizer with the chat template it trained with.

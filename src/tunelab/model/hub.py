@@ -81,7 +81,7 @@ def snapshot_containing(path: str | Path) -> Snapshot | None:
 
 
 def resolve_model(
-    name: str, key: str, revision: str = "main", trust_remote_code: bool = False, allow_pickle: bool = False,
+    name: str, key: str, revision: str = "main", *, trust_remote_code: bool = False, allow_pickle: bool = False,
     revision_key: str = "model_revision",
 ) -> str:
     """A local folder for a model or adapter given as a folder or a Hub id; other strings come back unchanged
@@ -89,20 +89,16 @@ def resolve_model(
     (`fetch_weights` brings those); either way the weights' format is checked."""
     subject = f"{key}: {name}" if key else name
     if Path(name).expanduser().is_dir():
-        _check_weight_format(Path(name).expanduser(), _local_files(Path(name).expanduser()), allow_pickle, subject)
-        return name
+        folder = Path(name).expanduser()
+        _check_weight_format(folder, {p.name for p in folder.iterdir() if p.is_file()}, allow_pickle, subject)
+        return name  # a folder without weights fails where it loads, naming the files transformers looked for
     if not is_repo_id(name):
         return name
     patterns = [*MODEL_FILES, *(["*.py"] if trust_remote_code else [])]  # never fetch code nobody will run
-    folder = _download(name, "model", revision, patterns, subject, revision_key, no_folder=True)
-    snapshot = snapshot_of(folder)
-    files, complete = _repo_files(snapshot)
-    if not _check_weight_format(folder, files, allow_pickle, subject):
-        where = "" if complete else f" in the Hugging Face cache ({snapshot.cache_dir}); {_fetch_hint(snapshot)}"
-        raise ModelError(
-            f"{subject} (commit {snapshot.commit}) has no model.safetensors or adapter_model.safetensors{where}"
-        )
-    return str(folder)
+    snapshot = snapshot_of(_download(name, "model", revision, patterns, subject, revision_key, no_folder=True))
+    # Offline, a cache without the weights is fine until they are needed (`tunelab data` needs none).
+    _weight_files(snapshot, allow_pickle, subject, required_in_cache=False)
+    return str(snapshot.folder)
 
 
 def fetch_weights(folder: str | Path, allow_pickle: bool = False, key: str = "model_name_or_path") -> None:
@@ -111,17 +107,15 @@ def fetch_weights(folder: str | Path, allow_pickle: bool = False, key: str = "mo
     snapshot = snapshot_of(folder)
     if snapshot is None:
         return
-    files, _ = _repo_files(snapshot)
-    key = f"{key}: " if key else ""
-    names = _check_weight_format(snapshot.folder, files, allow_pickle, f"{key}{snapshot.repo_id}")
-    if names and not all((snapshot.folder / n).is_file() for n in names):
-        what = f"{key}{names[0]} of {snapshot.repo_id}"
-        _download(snapshot.repo_id, "model", snapshot.commit, names, what, None, snapshot.cache_dir)
-    missing = [n for n in names if not (snapshot.folder / n).is_file()] if names else ["model.safetensors"]
-    if missing:
+    subject = f"{key}: {snapshot.repo_id}" if key else snapshot.repo_id
+    names = _weight_files(snapshot, allow_pickle, subject)
+    if not all((snapshot.folder / n).is_file() for n in names):
+        _download(snapshot.repo_id, "model", snapshot.commit, names, f"{subject} ({names[0]})", None, snapshot.cache_dir)
+    missing = [n for n in names if not (snapshot.folder / n).is_file()]
+    if missing:  # an index naming a shard the repo does not have, or a download that stopped short
         raise ModelError(
-            f"{key}{missing[0]} of {snapshot.repo_id} at revision '{snapshot.commit}' is not in the Hugging Face "
-            f"cache ({snapshot.cache_dir}); {_fetch_hint(snapshot)}"
+            f"{subject}: {missing[0]} is not in the Hugging Face cache ({snapshot.cache_dir}) at revision "
+            f"'{snapshot.commit}'; {_fetch_hint(snapshot)}"
         )
 
 
@@ -131,6 +125,19 @@ def fetch_dataset(repo_id: str, revision: str, patterns: Sequence[str], what: st
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
+
+
+def _weight_files(snapshot: Snapshot, allow_pickle: bool, subject: str, required_in_cache: bool = True) -> list[str]:
+    """The weight files of a snapshot's repo to load; a repo without any is refused (and, with
+    required_in_cache, a cache without any when the Hub cannot list the repo)."""
+    files, complete = _repo_files(snapshot)
+    names = _check_weight_format(snapshot.folder, files, allow_pickle, subject)
+    if not names and (complete or required_in_cache):
+        where = "" if complete else f" in the Hugging Face cache ({snapshot.cache_dir}); {_fetch_hint(snapshot)}"
+        raise ModelError(
+            f"{subject} (commit {snapshot.commit}) has no model.safetensors or adapter_model.safetensors{where}"
+        )
+    return names
 
 
 def _check_weight_format(folder: Path, files: set[str], allow_pickle: bool, subject: str) -> list[str]:
@@ -172,11 +179,8 @@ def _repo_files(snapshot: Snapshot) -> tuple[set[str], bool]:
             return {sibling.rfilename for sibling in info.siblings or []}, True
         except Exception:  # noqa: BLE001 - unreachable or refusing: snapshot_download fell back on the cache too
             pass
-    return _local_files(snapshot.folder), False
-
-
-def _local_files(folder: Path) -> set[str]:
-    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    cached = snapshot.folder.iterdir() if snapshot.folder.is_dir() else ()
+    return {p.name for p in cached if p.is_file()}, False  # weight files lie at the top of a repo
 
 
 # ---- downloads and their errors ----------------------------------------------------------------------------------
