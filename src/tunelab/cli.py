@@ -395,9 +395,7 @@ def quiet_optional_kernel_notes() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # tunelab never downloads: models, tokenizers and data come from local paths (docs/distributed.md,
-    # "Safety"). Offline mode also stops remote code from fetching more. An explicit HF_HUB_OFFLINE wins.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Hub ids are fetched as the user's environment says (HF_HUB_OFFLINE, HF_TOKEN, HF_HOME: model/hub.py).
     quiet_optional_kernel_notes()
     parser = build_parser()
     ns = parser.parse_args(argv)

@@ -139,9 +139,10 @@ def test_no_files(tmp_path):
         load_rows(spec(tmp_path, file_name="missing.jsonl"))
 
 
-def test_registry_rejects_hub_and_unknown_keys(tmp_path):
-    (tmp_path / "dataset_info.json").write_text(json.dumps({"x": {"hf_hub_url": "org/x"}}))
-    with pytest.raises(ConfigError, match=r"dataset 'x' has unsupported key\(s\) \['hf_hub_url'\]"):
+def test_registry_rejects_unknown_keys(tmp_path):
+    # script_url: LlamaFactory's loading scripts are code; hub datasets: tests/data/test_hub_datasets.py
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"x": {"script_url": "x", "file_name": "x.json"}}))
+    with pytest.raises(ConfigError, match=r"dataset 'x' has unsupported key\(s\) \['script_url'\]"):
         load_registry(str(tmp_path))
 
 

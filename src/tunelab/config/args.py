@@ -22,11 +22,23 @@ def _help(text: str, **kwargs):
 @dataclass
 class ModelArguments:
     model_name_or_path: str = _help(
-        "Local Hugging Face model folder (config.json + weights). 'tiny' is the embedded tiny Llama.",
+        "A Hugging Face model folder (config.json + weights), or a Hub id (org/name) fetched into the Hugging Face "
+        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama.",
         default="tiny",
     )
-    adapter_name_or_path: str | None = _help("LoRA adapter folder to load on top of the model.", default=None)
+    model_revision: str = _help(
+        "Hub ids: the branch, tag or commit of model_name_or_path to use; the run records the commit it read.",
+        default="main",
+    )
+    adapter_name_or_path: str | None = _help(
+        "LoRA adapter folder (or Hub id) to load on top of the model.", default=None
+    )
     trust_remote_code: bool = _help("Run custom modelling code shipped in the model folder.", default=False)
+    allow_pickle_weights: bool = _help(
+        "Load a model or adapter whose weights are only pickle files (pytorch_model.bin, adapter_model.bin), "
+        "which can run code when loaded; by default tunelab reads safetensors only.",
+        default=False,
+    )
     flash_attn: Literal["auto", "disabled", "sdpa", "fa2"] = _help(
         "Attention implementation: auto (transformers' choice), disabled (eager), sdpa, fa2 (flash_attention_2).",
         default="auto",

@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import importlib.util
 import os
-import re
 from pathlib import Path
 
 from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
@@ -34,8 +33,6 @@ PREFERENCE_KEYS = {
 PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
 # What `tunelab data stats` writes into output_dir; a folder holding only this still counts as empty.
 DATA_STATS_DIR = "data_stats"
-# owner/name: what a Hugging Face Hub id looks like (a path that does not exist locally and looks like this)
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 
 
@@ -164,13 +161,20 @@ def _check_quantization(config: RunConfig) -> None:
 
 
 def _check_model_folder(config: RunConfig) -> None:
-    path = Path(config.model.model_name_or_path)
-    if not path.exists() and HUB_ID.fullmatch(str(path)):
-        # tunelab never downloads (docs/distributed.md, "Safety"): a run reads only what is on disk.
-        raise ConfigError(
-            f"model_name_or_path: {path} is not a local folder, and tunelab does not download models; fetch it "
-            f"first (hf download {path} --local-dir models/{path.name}) and set model_name_or_path: models/{path.name}"
+    """Also the one check that changes the config: a Hub id becomes its folder in the Hugging Face cache
+    (model/hub.py; weights come when the model loads), so every later step reads a local folder."""
+    from tunelab.model.hub import resolve_model  # noqa: PLC0415
+
+    model = config.model
+    model.model_name_or_path = resolve_model(
+        model.model_name_or_path, "model_name_or_path", model.model_revision,
+        trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle_weights,
+    )
+    if model.adapter_name_or_path:
+        model.adapter_name_or_path = resolve_model(
+            model.adapter_name_or_path, "adapter_name_or_path", allow_pickle=model.allow_pickle_weights
         )
+    path = Path(model.model_name_or_path)
     if not path.is_dir():
         raise ConfigError(
             f"model_name_or_path: {path} is not a folder; point it at a local Hugging Face model folder"
@@ -181,6 +185,10 @@ def _check_model_folder(config: RunConfig) -> None:
     adapter = config.model.adapter_name_or_path
     if adapter and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
+    if adapter:
+        from tunelab.model.hub import fetch_weights  # noqa: PLC0415
+
+        fetch_weights(adapter, model.allow_pickle_weights, "adapter_name_or_path")  # megabytes: now, not later
 
 
 def _check_remote_code(config_json: Path, trust_remote_code: bool) -> None:
@@ -378,7 +386,7 @@ def _check_rl(config: RunConfig) -> None:
                 f"num_generations must be at least 2 (advantages compare completions of the same prompt), got {ft.num_generations}"
             )
     if stage == "ppo":
-        _check_reward_model(ft.reward_model)
+        ft.reward_model = _check_reward_model(ft.reward_model, config.model.allow_pickle_weights)
         if not 0.0 <= ft.ppo_gamma <= 1.0 or not 0.0 <= ft.ppo_lam <= 1.0:
             raise ConfigError(f"ppo_gamma and ppo_lam must be in [0, 1], got {ft.ppo_gamma} and {ft.ppo_lam}")
         if ft.ppo_vf_coef < 0:
@@ -418,11 +426,15 @@ def _check_reward_funcs(config: RunConfig) -> None:
     load_reward_functions(ft.reward_funcs, ft.reward_weights, base_dir)  # imports them: missing names fail here
 
 
-def _check_reward_model(path: str | None) -> None:
+def _check_reward_model(path: str | None, allow_pickle: bool) -> str:
+    """The reward model's folder (a Hub id resolved to its cache folder, weights fetched when ppo loads it)."""
+    from tunelab.model.hub import resolve_model  # noqa: PLC0415
+
     if not path:
         raise ConfigError(
             "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its output_dir"
         )
+    path = resolve_model(path, "reward_model", allow_pickle=allow_pickle)
     folder = Path(path)
     if not folder.is_dir():
         raise ConfigError(f"reward_model: {folder} is not a folder; set it to the output_dir of a stage rm run")
@@ -430,6 +442,7 @@ def _check_reward_model(path: str | None) -> None:
         raise ConfigError(
             f"reward_model: {folder} has neither config.json nor adapter_config.json; set it to the output_dir of a stage rm run"
         )
+    return path
 
 
 def _check_streaming(config: RunConfig) -> None:

@@ -1,7 +1,8 @@
 """The dataset registry: dataset_info.json → DatasetSpec → rows loaded from files or generators.
 
 A registry maps dataset names to where the rows come from (a file, folder or glob under
-`dataset_dir`, or one of the built-in generators: synthetic.py's tasks, corpus.py's plain text) and
+`dataset_dir`, a Hugging Face Hub dataset repo (`hf_hub_url`, fetched into the Hub cache by
+model/hub.py), or one of the built-in generators: synthetic.py's tasks, corpus.py's plain text) and
 how their columns map onto the canonical conversation (see formats.py), or, with
 `"formatting": "text"`, that its rows are raw documents for stage pt (see pretrain.py). The
 built-in registry (data/dataset_info.json) is always available; a user's
@@ -13,6 +14,7 @@ This module owns reading files into `datasets.Dataset`; it does not tokenise.
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import json
 import os
@@ -26,7 +28,10 @@ from tunelab.errors import ConfigError, DataError
 
 BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
-SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_samples", "seed", "columns", "tags"}
+SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_samples", "seed", "columns", "tags",
+             "hf_hub_url", "subset", "folder", "revision", "ms_hub_url", "om_hub_url"}
+# Keys of a Hub dataset only (LlamaFactory's names, `revision` ours): set on a local one, they would do nothing.
+HUB_KEYS = ("subset", "folder", "revision")
 FORMATTINGS = ("alpaca", "sharegpt", "openai", "text")
 # Columns of multimodal datasets (LlamaFactory's names). tunelab trains text-only models: mapping one
 # is refused instead of silently training on the text without its images.
@@ -38,9 +43,13 @@ class DatasetSpec:
     name: str
     file_name: str | None = None  # file, folder or glob, relative to the registry's folder
     generator: str | None = None  # name in tunelab.data.synthetic or tunelab.data.corpus GENERATORS
+    hf_hub_url: str | None = None  # a Hugging Face Hub dataset repo id (org/name)
+    subset: str | None = None  # hub: the repo's config (README.md `configs`), as datasets' `name`
+    folder: str | None = None  # hub: the folder of the repo holding the data, as datasets' `data_dir`
+    revision: str = "main"  # hub: branch, tag or commit
     formatting: str = "alpaca"  # alpaca | sharegpt | openai | text (raw documents, stage pt)
     ranking: bool = False  # rows hold chosen/rejected answers
-    split: str = "train"
+    split: str = "train"  # generators: which rows; hub: the split of the repo's data files
     num_samples: int | None = None  # generator size, or rows to draw from a file (repeating if larger)
     seed: int = 0
     columns: dict[str, str] = field(default_factory=dict)
@@ -58,11 +67,11 @@ def _read_registry(path: Path) -> dict[str, DatasetSpec]:
         unknown = set(entry) - SPEC_KEYS
         if unknown:
             raise ConfigError(
-                f"{path}: dataset '{name}' has unsupported key(s) {sorted(unknown)} "
-                f"(supported: {sorted(SPEC_KEYS)}; hub datasets are not fetched, download the files first)"
+                f"{path}: dataset '{name}' has unsupported key(s) {sorted(unknown)} (supported: {sorted(SPEC_KEYS)})"
             )
-        if bool(entry.get("file_name")) == bool(entry.get("generator")):
-            raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name or generator")
+        entry = _hub_entry(path, name, entry)
+        if sum(bool(entry.get(k)) for k in ("file_name", "generator", "hf_hub_url")) != 1:
+            raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name, hf_hub_url or generator")
         if entry.get("formatting", "alpaca") not in FORMATTINGS:
             raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
         media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
@@ -73,6 +82,29 @@ def _read_registry(path: Path) -> dict[str, DatasetSpec]:
             )
         specs[name] = DatasetSpec(name=name, root=str(path.parent), **entry)
     return specs
+
+
+def _hub_entry(path: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """A registry entry's hub keys checked; ModelScope / Modelers ids (LlamaFactory lists them beside the
+    Hugging Face one) dropped when an hf_hub_url is there, refused when they are all there is."""
+    others = [key for key in ("ms_hub_url", "om_hub_url") if key in entry]
+    if others and not entry.get("hf_hub_url"):
+        raise ConfigError(
+            f"{path}: dataset '{name}' has only {others[0]}; tunelab reads datasets from the Hugging Face Hub "
+            "(hf_hub_url) or local files (file_name)"
+        )
+    entry = {k: v for k, v in entry.items() if k not in others}
+    local_only = [key for key in HUB_KEYS if key in entry and not entry.get("hf_hub_url")]
+    if local_only:
+        raise ConfigError(f"{path}: dataset '{name}': {local_only[0]} applies to hf_hub_url datasets only; remove it")
+    hub_id = entry.get("hf_hub_url")
+    if hub_id is not None:
+        from tunelab.model.hub import is_repo_id  # noqa: PLC0415
+
+        if not isinstance(hub_id, str) or not is_repo_id(hub_id.strip()):
+            raise ConfigError(f"{path}: dataset '{name}': hf_hub_url must be a Hub dataset id like org/name, got {hub_id!r}")
+        entry["hf_hub_url"] = hub_id.strip()
+    return entry
 
 
 def load_registry(dataset_dir: str | None = None) -> dict[str, DatasetSpec]:
@@ -87,7 +119,9 @@ def load_registry(dataset_dir: str | None = None) -> dict[str, DatasetSpec]:
 
 
 def resolve_files(spec: DatasetSpec) -> list[Path]:
-    """The data files a spec names: one file, every data file in a folder, or a glob."""
+    """The data files a spec names: one file, every data file in a folder, a glob, or a Hub repo's split."""
+    if spec.hf_hub_url:
+        return list(_hub_files(spec.name, spec.hf_hub_url, spec.revision, spec.subset, spec.folder, spec.split))
     target = Path(spec.root) / spec.file_name
     if target.is_dir():
         files = sorted(p for p in target.rglob("*") if p.suffix in FILE_TYPES and p.is_file())
@@ -104,6 +138,81 @@ def resolve_files(spec: DatasetSpec) -> list[Path]:
             f"{', '.join(sorted({p.suffix or '(none)' for p in files}))}"
         )
     return files
+
+
+@functools.cache  # one run reads one commit of a Hub dataset, however often its files are asked for
+def _hub_files(
+    name: str, repo_id: str, revision: str, subset: str | None, folder: str | None, split: str
+) -> tuple[Path, ...]:
+    """A Hub dataset's files of one split, read like local ones. The repo is fetched into the Hub cache
+    (README.md first, for its commit and configs; then the data files the subset or folder can use), and
+    datasets' own rules pick the split's files: README.md `configs`, else split names in file and folder
+    names (data/train-*.parquet, test.jsonl, ...)."""
+    from tunelab.model import hub  # noqa: PLC0415
+
+    what = f"dataset '{name}': hf_hub_url {repo_id}"
+    card = hub.fetch_dataset(repo_id, revision, ["README.md"], what)
+    prefixes = _hub_data_prefixes(card / "README.md", subset, folder)
+    patterns = ["README.md"] + [
+        prefix if prefix.endswith(tuple(FILE_TYPES)) else f"{prefix}*{suffix}"
+        for prefix in prefixes for suffix in FILE_TYPES
+    ]
+    snapshot = hub.fetch_dataset(repo_id, card.name, patterns, what)  # card.name: the commit, pinned
+    data_files = {}
+    if snapshot.is_dir():  # else nothing matched: no data files of the types tunelab reads
+        try:
+            builder = datasets.load_dataset_builder(str(snapshot), name=subset, data_dir=folder)
+            data_files = {str(k): v for k, v in (builder.config.data_files or {}).items()}
+        except ValueError as exc:  # an unknown subset, mostly
+            problem = f"has no subset {subset!r}" if subset else "cannot be read"
+            raise DataError(f"{what} {problem} ({str(exc).splitlines()[0]})") from None
+        except FileNotFoundError:  # datasets' EmptyDatasetError: no data files (under folder)
+            pass
+    files = tuple(Path(p) for p in data_files.get(split) or [])
+    if not files:
+        where = f" under {folder}/" if folder else ""
+        splits = f" (splits: {', '.join(data_files)})" if data_files else ""
+        if hub.is_offline():  # the cache may hold only part of the repo
+            fix = f"in the Hugging Face cache; {hub.fetch_hint(repo_id, 'dataset', snapshot.name)}"
+        else:
+            fix = f"of the types tunelab reads ({', '.join(sorted(FILE_TYPES))}); set split, subset or folder in dataset_info.json"
+        raise DataError(f"{what} has no '{split}' data files{where} at commit {snapshot.name}{splits} {fix}")
+    return files
+
+
+def _hub_data_prefixes(readme: Path, subset: str | None, folder: str | None) -> list[str]:
+    """Where in the repo the data of a subset or folder can be: path prefixes no file that datasets would pick
+    lies outside of (so fetching what starts with them never leaves a file out), "" for the whole repo."""
+    prefixes = [f"{folder.strip('/')}/"] if folder else []
+    if subset and readme.is_file():
+        from huggingface_hub import metadata_load  # noqa: PLC0415
+
+        configs = (metadata_load(readme) or {}).get("configs") or []
+        config = next((c for c in configs if isinstance(c, dict) and c.get("config_name") == subset), None)
+        if config is not None:
+            paths = _data_files_paths(config.get("data_files"))
+            data_dir = config.get("data_dir")
+            if data_dir:
+                paths = [f"{str(data_dir).strip('/')}/{p}" for p in paths] or [f"{str(data_dir).strip('/')}/"]
+            prefixes += [_literal_prefix(p) for p in paths] if paths else [""]
+    return prefixes or [""]
+
+
+def _data_files_paths(data_files: Any) -> list[str]:
+    """The path patterns of a README `configs` entry's data_files (a pattern, a list, or split → patterns)."""
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, dict):
+        return _data_files_paths(data_files.get("path"))
+    if isinstance(data_files, list):
+        return [p for item in data_files for p in _data_files_paths(item)]
+    return []
+
+
+def _literal_prefix(pattern: str) -> str:
+    """The part of a glob pattern before its first wildcard (data/train-*.parquet → data/train-)."""
+    cut = min((i for i, ch in enumerate(pattern) if ch in "*?[{"), default=len(pattern))
+    return pattern[:cut].lstrip("/")
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
@@ -251,6 +360,12 @@ def describe(spec: DatasetSpec) -> dict[str, Any]:
     if spec.generator:
         info.update(generator=spec.generator, split=spec.split, num_samples=spec.num_samples, seed=spec.seed)
     else:
+        if spec.hf_hub_url:  # the commit read, so the same rows can be read again
+            from tunelab.model.hub import snapshot_containing  # noqa: PLC0415
+
+            snapshot = snapshot_containing(resolve_files(spec)[0])
+            info["hub"] = {"repo_id": spec.hf_hub_url, "revision": spec.revision, "commit": snapshot.commit,
+                           "subset": spec.subset, "folder": spec.folder, "split": spec.split}
         files = resolve_files(spec)
         info["files"] = [{"path": str(p), "size": os.path.getsize(p)} for p in files]
     return info

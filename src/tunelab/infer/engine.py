@@ -32,6 +32,7 @@ from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
 from tunelab.errors import ConfigError, InferenceError, ModelError
 from tunelab.infer.generate import stop_token_ids
+from tunelab.model import hub
 from tunelab.model.adapters import first_line, load_adapter
 from tunelab.model.load import load_tokenizer
 
@@ -68,21 +69,31 @@ class SamplingOptions:
 # ---- loading -------------------------------------------------------------------------------------------------
 
 
-def resolve_folders(path: str, base_model: str | None = None) -> tuple[str, str | None]:
-    """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model."""
-    folder = TINY_MODEL_DIR if path == "tiny" else Path(path)
+def resolve_folders(
+    path: str, base_model: str | None = None, allow_pickle_weights: bool = False, trust_remote_code: bool = False
+) -> tuple[str, str | None]:
+    """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
+    Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (model/hub.py)."""
+    hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
+    folder = TINY_MODEL_DIR if path == "tiny" else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
         raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
     adapter_config = folder / "adapter_config.json"
     if adapter_config.is_file():
+        hub.fetch_weights(folder, allow_pickle_weights, key="")
+        key, revision = "--model", "main"
         if base_model is None:
             try:
-                base_model = json.loads(adapter_config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+                saved = json.loads(adapter_config.read_text(encoding="utf-8"))
+                base_model, revision = saved.get("base_model_name_or_path"), saved.get("revision") or "main"
             except (OSError, ValueError, AttributeError) as exc:
                 raise ModelError(f"{adapter_config}: unreadable ({first_line(exc)}); repair it or retrain") from None
             if not base_model:
                 raise ModelError(f"{adapter_config} names no base_model_name_or_path; pass the base model with --model")
-        return ModelArguments(model_name_or_path=base_model).model_name_or_path, str(folder)
+            key = f"{adapter_config}: base_model_name_or_path"
+        base_model = ModelArguments(model_name_or_path=base_model).model_name_or_path
+        base_model = hub.resolve_model(base_model, key, revision, revision_key=f"{adapter_config}: revision", **hub_options)
+        return base_model, str(folder)
     if (folder / "config.json").is_file():
         if base_model is not None:
             raise ConfigError(f"--model: {path} is a whole model (config.json), not a LoRA adapter; drop --model")
@@ -105,9 +116,11 @@ def load_engine(
     template: str | None = None,
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    allow_pickle_weights: bool = False,
 ) -> ChatEngine:
-    """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`)."""
-    model_dir, adapter_dir = resolve_folders(path, base_model)
+    """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`);
+    either may be a Hub id (model/hub.py)."""
+    model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
     # An adapter folder written by tunelab holds the tokenizer with the chat template it trained with.
@@ -128,6 +141,7 @@ def load_engine(
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
+    hub.fetch_weights(model_dir, allow_pickle_weights, key="")
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True

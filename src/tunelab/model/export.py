@@ -25,6 +25,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.errors import ConfigError, ModelError
+from tunelab.model import hub
 from tunelab.model.adapters import first_line, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
         base_config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
         if "num_labels" not in base_config and "id2label" not in base_config:
             kwargs["num_labels"] = 1  # a reward model: one score per sequence
+    hub.fetch_weights(model_args.model_name_or_path, model_args.allow_pickle_weights)
     try:
         model = auto.from_pretrained(model_args.model_name_or_path, **kwargs)
     except Exception as exc:  # noqa: BLE001

@@ -1,7 +1,9 @@
 """Loading a local model folder: the tokenizer, the causal LM (dtype, attention, quantization) and the parameter count.
 
-The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's. Every loading
-failure becomes a one-line ModelError naming model_name_or_path (or adapter_name_or_path).
+The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's; a Hub id is
+already a folder of the Hugging Face cache when it gets here (hub.py, at config time), whose weights are fetched
+just before they load. Every loading failure becomes a one-line ModelError naming model_name_or_path (or
+adapter_name_or_path).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ModelError
-from tunelab.model import quantization
+from tunelab.model import hub, quantization
 from tunelab.model.adapters import first_line, load_adapter, setup_finetuning
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ def load_model(
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
 
+    hub.fetch_weights(path, model_args.allow_pickle_weights)
     try:
         if reward_head:
             kwargs.update(num_labels=1, pad_token_id=tokenizer.pad_token_id)  # the reward is read at the last non-pad token
@@ -97,6 +100,11 @@ def load_model(
         model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
+    snapshot = hub.snapshot_of(path)
+    if snapshot is not None:
+        # What an adapter saved from this model names as its base (peft's base_model_name_or_path): the Hub id,
+        # which loads anywhere, not this machine's cache folder; the commit goes beside it (peft's revision).
+        model.name_or_path = snapshot.repo_id
     missing_keys = info.get("missing_keys") or []
     if reward_head:  # a causal LM has no reward head yet: it starts from transformers' initialisation
         missing_keys = [k for k in missing_keys if not k.startswith(f"{reward_head_name(model)}.")]
@@ -121,7 +129,11 @@ def load_model(
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
     quantization.keep_4bit_trainable_on_cpu(model)
-    return setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
+    model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
+    if snapshot is not None:
+        for peft_config in (getattr(model, "peft_config", None) or {}).values():
+            peft_config.revision = snapshot.commit
+    return model
 
 
 def added_token_rows(model: nn.Module, tokenizer: PreTrainedTokenizerBase, tokens: list[str] | None) -> list[int]:

@@ -5,7 +5,8 @@ Format (what `tunelab train` with stage: rm writes to output_dir):
   LlamaForSequenceClassification, head `score`, `pad_token_id` in its config), loadable with
   `AutoModelForSequenceClassification.from_pretrained(output_dir)`;
 - lora: a peft adapter (task_type SEQ_CLS) whose `modules_to_save` holds the head; its
-  adapter_config.json names the base in `base_model_name_or_path`.
+  adapter_config.json names the base in `base_model_name_or_path` (a folder, or a Hub id with its
+  commit in `revision`).
 Both folders hold the tokenizer with the chat template the reward model was trained with.
 
 The reward of a sequence is the head's score at its last non-pad token (transformers' own pooling
@@ -24,12 +25,13 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tunelab.errors import ModelError
+from tunelab.model import hub
 from tunelab.model.adapters import first_line
 
 
 def load_reward_model(
     path_or_dir: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device | None = None,
-    merge_adapter: bool = True,
+    merge_adapter: bool = True, allow_pickle_weights: bool = False,
 ) -> nn.Module:
     """A stage-rm reward model from its output folder, frozen and in eval mode.
 
@@ -37,18 +39,26 @@ def load_reward_model(
     (adapter_config.json; its base_model_name_or_path is loaded as the backbone and the adapter, head
     included, on top). merge_adapter folds the adapter into the weights, so a plain
     `...ForSequenceClassification` comes back either way (False keeps the PeftModel). dtype: e.g.
-    torch.bfloat16 (default: the saved dtype); device: where to put it (default: CPU).
+    torch.bfloat16 (default: the saved dtype); device: where to put it (default: CPU). A Hub id (or a base
+    named by one) comes from the Hugging Face cache (model/hub.py); pickle weights only with allow_pickle_weights.
 
         model = load_reward_model("saves/tiny-rm")
         rewards = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)   # (batch,)
     """
-    path = Path(path_or_dir)
+    path = Path(hub.resolve_model(str(path_or_dir), "reward_model", allow_pickle=allow_pickle_weights))
+    hub.fetch_weights(path, allow_pickle_weights, "reward_model")
     kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
     try:
         if (path / "adapter_config.json").is_file():
             from peft import PeftModel  # noqa: PLC0415
 
-            base = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            adapter_config = json.loads((path / "adapter_config.json").read_text())
+            base = hub.resolve_model(
+                adapter_config["base_model_name_or_path"], f"{path}/adapter_config.json: base_model_name_or_path",
+                adapter_config.get("revision") or "main", allow_pickle=allow_pickle_weights,
+                revision_key=f"{path}/adapter_config.json: revision",
+            )
+            hub.fetch_weights(base, allow_pickle_weights, f"{path}: base_model_name_or_path")
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForSequenceClassification.from_pretrained(base, pad_token_id=tokenizer.pad_token_id, **kwargs)
             model = PeftModel.from_pretrained(model, str(path))

@@ -6,7 +6,9 @@
 - generation_config.json whose eos ids are the template's end-of-turn tokens (pt: the tokenizer's
   eos), so plain `model.generate` stops where training taught it to;
 - tunelab_config.yaml (every resolved option), data_report.json (counts), all_results.json
-  (metrics), run_info.json (versions), trainer_log.jsonl and the loss plots.
+  (metrics), run_info.json (versions; `hub`: the repo and commit of every model read by Hub id),
+  trainer_log.jsonl and the loss plots. A model given by Hub id stays a Hub id in tunelab_config.yaml, with
+  model_revision pinned to the commit the run read, so the file reruns the same weights anywhere.
 """
 
 from __future__ import annotations
@@ -39,10 +41,32 @@ def write_json(output_dir: str, name: str, data: Any) -> Path:
 def write_run_start(config: RunConfig) -> None:
     out = Path(config.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    options, sources = resolved_dict(config), hub_sources(config)
+    for key, source in sources.items():  # the Hub id, not this machine's cache folder
+        options[key] = source["repo_id"]
+    if "model_name_or_path" in sources:
+        options["model_revision"] = sources["model_name_or_path"]["commit"]
     (out / "tunelab_config.yaml").write_text(
-        yaml.safe_dump(resolved_dict(config), sort_keys=False, default_flow_style=None), encoding="utf-8"
+        yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8"
     )
-    write_json(str(out), "run_info.json", versions())
+    write_json(str(out), "run_info.json", versions() | ({"hub": sources} if sources else {}))
+
+
+def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
+    """{key: repo id, revision asked for, commit read, cache folder} of the models a run read by Hub id."""
+    from tunelab.model.hub import snapshot_of  # noqa: PLC0415
+
+    folders = {
+        "model_name_or_path": (config.model.model_name_or_path, config.model.model_revision),
+        "adapter_name_or_path": (config.model.adapter_name_or_path, "main"),
+        "reward_model": (config.finetuning.reward_model, "main"),
+    }
+    sources = {}
+    for key, (folder, revision) in folders.items():
+        snapshot = snapshot_of(folder) if folder else None
+        if snapshot is not None:
+            sources[key] = snapshot.record(revision) | {"folder": str(snapshot.folder)}
+    return sources
 
 
 def versions() -> dict[str, str]:
