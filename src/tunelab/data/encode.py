@@ -86,6 +86,8 @@ class _Unit:
     fixed_prompt: bool = False  # pairs: the prompt is settled, only the end may be cut
     truncated: bool = False
     answers_dropped: int = 0
+    split: bool = False  # one answer of a conversation split at a seam
+    order: tuple[int, ...] = ()  # place among its conversation's examples
 
 
 @dataclass
@@ -150,6 +152,12 @@ class _Tokens:
         encoded = self._raw([text if at_start else self.sentinel + text for text, at_start in pieces])
         return [ids if at_start else ids[1:] for ids, (_, at_start) in zip(encoded, pieces)]
 
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """Character offsets of the tokens of a text on its own."""
+        if self.backend is not None:
+            return self.backend.encode(text, add_special_tokens=False).offsets
+        return self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
     def edges(self, text: str) -> list[int]:
         """Sorted positions where the tokenizer splits regardless of context: text ends and added tokens."""
         points = {0, len(text)}
@@ -213,11 +221,7 @@ class SupervisedEncoder:
         try:
             text, spans = self.template.render_with_spans(messages, **options)
         except HistoryRewriteError:
-            return [
-                prepared
-                for unit_i in _per_answer(unit)
-                for prepared in self._prepare(unit_i, options)
-            ]
+            return [prepared for unit_i in _per_answer(unit) for prepared in self._prepare(unit_i, options)]
         return [self._segmented(unit, text, spans)]
 
     def _segmented(self, unit: _Unit, text: str, spans: list[Span]) -> _Prepared:
@@ -282,50 +286,48 @@ class SupervisedEncoder:
         return _Result(ids, labels, answers, consistent)
 
     def _encode(self, units: list[tuple[_Unit, dict[str, Any]]]) -> list[list[dict[str, Any]]]:
-        """Each unit's examples, all first attempts tokenised in one call (the rare re-renders one by one)."""
-        prepared = [self._prepare(unit, options) for unit, options in units]
-        flat = [p for group in prepared for p in group]
-        strings = [self._strings(p) for p in flat]
-        tokens = self._tokens([s for group in strings for s in group])
-        results, at = [], 0
-        for p, group in zip(flat, strings):
-            results.append(self._finish(p, tokens[at : at + len(group)]))
-            at += len(group)
-        out, at = [], 0
-        for group, (_, options) in zip(prepared, units):
-            examples = []
-            for p in group:
-                examples += self._settle(p, results[at], options)
-                at += 1
-            out.append(examples)
-        return out
-
-    def _encode_one(self, unit: _Unit, options: dict[str, Any]) -> list[dict[str, Any]]:
-        return self._encode([(unit, options)])[0]
+        """Each unit's examples, in rounds: every unit of a round rendered, then tokenised in one call; the units
+        that must be encoded again (split at a seam, shortened to fit) make the next round."""
+        out: list[list[tuple[tuple[int, ...], dict[str, Any]]]] = [[] for _ in units]
+        pending = [(i, unit, options) for i, (unit, options) in enumerate(units)]
+        while pending:
+            prepared = [(i, p, options) for i, unit, options in pending for p in self._prepare(unit, options)]
+            strings = [self._strings(p) for _, p, _ in prepared]
+            tokens = self._tokens([s for group in strings for s in group])
+            pending, at = [], 0
+            for (i, p, options), group in zip(prepared, strings):
+                result = self._finish(p, tokens[at : at + len(group)])
+                at += len(group)
+                done, again = self._settle(p, result, options)
+                out[i] += [(p.unit.order, example) for example in done]
+                pending += [(i, unit, options) for unit in again]
+        return [[example for _, example in sorted(examples, key=lambda pair: pair[0])] for examples in out]
 
     # ---- consistency and length ------------------------------------------------------------------------
 
-    def _settle(self, prepared: _Prepared, result: _Result, options: dict[str, Any]) -> list[dict]:
-        """The finished examples of one prepared unit: split per answer at a bad seam, fitted to cutoff_len."""
+    def _settle(
+        self, prepared: _Prepared, result: _Result, options: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], list[_Unit]]:
+        """(finished examples, units to encode again) of one prepared unit: split per answer at a seam that
+        tokenises differently, fitted to cutoff_len."""
         unit = prepared.unit
         if not result.consistent:
-            examples = [example for unit_i in _per_answer(unit) for example in self._encode_one(unit_i, options)]
-            for example in examples:
-                example["_split"] = True
-            return examples
+            return [], [replace(u, split=True) for u in _per_answer(unit)]
         if len(result.ids) > self.cutoff_len:
             return self._fit(prepared, result, options)
-        return [self._example(unit, result)]
+        return [self._example(unit, result)], []
 
     def _example(self, unit: _Unit, result: _Result) -> dict[str, Any]:
         labels = result.labels
         return {
             "input_ids": result.ids, "labels": labels, "truncated": unit.truncated,
             "num_supervised": len(labels) - 1 - labels[1:].count(IGNORE_INDEX),
-            "answers_dropped": unit.answers_dropped, "_messages": unit.messages, "_split": False,
+            "answers_dropped": unit.answers_dropped, "_messages": unit.messages, "_split": unit.split,
         }
 
-    def _fit(self, prepared: _Prepared, result: _Result, options: dict[str, Any]) -> list[dict]:
+    def _fit(
+        self, prepared: _Prepared, result: _Result, options: dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], list[_Unit]]:
         """An example longer than cutoff_len: drop earliest exchanges, then cut the oldest prompt, then the end."""
         unit = prepared.unit
         if not self.train_on_prompt and not unit.fixed_prompt:
@@ -339,11 +341,11 @@ class SupervisedEncoder:
                     unit, messages=[*head, *unit.messages[starts[keep] :]], truncated=True,
                     answers_dropped=unit.answers_dropped + trained,
                 )
-                return self._encode_one(shorter, options)
-            cut = self._cut_prompt(unit, len(result.ids) - self.cutoff_len, result)
+                return [], [shorter]
+            cut = self._cut_prompt(unit, len(result.ids) - self.cutoff_len)
             if cut is not None:
-                return self._encode_one(cut, options)
-        return self._cut_end(unit, result)
+                return [], [cut]
+        return self._cut_end(unit, result), []
 
     def _exchanges_to_keep(self, unit: _Unit, starts: list[int], options: dict[str, Any]) -> int:
         """Index into ``starts``: the fewest exchanges to drop so that the whole render fits (binary search on
@@ -363,7 +365,7 @@ class SupervisedEncoder:
                 low = mid + 1
         return low
 
-    def _cut_prompt(self, unit: _Unit, excess: int, result: _Result) -> _Unit | None:
+    def _cut_prompt(self, unit: _Unit, excess: int) -> _Unit | None:
         """The unit with the end of its first user turn's content cut by ``excess`` tokens (+ what re-rendering
         costs), or None when that turn cannot absorb it (the answer alone is too long) or has no text."""
         head = _system_head(unit.messages)
@@ -373,11 +375,11 @@ class SupervisedEncoder:
         content = unit.messages[at].get("content")
         if not isinstance(content, str) or not content:
             return None
-        encoded = self.tokenizer(content, add_special_tokens=False, return_offsets_mapping=True)
-        keep = len(encoded["input_ids"]) - excess
+        offsets = self._tokens.offsets(content)
+        keep = len(offsets) - excess
         if keep < 1:
             return None
-        shorter = content[: encoded["offset_mapping"][keep][0]] if keep < len(encoded["input_ids"]) else content
+        shorter = content[: offsets[keep][0]] if keep < len(offsets) else content
         if shorter == content:
             return None
         messages = list(unit.messages)
@@ -447,7 +449,8 @@ def _per_answer(unit: _Unit) -> list[_Unit]:
     stays with the first, so a split conversation counts it once."""
     answers = [i for i, m in enumerate(unit.messages) if m.get("role") == "assistant"]
     return [
-        replace(unit, messages=unit.messages[: i + 1], last_only=True, answers_dropped=unit.answers_dropped if k == 0 else 0)
+        replace(unit, messages=unit.messages[: i + 1], last_only=True, order=(*unit.order, k),
+                answers_dropped=unit.answers_dropped if k == 0 else 0)
         for k, i in enumerate(answers)
     ]
 
