@@ -32,6 +32,7 @@ from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
 from tunelab.errors import ConfigError, InferenceError, ModelError
 from tunelab.infer.generate import stop_token_ids
+from tunelab.infer.predict import inference_template_kwargs
 from tunelab.model.adapters import first_line, load_adapter
 from tunelab.model.load import load_tokenizer
 
@@ -105,8 +106,10 @@ def load_engine(
     template: str | None = None,
     dtype: str = "auto",
     trust_remote_code: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatEngine:
-    """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`)."""
+    """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`).
+    `template_kwargs` (None: those the folder's tunelab_config.yaml recorded) reach every prompt render."""
     model_dir, adapter_dir = resolve_folders(path, base_model)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
@@ -125,6 +128,7 @@ def load_engine(
         source = tokenizer_source(tokenizer)
         builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == source), None)
         chat_template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
+    template_kwargs = inference_template_kwargs(template_kwargs, Path(adapter_dir or model_dir), chat_template)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
@@ -143,7 +147,7 @@ def load_engine(
         model = load_adapter(model, adapter_dir, is_trainable=False)
     model.to(device).eval()
     name = Path(adapter_dir or model_dir).resolve().name
-    return ChatEngine(model, tokenizer, chat_template, name)
+    return ChatEngine(model, tokenizer, chat_template, name, template_kwargs)
 
 
 # ---- generation ----------------------------------------------------------------------------------------------
@@ -321,8 +325,9 @@ class Generation:
 class ChatEngine:
     """A loaded model, its tokenizer and chat template; `generate(messages)` streams the next answer."""
 
-    def __init__(self, model, tokenizer, template: Template, name: str):
+    def __init__(self, model, tokenizer, template: Template, name: str, template_kwargs: dict[str, Any] | None = None):
         self.model, self.tokenizer, self.template, self.name = model, tokenizer, template, name
+        self.template_kwargs = template_kwargs or {}  # the template variables the model trained with
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -334,7 +339,9 @@ class ChatEngine:
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The conversation rendered with the generation prompt, tokenised as training tokenised it."""
         tok = self.tokenizer
-        prompt = self.template.prompt(messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        prompt = self.template.prompt(
+            messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
+        )
         return tok(prompt, add_special_tokens=False)["input_ids"]
 
     def generate(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:

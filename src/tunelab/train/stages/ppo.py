@@ -14,7 +14,8 @@ from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, Rewa
 
 def run_ppo(config: RunConfig) -> dict:
     def reward_model(device, tokenizer, template):
-        return RewardModelScorer(load_reward_model(config.finetuning.reward_model, device=device), tokenizer, template)
+        reward_model = load_reward_model(config.finetuning.reward_model, device=device)
+        return RewardModelScorer(reward_model, tokenizer, template, config.data.template_kwargs)
 
     def save_value_head(loop) -> None:
         if loop.accelerator.is_main_process:
