@@ -35,6 +35,7 @@ ALIAS_LINES = (
     'alias qwen3_nothink = qwen3 with template_kwargs {"enable_thinking": false}: Qwen3 with thinking off '
     "(an empty think block in the prompt)\n"
     "alias gemma = gemma3: Gemma (a system message is folded into the first user turn, as Gemma-3 does)\n"
+    "alias gemma3n = gemma3: Gemma-3n (Gemma-3's format)\n"
 )
 
 

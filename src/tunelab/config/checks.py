@@ -48,7 +48,7 @@ STRATEGY_KEYS = {
 # LlamaFactory template names with no built-in that renders the same (the aliases in data/templates are those
 # that do): the model's own chat_template is the faithful choice.
 LLAMAFACTORY_TEMPLATES = (
-    "alpaca", "deepseek", "deepseek3", "deepseekr1", "empty", "gemma3n", "glm4_moe", "gpt_oss", "intern2", "llama4",
+    "alpaca", "deepseek", "deepseek3", "deepseekr1", "empty", "glm4_moe", "gpt_oss", "intern2", "llama4",
     "ministral", "mistral", "mistral_small", "phi", "phi4", "phi4_mini", "qwen2_vl", "qwen3_vl", "qwen3_vl_nothink",
     "vicuna", "zephyr",
 )

@@ -220,8 +220,8 @@ def load_config(
     purpose "data" (`tunelab data ...`) and "estimate" read the config without training from it:
     output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
     which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
-    the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model,
-    adapter and template. `warn`: log the warnings about options that have no effect (a process that
+    the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model and
+    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that have no effect (a process that
     only launches the workers leaves them to the workers).
     """
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}

@@ -29,8 +29,8 @@ from tunelab.errors import TemplateError
 
 TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
 
-# LlamaFactory template name -> (built-in, template variables it implies, what it is). qwen and gemma render
-# exactly like LlamaFactory's templates of those names (compared on conversations with and without a system
+# LlamaFactory template name -> (built-in, template variables it implies, what it is). qwen, gemma and gemma3n
+# render exactly like LlamaFactory's templates of those names (compared on conversations with and without a system
 # turn, one and two exchanges). qwen3_nothink is Qwen3's own non-thinking mode: the empty think block the
 # official template pre-fills when enable_thinking is false; LlamaFactory's template of that name writes no
 # think block at all (its format for the Qwen3 Instruct-2507 models, which ship their own chat_template).
@@ -38,6 +38,7 @@ TEMPLATE_ALIASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen": ("qwen2_5", {}, "Qwen2 / Qwen2.5 (ChatML with Qwen's default system prompt)"),
     "qwen3_nothink": ("qwen3", {"enable_thinking": False}, "Qwen3 with thinking off (an empty think block in the prompt)"),
     "gemma": ("gemma3", {}, "Gemma (a system message is folded into the first user turn, as Gemma-3 does)"),
+    "gemma3n": ("gemma3", {}, "Gemma-3n (Gemma-3's format)"),
 }
 
 __all__ = [
