@@ -100,3 +100,27 @@ def test_different_template_kwargs_never_share_a_cache_entry(tiny_tokenizer):
 
     assert key(NO_THINKING) == key({"enable_thinking": False})
     assert len({key(None), key(NO_THINKING), key({"enable_thinking": True})}) == 3
+
+
+def test_aliases_render_llamafactorys_format():
+    """What LlamaFactory's qwen and gemma templates write for these conversations (its string slots, worked out by
+    hand): the aliases' built-ins write the same."""
+    from tunelab.data.templates import resolve_template_name
+
+    system, exchanges = {"role": "system", "content": "Be brief."}, [
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"},
+    ]
+    expected = {
+        ("qwen", False): "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+        "<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n6<|im_end|>\n",
+        ("qwen", True): "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n6<|im_end|>\n",
+        ("gemma", True): "<bos><start_of_turn>user\nBe brief.\n\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+        "4<end_of_turn>\n<start_of_turn>user\nAnd 3+3?<end_of_turn>\n<start_of_turn>model\n6<end_of_turn>\n",
+    }
+    for (alias, with_system), text in expected.items():
+        name, _ = resolve_template_name(alias)
+        messages = [system, *exchanges] if with_system else exchanges
+        assert get_template(name).render(messages, bos_token="<bos>" if alias == "gemma" else "") == text
