@@ -45,6 +45,8 @@ def test_chat_engine_renders_with_the_folders_recorded_template_kwargs(tmp_path)
     assert prompt_text(engine).endswith("<|im_start|>assistant\n" + EMPTY_THINK)  # served as it trained: no thinking
     # an explicit value (--template-kwargs) wins, even an empty one
     assert prompt_text(load_engine(str(folder), template_kwargs={})).endswith("<|im_start|>assistant\n")
+    # another template named here does not inherit the variables recorded for the folder's own
+    assert load_engine(str(folder), template="chatml").template_kwargs == {}
     with pytest.raises(TemplateError) as info:
         load_engine(str(folder), template_kwargs={"thinking": False})
     assert str(info.value) == "template_kwargs: template 'qwen3' does not read 'thinking'; it reads enable_thinking"

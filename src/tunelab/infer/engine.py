@@ -109,7 +109,8 @@ def load_engine(
     template_kwargs: dict[str, Any] | None = None,
 ) -> ChatEngine:
     """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`).
-    `template_kwargs` (None: those the folder's tunelab_config.yaml recorded) reach every prompt render."""
+    `template_kwargs` reach every prompt render; None: those the folder's tunelab_config.yaml recorded for its
+    own template (none with a `template` named here)."""
     model_dir, adapter_dir = resolve_folders(path, base_model)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
@@ -128,6 +129,8 @@ def load_engine(
         source = tokenizer_source(tokenizer)
         builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == source), None)
         chat_template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
+    if template_kwargs is None and template is not None:
+        template_kwargs = {}  # the folder recorded its variables for its own template, not this one
     template_kwargs = inference_template_kwargs(template_kwargs, Path(adapter_dir or model_dir), chat_template)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
