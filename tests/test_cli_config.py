@@ -55,9 +55,11 @@ def test_resume_command_without_a_yaml():
 
 @pytest.mark.slow
 def test_trl_style_run_with_save_steps_writes_checkpoints(tmp_path, capsys):
+    from tunelab.infer.engine import load_engine  # noqa: PLC0415
+
     out = tmp_path / "out"
     code, stdout, _ = run(capsys, [
-        "train", "--model_name_or_path", "tiny", "--dataset", "demo_sort", "--template", "chatml", "--max_samples", "16",
+        "train", "--model_name_or_path", "tiny", "--dataset", "demo_sort", "--template", "qwen3_nothink", "--max_samples", "16",
         "--cutoff_len", "64", "--per_device_train_batch_size", "4", "--max_steps", "2", "--save_steps", "1",
         "--output_dir", str(out), "--disable_tqdm", "--plot_loss", "false",
     ])
@@ -65,7 +67,12 @@ def test_trl_style_run_with_save_steps_writes_checkpoints(tmp_path, capsys):
     # save_steps alone turned checkpoints on (save_strategy: steps), as in LlamaFactory
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     recorded = yaml.safe_load((out / "tunelab_config.yaml").read_text())
-    assert (recorded["save_strategy"], recorded["template_kwargs"]) == ("steps", None)
+    assert (recorded["save_strategy"], recorded["template"], recorded["template_kwargs"]) == (
+        "steps", "qwen3", {"enable_thinking": False}
+    )
+    # trained without thinking, served without thinking
+    engine = load_engine(str(out))
+    assert (engine.template.name, engine.template_kwargs) == ("qwen3", {"enable_thinking": False})
 
 
 # ---- train --help --------------------------------------------------------------------------------------
