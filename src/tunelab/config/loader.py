@@ -221,8 +221,8 @@ def load_config(
     output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
     which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
     the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model and
-    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that have no effect (a process that
-    only launches the workers leaves them to the workers).
+    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that
+    have no effect (a process that only launches the workers leaves them to the workers).
     """
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
     origins = dict.fromkeys(raw, str(path))

@@ -36,7 +36,9 @@ TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
 # think block at all (its format for the Qwen3 Instruct-2507 models, which ship their own chat_template).
 TEMPLATE_ALIASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen": ("qwen2_5", {}, "Qwen2 / Qwen2.5 (ChatML with Qwen's default system prompt)"),
-    "qwen3_nothink": ("qwen3", {"enable_thinking": False}, "Qwen3 with thinking off (an empty think block in the prompt)"),
+    "qwen3_nothink": (
+        "qwen3", {"enable_thinking": False}, "Qwen3 with thinking off (an empty think block in the prompt)"
+    ),
     "gemma": ("gemma3", {}, "Gemma (a system message is folded into the first user turn, as Gemma-3 does)"),
     "gemma3n": ("gemma3", {}, "Gemma-3n (Gemma-3's format)"),
 }
@@ -47,7 +49,9 @@ __all__ = [
 ]
 
 
-def resolve_template_name(name: str | None, template_kwargs: dict[str, Any] | None = None) -> tuple[str | None, dict[str, Any] | None]:
+def resolve_template_name(
+    name: str | None, template_kwargs: dict[str, Any] | None = None
+) -> tuple[str | None, dict[str, Any] | None]:
     """An alias as (built-in, its variables merged under ``template_kwargs``: the caller's values win);
     any other name unchanged."""
     if name not in TEMPLATE_ALIASES:
