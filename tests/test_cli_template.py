@@ -30,9 +30,27 @@ def test_show_chatml_marks_the_trained_spans(capsys: pytest.CaptureFixture[str])
     ), "")
 
 
+ALIAS_LINES = (
+    "alias qwen = qwen2_5: Qwen2 / Qwen2.5 (ChatML with Qwen's default system prompt)\n"
+    'alias qwen3_nothink = qwen3 with template_kwargs {"enable_thinking": false}: Qwen3 with thinking off '
+    "(an empty think block in the prompt)\n"
+    "alias gemma = gemma3: Gemma (a system message is folded into the first user turn, as Gemma-3 does)\n"
+    "alias gemma3n = gemma3: Gemma-3n (Gemma-3's format)\n"
+)
+
+
 def test_list_names_every_builtin(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(capsys, "list") == (0, "\n".join(TEMPLATE_NAMES) + "\n", "")
-    assert run(capsys, "show") == (0, "\n".join(TEMPLATE_NAMES) + "\n", "")  # show without a name lists too
+    # stdout: one built-in per line (for scripts); stderr: LlamaFactory's names for them
+    assert run(capsys, "list") == (0, "\n".join(TEMPLATE_NAMES) + "\n", ALIAS_LINES)
+    assert run(capsys, "show") == (0, "\n".join(TEMPLATE_NAMES) + "\n", ALIAS_LINES)  # show without a name lists too
+
+
+def test_show_an_alias_renders_its_builtin_with_its_variables(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "show", "qwen3_nothink")
+    assert (code, err) == (0, "")
+    # enable_thinking: false puts the empty think block in the prompt: it is not trained (outside ⟦ ⟧)
+    assert out.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n⟦6<|im_end|>⟧\n\n")
+    assert run(capsys, "show", "qwen")[1] == run(capsys, "show", "qwen2_5")[1].replace("'qwen2_5'", "'qwen'")
 
 
 def test_unknown_name_is_one_line_on_stderr_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,8 @@
 """The `tunelab` command: train | data | template | eval | export | estimate | chat | api | env.
 
+train, data, eval, export and estimate take a YAML file and/or key=value / --key value options (options
+alone work too, TRL-style); chat and api take a model or adapter folder, or a YAML file naming
+model_name_or_path, adapter_name_or_path and template (LlamaFactory's inference configs).
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
 anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
 A training run stopped by SIGTERM / SIGINT saves a checkpoint, prints the command that resumes it
@@ -17,21 +20,54 @@ import sys
 from tunelab.errors import TunelabError
 
 
+def _choices(annotation, metadata) -> list[str]:
+    """The values an option takes, when it is a choice: Literal members, an enum's values, or transformers'
+    own `choices` metadata."""
+    import enum  # noqa: PLC0415
+    import types  # noqa: PLC0415
+    import typing  # noqa: PLC0415
+
+    if metadata.get("choices"):
+        return [str(c) for c in metadata["choices"]]
+    members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    for member in members:
+        if typing.get_origin(member) is typing.Literal:
+            return [str(value) for value in typing.get_args(member)]
+        if isinstance(member, type) and issubclass(member, enum.Enum):
+            return [str(item.value) for item in member]
+    return []
+
+
 def _options_help() -> str:
-    from tunelab.config.args import ARGUMENT_GROUPS, TrainingArguments  # noqa: PLC0415
+    """Every option with its default (tunelab's where it changes transformers') and, for choices, the values."""
+    import typing  # noqa: PLC0415
+
+    from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments  # noqa: PLC0415
+    from tunelab.config.loader import ALIASES  # noqa: PLC0415
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
     for group in ARGUMENT_GROUPS:
+        hints = typing.get_type_hints(group)
+        theirs = {f.name for f in dataclasses.fields(group.__mro__[1])} if group is TrainingArguments else set()
         lines.append(f"\n  {group.__name__}:")
         if group is TrainingArguments:
-            lines.append("    every transformers.TrainingArguments option, plus:")
-            theirs = {f.name for f in dataclasses.fields(group.__mro__[1])}  # transformers.TrainingArguments
-            fields = [f for f in dataclasses.fields(group) if f.name not in theirs or f.name in ("overwrite_output_dir", "resume_from_checkpoint")]
-        else:
-            fields = dataclasses.fields(group)
-        for f in fields:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"    {f.name} (default {default!r}): {f.metadata.get('help', '')}")
+            lines.append("    transformers.TrainingArguments (first sentence of its help; defaults tunelab changes are "
+                         f"marked), plus tunelab's own. Also accepted: {', '.join(f'{a} (= {b})' for a, b in ALIASES.items())}")
+        for f in dataclasses.fields(group):
+            if not f.init or f.name.startswith("_"):
+                continue
+            if f.name in TRAINING_DEFAULTS and group is TrainingArguments:
+                default = f"tunelab default {TRAINING_DEFAULTS[f.name]!r}"
+            else:
+                value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                default = f"default {getattr(value, 'value', value)!r}"
+            text = " ".join(str(f.metadata.get("help", "")).split())
+            if f.name in theirs:  # transformers' help runs to paragraphs
+                text = text.split(". ")[0].rstrip(".") + "." if text else ""
+                text = f"{text} {TRAINING_NOTES[f.name]}" if f.name in TRAINING_NOTES else text
+            choices = _choices(hints.get(f.name), f.metadata)
+            choice_text = f"; one of {', '.join(choices)}" if choices else ""
+            lines.append(f"    {f.name} ({default}{choice_text}): {text}")
     return "\n".join(lines)
 
 
@@ -41,18 +77,19 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from tunelab.train.run import run, setup_logging  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
 
+    path, overrides = _config_and_overrides(ns)
     # nproc_per_node > 1: check the config once here, then run the same command under torchrun.
-    parent = launch.wants_launch(ns.config, ns.overrides)
+    parent = launch.wants_launch(path, overrides)
     with launch.devices_untouched() if parent else contextlib.nullcontext():
-        config = load_config(ns.config, ns.overrides)
+        config = load_config(path, overrides, warn=not parent)  # the workers warn, once
     if launch.needs_launch(config.training):
-        return launch.launch(config.training, ["train", ns.config, *ns.overrides])
+        return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
     setup_logging(config.training.process_index == 0)
     try:
         metrics = run(config)
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
         if config.training.process_index == 0:
-            print(f"tunelab: {stop}; resume with: {resume_command(ns.config, ns.overrides)}", file=sys.stderr)
+            print(f"tunelab: {stop}; resume with: {resume_command(path, overrides)}", file=sys.stderr)
         return stop.exit_code
     if config.training.process_index == 0:
         before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
@@ -73,14 +110,14 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
-def resume_command(config_path: str, overrides: list[str]) -> str:
+def resume_command(config_path: str | None, overrides: list[str]) -> str:
     """The command line that resumes this run: the same config and overrides, resume_from_checkpoint=true."""
     import shlex  # noqa: PLC0415
 
     from tunelab.config.loader import parse_overrides  # noqa: PLC0415
 
     kept = [f"{k}={v}" for k, v in parse_overrides(list(overrides)).items() if k != "resume_from_checkpoint"]
-    return shlex.join(["tunelab", "train", config_path, *kept, "resume_from_checkpoint=true"])
+    return shlex.join(["tunelab", "train", *([config_path] if config_path else []), *kept, "resume_from_checkpoint=true"])
 
 
 def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -106,14 +143,15 @@ def _cmd_data(ns: argparse.Namespace) -> int:
     from tunelab.errors import ConfigError  # noqa: PLC0415
     from tunelab.train.run import setup_logging  # noqa: PLC0415
 
-    out, overrides = _take_option(list(ns.overrides), "--out")
+    path, overrides = _config_and_overrides(ns)
+    out, overrides = _take_option(overrides, "--out")
     max_batches, overrides = _take_option(overrides, "--max-batches")
     out = out or ns.out
     try:
         max_batches = int(max_batches) if max_batches is not None else ns.max_batches
     except ValueError:
         raise ConfigError(f"--max-batches: expected a number, got {max_batches!r}") from None
-    config = load_config(ns.config, overrides, purpose="data")
+    config = load_config(path, overrides, purpose="data")
     setup_logging(is_main_process=False)  # warnings only: the report below is the output
     data = data_inspect.load_run_data(config)
     if ns.action == "stats":
@@ -130,13 +168,20 @@ def _cmd_data(ns: argparse.Namespace) -> int:
 
 
 def _cmd_template(ns: argparse.Namespace) -> int:
-    from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from tunelab.data.templates import TEMPLATE_ALIASES, TEMPLATE_NAMES, get_template, resolve_template_name  # noqa: PLC0415
     from tunelab.errors import TemplateError  # noqa: PLC0415
 
     if ns.action == "list" or not ns.name:
         print("\n".join(TEMPLATE_NAMES))
+        # LlamaFactory's names, on stderr so that stdout stays one built-in name per line
+        for alias, (builtin, variables, what) in TEMPLATE_ALIASES.items():
+            implied = f" with template_kwargs {json.dumps(variables)}" if variables else ""
+            print(f"alias {alias} = {builtin}{implied}: {what}", file=sys.stderr)
         return 0
-    template = get_template(ns.name)
+    name, variables = resolve_template_name(ns.name)
+    template = get_template(name)
     system = {"role": "system", "content": "You are a helpful assistant."}
     messages = [
         {"role": "user", "content": "What is 2+2?"},
@@ -144,7 +189,7 @@ def _cmd_template(ns: argparse.Namespace) -> int:
         {"role": "user", "content": "And 3+3?"},
         {"role": "assistant", "content": "6"},
     ]
-    tokens = {"bos_token": "<s>", "eos_token": "</s>"}
+    tokens = {"bos_token": "<s>", "eos_token": "</s>", **(variables or {})}
     try:
         examples = template.training_examples([system, *messages], **tokens)
     except TemplateError:  # e.g. Gemma-2 refuses a system turn: show the rest
@@ -169,7 +214,8 @@ def _cmd_template(ns: argparse.Namespace) -> int:
 
 
 def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """`export` takes a config file or only key=value options: a first argument with '=' or '--' is an option."""
+    """A config file and/or options (train, data, eval, export, estimate): a first argument with '=' or '--' is an
+    option, so `tunelab train model_name_or_path=tiny dataset=demo_sort ...` needs no YAML file."""
     if ns.config is not None and ("=" in ns.config or ns.config.startswith("--")):
         return None, [ns.config, *ns.overrides]
     return ns.config, list(ns.overrides)
@@ -180,7 +226,8 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     from tunelab.infer.predict import PREDICTIONS_FILE, run_predict  # noqa: PLC0415
     from tunelab.train.run import setup_logging  # noqa: PLC0415
 
-    config = load_config(ns.config, ns.overrides, purpose="eval")
+    path, overrides = _config_and_overrides(ns)
+    config = load_config(path, overrides, purpose="eval")
     setup_logging()
     metrics = run_predict(config)
     for key, value in metrics.items():
@@ -208,12 +255,13 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
 
     from tunelab.errors import ConfigError  # noqa: PLC0415
 
-    probe_steps, overrides = _take_option(list(ns.overrides), "--probe-steps")
+    path, overrides = _config_and_overrides(ns)
+    probe_steps, overrides = _take_option(overrides, "--probe-steps")
     try:
         probe_steps = int(probe_steps) if probe_steps is not None else ns.probe_steps
     except ValueError:
         raise ConfigError(f"--probe-steps: expected a number, got {probe_steps!r}") from None
-    config = load_config(ns.config, overrides, purpose="estimate")
+    config = load_config(path, overrides, purpose="estimate")
     setup_logging(is_main_process=False)  # warnings only: the table below is the output
     print(format_estimate(estimate(config, probe_steps=probe_steps)))
     return 0
@@ -226,7 +274,7 @@ def _add_model_commands(sub) -> None:
         "with; writes predictions.jsonl and predict_results.json (exact match, BLEU, ROUGE-L) to output_dir. "
         "Point model_name_or_path at a trained model, or adapter_name_or_path at a trained adapter.",
     )
-    evaluate.add_argument("config", help="the run's YAML file")
+    evaluate.add_argument("config", nargs="?", help="the run's YAML file (optional: key=value options alone work too)")
     evaluate.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     evaluate.set_defaults(func=_cmd_eval)
     export = sub.add_parser(
@@ -243,13 +291,47 @@ def _add_model_commands(sub) -> None:
         "model, finetuning_type, dtype, batch size, cutoff_len and gradient checkpointing, and the time per "
         "optimizer step measured over a few real steps on random tokens of the configured shape.",
     )
-    estimate.add_argument("config", help="the run's YAML file")
+    estimate.add_argument("config", nargs="?", help="the run's YAML file (optional: key=value options alone work too)")
     estimate.add_argument("--probe-steps", type=int, default=3, help="measured optimizer steps (0: skip the probe)")
     estimate.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     estimate.set_defaults(func=_cmd_estimate)
 
 
 # ---- chat | api: talk to a trained model ----------------------------------------------------------------------
+
+
+def _serving_choice(ns: argparse.Namespace) -> dict:
+    """load_engine's arguments: from the folder and flags, or from a YAML file (model_name_or_path,
+    adapter_name_or_path, template, template_kwargs, trust_remote_code) under the flags, which win."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.data.templates import resolve_template_name  # noqa: PLC0415
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+
+    kwargs = None
+    if ns.template_kwargs is not None:
+        try:
+            kwargs = json.loads(ns.template_kwargs)
+        except json.JSONDecodeError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise ConfigError(
+                f"--template-kwargs: expected a JSON object such as '{{\"enable_thinking\": false}}', got {ns.template_kwargs!r}"
+            )
+    choice = {"path": ns.path, "base_model": ns.model, "template": ns.template, "template_kwargs": kwargs,
+              "trust_remote_code": ns.trust_remote_code}
+    if Path(ns.path).is_file():  # LlamaFactory's way: a YAML naming the model, adapter and template
+        config = load_config(ns.path, purpose="serve")
+        model, adapter = config.model.model_name_or_path, config.model.adapter_name_or_path
+        choice["path"] = adapter or model
+        choice["base_model"] = ns.model or (model if adapter else None)
+        choice["template"] = ns.template or config.data.template
+        choice["template_kwargs"] = kwargs if kwargs is not None else config.data.template_kwargs
+        choice["trust_remote_code"] = ns.trust_remote_code or config.model.trust_remote_code
+    choice["template"], choice["template_kwargs"] = resolve_template_name(choice["template"], choice["template_kwargs"])
+    return choice
 
 
 def _load_engine(ns: argparse.Namespace):
@@ -263,8 +345,7 @@ def _load_engine(ns: argparse.Namespace):
     setup_logging(is_main_process=False)  # warnings only
     transformers.utils.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)  # peft, harmless
-    return load_engine(ns.path, base_model=ns.model, template=ns.template, dtype=ns.dtype,
-                       trust_remote_code=ns.trust_remote_code)
+    return load_engine(dtype=ns.dtype, **_serving_choice(ns))
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
@@ -302,11 +383,15 @@ def _cmd_api(ns: argparse.Namespace) -> int:
 def _add_serving_commands(sub) -> None:
     def model_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="a trained output folder (model or LoRA adapter), any local Hugging Face "
-                            "model folder, or 'tiny' (the embedded tiny Llama)")
+                            "model folder, 'tiny' (the embedded tiny Llama), or a YAML file with model_name_or_path, "
+                            "adapter_name_or_path and template (the flags below win over it)")
         parser.add_argument("--model", help="base model folder for an adapter (default: base_model_name_or_path "
                             "in its adapter_config.json)")
         parser.add_argument("--template", help="a built-in chat template instead of the folder's own chat_template "
                             "(see `tunelab template list`)")
+        parser.add_argument("--template-kwargs", metavar="JSON", help="variables of the chat template, e.g. "
+                            "'{\"enable_thinking\": false}' (default: those the trained folder recorded in its "
+                            "tunelab_config.yaml)")
         parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                             help="weights dtype (auto: bfloat16 on a GPU that supports it, float16 on other GPUs, "
                             "float32 on CPU)")
@@ -355,7 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="train a model from a YAML config", epilog=_options_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("config", help="YAML file with the run's options")
+    train.add_argument("config", nargs="?", help="YAML file with the run's options (optional: key=value / --key value "
+                       "options alone work too)")
     train.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     train.set_defaults(func=_cmd_train)
     data = sub.add_parser(
@@ -365,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         "characters split into byte pieces.",
     )
     data.add_argument("action", choices=["stats", "verify", "coverage"])
-    data.add_argument("config", help="the run's YAML file")
+    data.add_argument("config", nargs="?", help="the run's YAML file (optional: key=value options alone work too)")
     data.add_argument("--out", help="stats: folder for length_histogram.png and stats.json (default output_dir/data_stats)")
     data.add_argument("--max-batches", type=int, default=50, help="verify: batches per split at most (0: all)")
     data.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
@@ -394,11 +480,30 @@ def quiet_optional_kernel_notes() -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+# Where the config file goes in each command that takes one, and the options the command itself declares.
+_CONFIG_POSITION = {"train": 1, "eval": 1, "export": 1, "estimate": 1, "data": 2}
+_COMMAND_OPTIONS = {"data": ("--out", "--max-batches"), "estimate": ("--probe-steps",)}
+
+
+def _options_only(argv: list[str]) -> list[str]:
+    """`tunelab train --stage sft ...` (options without a YAML file): argparse would read a leading --stage as an
+    option of the command and refuse it, so '--' marks the rest as the command's arguments."""
+    if not argv or argv[0] not in _CONFIG_POSITION:
+        return argv
+    at = _CONFIG_POSITION[argv[0]]
+    if len(argv) <= at:
+        return argv
+    word = argv[at].split("=", 1)[0]
+    if not argv[at].startswith("--") or word in ("--help", *_COMMAND_OPTIONS.get(argv[0], ())):
+        return argv
+    return [*argv[:at], "--", *argv[at:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     # Hub ids are fetched as the user's environment says (HF_HUB_OFFLINE, HF_TOKEN, HF_HOME: model/hub.py).
     quiet_optional_kernel_notes()
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_args(_options_only(list(sys.argv[1:] if argv is None else argv)))
     try:
         return ns.func(ns)
     except TunelabError as exc:

@@ -8,7 +8,7 @@ text of every option is its `metadata["help"]`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import transformers
 
@@ -64,7 +64,15 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     template: str | None = _help(
-        "Chat template: a built-in name (tunelab template list) or 'model' for the tokenizer's own chat_template.",
+        "Chat template: a built-in name or LlamaFactory alias (tunelab template list), or 'model' for the "
+        "tokenizer's own chat_template.",
+        default=None,
+    )
+    template_kwargs: dict[str, Any] | None = _help(
+        "Variables the chat template reads, e.g. {enable_thinking: false} (Qwen3 without thinking) or "
+        "{date_string: 01 Jan 2025} (Llama-3.1); used wherever the template renders: training, evaluation, "
+        "chat, the API and export. On the command line as JSON: template_kwargs='{\"enable_thinking\": false}'. "
+        "A key the template does not read is refused.",
         default=None,
     )
     dataset: list[str] | None = _help("Training dataset names from dataset_info.json, comma separated.", default=None)
@@ -284,7 +292,9 @@ ARGUMENT_GROUPS = (
     ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, TrainingArguments, ExportArguments
 )
 
-# Defaults we change from transformers' own, for a fine-tuning tool run from a terminal.
+# Defaults we change from transformers' own, for a fine-tuning tool run from a terminal. Checkpoints are
+# opt-in (a signal always saves one, and the final model is always saved); an explicit save_steps turns
+# them on (config/loader.py), as it does in LlamaFactory.
 TRAINING_DEFAULTS = {
     "logging_steps": 10,
     "report_to": "none",
@@ -292,6 +302,13 @@ TRAINING_DEFAULTS = {
     "remove_unused_columns": False,
     "ddp_find_unused_parameters": False,
     "prediction_loss_only": True,  # evaluation computes losses per batch; never gathers logits (PEERS #13)
+}
+# What tunelab adds to transformers' help of its options (`tunelab train --help`).
+TRAINING_NOTES = {
+    "save_strategy": "tunelab: checkpoints are opt-in; the final model is always saved, and SIGTERM / SIGINT save one.",
+    "save_steps": "tunelab: setting it without save_strategy turns on save_strategy: steps (as in LlamaFactory).",
+    "eval_steps": "Only with eval_strategy: steps (otherwise tunelab warns that it has no effect).",
+    "warmup_steps": "A float < 1 is a ratio of the total steps (warmup_ratio is accepted as its old name).",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -34,6 +35,22 @@ PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
 # What `tunelab data stats` writes into output_dir; a folder holding only this still counts as empty.
 DATA_STATS_DIR = "data_stats"
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
+# Training keys that only act under one value of a strategy key: key -> (strategy key, the value it needs).
+STRATEGY_KEYS = {
+    "save_steps": ("save_strategy", "steps"),
+    "save_total_limit": ("save_strategy", None),  # any strategy that saves
+    "eval_steps": ("eval_strategy", "steps"),
+    "logging_steps": ("logging_strategy", "steps"),
+}
+# LlamaFactory template names with no built-in that renders the same (the aliases in data/templates are those
+# that do): the model's own chat_template is the faithful choice.
+LLAMAFACTORY_TEMPLATES = (
+    "alpaca", "deepseek", "deepseek3", "deepseekr1", "empty", "glm4_moe", "gpt_oss", "intern2", "llama4",
+    "ministral", "mistral", "mistral_small", "phi", "phi4", "phi4_mini", "qwen2_vl", "qwen3_vl", "qwen3_vl_nothink",
+    "vicuna", "zephyr",
+)
+
+logger = logging.getLogger(__name__)
 
 
 def check_training_values(values: dict) -> None:
@@ -57,22 +74,33 @@ def _check_deepspeed_values(values: dict) -> None:
         import json  # noqa: PLC0415
 
         try:
-            json.loads(Path(deepspeed).read_text(encoding="utf-8"))
+            parsed = json.loads(Path(deepspeed).read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"deepspeed: {deepspeed} is not valid JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"deepspeed: {deepspeed} holds a JSON {type(parsed).__name__}, not a DeepSpeed config object")
+    if values.get("use_cpu"):
+        # DeepSpeed starts its CUDA accelerator; on a CPU-only machine it dies inside its own launcher code
+        # (No module named 'mpi4py') with a long traceback. Same rule as fsdp on CPU.
+        raise ConfigError(
+            "deepspeed needs GPUs: on CPU (use_cpu, or no accelerator found) it cannot start; remove deepspeed "
+            "(nproc_per_node alone trains data-parallel on CPU)"
+        )
     if importlib.util.find_spec("deepspeed") is None:
         raise ConfigError("deepspeed is set but the deepspeed package is not installed: pip install deepspeed")
 
 
 def check_config(config: RunConfig, purpose: str = "train") -> None:
     """purpose "data", "estimate" and "eval" do not train into output_dir, so it is not checked; "export"
-    reads only the model and adapter (no template, dataset or output_dir)."""
+    reads only the model and adapter (no template, dataset or output_dir); "serve" (tunelab chat / api with a
+    YAML) the model and adapter (the engine checks the template it serves with, which may be the adapter's)."""
+    without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval, _check_output_dir)
     skipped = {
         "data": (_check_output_dir,),
         "estimate": (_check_output_dir,),
         "eval": (_check_output_dir,),
-        "export": (_check_template, _check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval,
-                   _check_output_dir),
+        "export": (_check_template, *without_data),
+        "serve": (_check_template, *without_data, _check_preference, _check_rl),
     }.get(purpose, ())
     for check in (
         _check_finetuning,
@@ -98,6 +126,28 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_predict(config, "tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
         _check_export(config)
+
+
+def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
+    """Log once for each option the user set that the resolved run ignores: a `*_steps` key whose strategy is
+    not "steps" (save_steps with save_strategy: no...), save options of stages that save only the final model."""
+    args, stage = config.training, config.finetuning.stage
+    for key, (strategy_key, needed) in STRATEGY_KEYS.items():
+        if key not in given:
+            continue
+        if stage in RL_STAGES and strategy_key == "save_strategy":
+            logger.warning("%s has no effect: stage %s saves only the final model, no checkpoints; remove %s",
+                           key, stage, key)
+            continue
+        strategy = str(getattr(getattr(args, strategy_key), "value", getattr(args, strategy_key)))
+        if strategy == "no" or (needed is not None and strategy != needed):
+            value = getattr(args, key)
+            value = int(value) if isinstance(value, float) and value.is_integer() else value
+            logger.warning("%s: %s has no effect while %s is '%s'; set %s: %s (or remove %s)",
+                           key, value, strategy_key, strategy, strategy_key, needed or "steps", key)
+    if stage in RL_STAGES and "save_strategy" in given and "save_steps" not in given:
+        logger.warning("save_strategy has no effect: stage %s saves only the final model, no checkpoints; "
+                       "remove save_strategy", stage)
 
 
 def _check_predict(config: RunConfig, what: str) -> None:
@@ -212,22 +262,44 @@ def _check_remote_code(config_json: Path, trust_remote_code: bool) -> None:
 
 
 def _check_template(config: RunConfig) -> None:
-    from tunelab.data.templates import TEMPLATE_NAMES, tokenizer_chat_template  # noqa: PLC0415
+    from tunelab.data.templates import TEMPLATE_ALIASES, TEMPLATE_NAMES, tokenizer_chat_template  # noqa: PLC0415
+    from tunelab.data.templates.builtin import builtin_source  # noqa: PLC0415
 
     if config.finetuning.stage == "pt":
+        if config.data.template_kwargs:
+            raise ConfigError("template_kwargs: stage pt trains on raw text without a chat template; remove it")
         return  # raw text trains without a chat template
     name = config.data.template
     if name is None or name == "model":
-        if tokenizer_chat_template(config.model.model_name_or_path) is None:
+        source = tokenizer_chat_template(config.model.model_name_or_path)
+        if source is None:
             raise ConfigError(
                 f"template: the tokenizer in {config.model.model_name_or_path} has no chat_template; "
                 f"set template to one of {', '.join(TEMPLATE_NAMES)}"
             )
+        check_template_kwargs_of("model", source, config.data.template_kwargs)
         return
     if name not in TEMPLATE_NAMES:
-        close = difflib.get_close_matches(name, TEMPLATE_NAMES, n=1)
+        if name in LLAMAFACTORY_TEMPLATES:
+            raise ConfigError(
+                f"template: '{name}' is LlamaFactory's, and no built-in renders exactly like it; use template: model "
+                "(the model's own chat_template, what it is served with) or a built-in (tunelab template list)"
+            )
+        close = difflib.get_close_matches(name, (*TEMPLATE_NAMES, *TEMPLATE_ALIASES), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(f"template: '{name}' does not exist; {hint}built-ins: {', '.join(TEMPLATE_NAMES)}")
+    check_template_kwargs_of(name, builtin_source(name), config.data.template_kwargs)
+
+
+def check_template_kwargs_of(name: str, source: str, template_kwargs: dict | None) -> None:
+    """template_kwargs names only variables the template reads (data/templates/variables.py), as a ConfigError."""
+    from tunelab.data.templates import check_template_kwargs  # noqa: PLC0415
+    from tunelab.errors import TemplateError  # noqa: PLC0415
+
+    try:
+        check_template_kwargs(name, source, template_kwargs)
+    except TemplateError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _check_data(config: RunConfig) -> None:

@@ -1,8 +1,13 @@
 """Turn a YAML file plus command-line overrides into a checked RunConfig.
 
 The YAML file is flat (LlamaFactory style): every key belongs to exactly one option group.
-Overrides come as `key=value` or `--key value` and win over the file. Values given as text are
-converted to the type the option declares. Unknown keys fail with a "did you mean" suggestion.
+Overrides come as `key=value` or `--key value` and win over the file; a run may also be given by
+overrides alone. Values given as text are converted to the type the option declares. Unknown keys
+fail together, in one message that says where each came from (the file or the command line) and,
+for each, a close match, or what to do instead of a LlamaFactory option tunelab lacks
+(config/llamafactory.py). A template alias (LlamaFactory's `qwen3_nothink`...) becomes its built-in and
+the template variables it implies. An explicit `save_steps` turns on `save_strategy: steps`, as in
+LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in).
 """
 
 from __future__ import annotations
@@ -17,22 +22,53 @@ from typing import Any, Literal
 
 import yaml
 
-from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, RunConfig, TrainingArguments
+from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, DataArguments, RunConfig, TrainingArguments
+from tunelab.config.llamafactory import llamafactory_advice
 from tunelab.errors import ConfigError
+
+COMMAND_LINE = "the command line"
 
 
 # Names that LlamaFactory configs (written for transformers 4) use for options transformers 5 renamed.
 ALIASES = {"warmup_ratio": "warmup_steps", "evaluation_strategy": "eval_strategy"}
 
 
-def _apply_aliases(raw: dict[str, Any]) -> dict[str, Any]:
+def _apply_aliases(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
     out = dict(raw)
     for old, new in ALIASES.items():
         if old in out:
             if new in out:
                 raise ConfigError(f"{old} and {new} are the same option: keep {new}")
             out[new] = out.pop(old)
+            origins[new] = origins.pop(old)
     return out
+
+
+def _unknown_keys_message(unknown: list[str], origins: dict[str, str], owners: dict) -> str:
+    """Every unknown key in one message, grouped by where it came from, each with a close spelling or, for a
+    LlamaFactory option tunelab lacks, what to do instead."""
+    def detail(key: str) -> str | None:
+        advice = llamafactory_advice(key)
+        if advice is not None:
+            return f"LlamaFactory option: {advice}"
+        # Only a near spelling: a distant "match" (freeze_language_model → freeze_trainable_modules) misleads.
+        close = difflib.get_close_matches(key, owners, n=1, cutoff=0.8)
+        return f"did you mean '{close[0]}'?" if close else None
+
+    def where(origin: str) -> str:
+        return f"on {origin}" if origin == COMMAND_LINE else f"in {origin}"
+
+    help_hint = "see `tunelab train --help` for the options"
+    if len(unknown) == 1:
+        key = unknown[0]
+        return f"unknown key '{key}' {where(origins[key])}; {detail(key) or help_hint}"
+    groups: dict[str, list[str]] = {}
+    for key in unknown:
+        text = detail(key)
+        groups.setdefault(origins[key], []).append(f"'{key}'" + (f" → {text}" if text else ""))
+    listed = "; ".join(f"{where(origin)}: {'; '.join(keys)}" for origin, keys in groups.items())
+    tail = f"; {help_hint}" if any(detail(key) is None for key in unknown) else ""
+    return f"{len(unknown)} unknown keys {'— ' if len(groups) > 1 else ''}{listed}{tail}"
 
 
 def _fields_by_key() -> dict[str, tuple[type, dataclasses.Field]]:
@@ -127,13 +163,19 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
                 return value
             if isinstance(value, str):
                 try:
-                    return json.loads(value)
+                    parsed = json.loads(value)
                 except json.JSONDecodeError:
-                    pass
+                    parsed = None
+                if isinstance(parsed, dict):
+                    return parsed
         elif isinstance(typ, type) and issubclass(typ, str):  # str-valued enums of transformers
             return value if isinstance(value, str) else str(value)
         else:  # anything exotic (enums, unions with classes): let the dataclass decide
             return value
+    if any(t is dict or typing.get_origin(t) is dict for t in candidates):
+        raise ConfigError(
+            f"{key}: expected a mapping (YAML, or JSON on the command line: {key}='{{\"name\": value}}'), got {value!r}"
+        )
     names = " or ".join(getattr(t, "__name__", str(t)) for t in candidates)
     raise ConfigError(f"{key}: expected {names}, got {value!r}")
 
@@ -170,29 +212,30 @@ def _has_accelerator() -> bool:
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
-    purpose: Literal["train", "data", "eval", "export", "estimate"] = "train",
+    purpose: Literal["train", "data", "eval", "export", "estimate", "serve"] = "train",
+    warn: bool = True,
 ) -> RunConfig:
     """Read, merge, type and check a configuration. Fails before any model or data is touched.
 
     purpose "data" (`tunelab data ...`) and "estimate" read the config without training from it:
     output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
     which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
-    the model (and adapter) and export_dir.
+    the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model and
+    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that
+    have no effect (a process that only launches the workers leaves them to the workers).
     """
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
+    origins = dict.fromkeys(raw, str(path))
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     raw.update(overrides or {})
-    raw = _apply_aliases(raw)
+    origins.update(dict.fromkeys(overrides or {}, COMMAND_LINE))
+    raw = _apply_aliases(raw, origins)
 
     owners = _fields_by_key()
     unknown = [k for k in raw if k not in owners]
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(key, owners, n=1, cutoff=0.6)
-        hint = f"; did you mean '{close[0]}'?" if close else "; see `tunelab train --help` for the options"
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"unknown key '{key}'{where}{hint}")
+        raise ConfigError(_unknown_keys_message(unknown, origins, owners))
 
     hints = {group: typing.get_type_hints(group) for group in ARGUMENT_GROUPS}
     values: dict[type, dict[str, Any]] = {group: {} for group in ARGUMENT_GROUPS}
@@ -206,7 +249,10 @@ def load_config(
             values[group][key] = True  # a text option that is also a switch (fsdp: true)
             continue
         values[group][key] = _coerce(key, value, hints[group][key])
+    _resolve_template_alias(values[DataArguments])
     training_values = values[TrainingArguments]
+    if "save_steps" in raw and "save_strategy" not in raw:
+        training_values["save_strategy"] = "steps"  # a checkpoint interval means checkpoints (LlamaFactory, Trainer)
     if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
         # Re-forking workers every epoch re-opens every file and memory map; keep them alive.
         training_values["dataloader_persistent_workers"] = True
@@ -231,7 +277,20 @@ def load_config(
             raise ConfigError(f"invalid {group.__name__} values: {message}") from None
     config = RunConfig(*groups, source=str(path) if path else None)
     checks.check_config(config, purpose)
+    if warn and purpose == "train":
+        checks.warn_ineffective_keys(config, set(raw))
     return config
+
+
+def _resolve_template_alias(data_values: dict[str, Any]) -> None:
+    """template: qwen3_nothink → qwen3 with template_kwargs {enable_thinking: false} (given template_kwargs win)."""
+    from tunelab.data.templates import resolve_template_name  # noqa: PLC0415 - jinja is not needed before here
+
+    name = data_values.get("template")
+    if name is not None:
+        data_values["template"], kwargs = resolve_template_name(name, data_values.get("template_kwargs"))
+        if kwargs is not None:
+            data_values["template_kwargs"] = kwargs
 
 
 def resolved_dict(config: RunConfig) -> dict[str, Any]:

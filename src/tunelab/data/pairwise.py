@@ -189,7 +189,10 @@ class KTOEncoder:
 
 def preference_encoder(stage: str, tokenizer, template, data_args) -> PairwiseEncoder | KTOEncoder:
     """The encoder of stage rm / dpo (pairs) or kto: the sft encoder, supervising only the final answer."""
-    inner = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len, mask_history=True)
+    inner = SupervisedEncoder(
+        tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len, mask_history=True,
+        template_vars=data_args.template_kwargs or {},
+    )
     return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
 
 

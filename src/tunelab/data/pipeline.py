@@ -144,6 +144,7 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
         encoder = SupervisedEncoder(
             tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
             train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+            template_vars=data_args.template_kwargs or {},
         )
     num_proc = data_args.preprocessing_num_workers
 

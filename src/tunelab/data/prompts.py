@@ -44,16 +44,17 @@ class PromptEncoder:
     """Picklable row → {prompt, prompt_ids, reference, messages, tools}, for datasets.map.
 
     `messages` (the prompt's template messages as JSON) and `tools` let a reward model score the full
-    render of prompt + answer, as the rm stage trained it."""
+    render of prompt + answer, as the rm stage trained it. `template_vars`: the run's template_kwargs."""
 
     tokenizer: Any
     template: Template
+    template_vars: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __call__(self, row: dict) -> dict:
         messages, reference = prompt_and_reference(row)
         prompt = self.template.prompt(
             messages, _parse_tools(row.get("tools") or None),
-            bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "",
+            bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "", **self.template_vars,
         )
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return {"prompt": prompt, "prompt_ids": ids, "reference": reference,
@@ -64,7 +65,7 @@ def build_prompt_datasets(data_args: DataArguments, tokenizer, template: Templat
     report: dict[str, Any] = {}
     train_rows, eval_rows = load_canonical_splits(data_args, seed, report)
     encoded = train_rows.map(
-        PromptEncoder(tokenizer, template), remove_columns=list(train_rows.column_names),
+        PromptEncoder(tokenizer, template, data_args.template_kwargs or {}), remove_columns=list(train_rows.column_names),
         num_proc=data_args.preprocessing_num_workers, desc="Rendering prompts",
     )
     kept = encoded.filter(lambda row: len(row["prompt_ids"]) <= data_args.cutoff_len)

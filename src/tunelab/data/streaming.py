@@ -469,6 +469,7 @@ def supervised_stream(
     encoder = SupervisedEncoder(
         tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
         train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+        template_vars=data_args.template_kwargs or {},
     )
     specs = _sources(data_args)
     _check_files(specs)
@@ -538,6 +539,7 @@ def build_streaming_supervised(data_args: DataArguments, tokenizer, template, ar
     encoder = SupervisedEncoder(
         tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len,
         train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+        template_vars=data_args.template_kwargs or {},
     )
     eval_rows, evals = {}, {}
     for name in data_args.eval_dataset or []:

@@ -33,6 +33,7 @@ from tunelab.data.templates.template import tokenizer_source
 from tunelab.errors import ConfigError, InferenceError, ModelError
 from tunelab.infer.generate import stop_token_ids
 from tunelab.model import hub
+from tunelab.infer.predict import inference_template_kwargs
 from tunelab.model.adapters import first_line, load_adapter
 from tunelab.model.load import load_tokenizer
 
@@ -117,9 +118,11 @@ def load_engine(
     dtype: str = "auto",
     trust_remote_code: bool = False,
     allow_pickle_weights: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatEngine:
     """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`);
-    either may be a Hub id (model/hub.py)."""
+    either may be a Hub id (model/hub.py). `template_kwargs` reach every prompt render; None: those the folder's
+    tunelab_config.yaml recorded for its own template (none with a `template` named here)."""
     model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
@@ -138,6 +141,9 @@ def load_engine(
         source = tokenizer_source(tokenizer)
         builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == source), None)
         chat_template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
+    if template_kwargs is None and template is not None:
+        template_kwargs = {}  # the folder recorded its variables for its own template, not this one
+    template_kwargs = inference_template_kwargs(template_kwargs, Path(adapter_dir or model_dir), chat_template)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
@@ -157,7 +163,7 @@ def load_engine(
         model = load_adapter(model, adapter_dir, is_trainable=False)
     model.to(device).eval()
     name = Path(adapter_dir or model_dir).resolve().name
-    return ChatEngine(model, tokenizer, chat_template, name)
+    return ChatEngine(model, tokenizer, chat_template, name, template_kwargs)
 
 
 # ---- generation ----------------------------------------------------------------------------------------------
@@ -335,8 +341,9 @@ class Generation:
 class ChatEngine:
     """A loaded model, its tokenizer and chat template; `generate(messages)` streams the next answer."""
 
-    def __init__(self, model, tokenizer, template: Template, name: str):
+    def __init__(self, model, tokenizer, template: Template, name: str, template_kwargs: dict[str, Any] | None = None):
         self.model, self.tokenizer, self.template, self.name = model, tokenizer, template, name
+        self.template_kwargs = template_kwargs or {}  # the template variables the model trained with
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -348,7 +355,9 @@ class ChatEngine:
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The conversation rendered with the generation prompt, tokenised as training tokenised it."""
         tok = self.tokenizer
-        prompt = self.template.prompt(messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")
+        prompt = self.template.prompt(
+            messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
+        )
         return tok(prompt, add_special_tokens=False)["input_ids"]
 
     def generate(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:

@@ -8,6 +8,7 @@ the model sees.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,15 +41,17 @@ def stop_token_ids(tokenizer, template: Template) -> list[int]:
 
 @torch.no_grad()
 def generate_predictions(
-    model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32
+    model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32,
+    template_vars: dict[str, Any] | None = None,
 ) -> list[Prediction]:
-    """Greedy answers for canonical rows (the reference: a ranking row's chosen answer, else the last assistant turn)."""
+    """Greedy answers for canonical rows (the reference: a ranking row's chosen answer, else the last assistant turn).
+    `template_vars`: the template variables the model trained with (template_kwargs)."""
     was_training = model.training
     model.eval()
     stops = stop_token_ids(tokenizer, template)
     tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
     items = [prompt_and_reference(row) for row in rows]
-    prompts = [template.prompt(messages, **tokens) for messages, _ in items]
+    prompts = [template.prompt(messages, **tokens, **(template_vars or {})) for messages, _ in items]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     predictions = []
@@ -89,5 +92,5 @@ def held_out_exact_match(model, tokenizer, template: Template, rows, config) -> 
     """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
     return exact_match(generate_predictions(
         model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
-        batch_size=config.training.per_device_eval_batch_size * 4,
+        batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
     ))

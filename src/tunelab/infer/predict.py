@@ -10,9 +10,10 @@ predict_results.json has `predict_exact_match` (0-1), `predict_bleu`, `predict_r
 `predict_{name}_...` keys.
 
 Which template: a folder written by tunelab (it holds tunelab_config.yaml: a training run's output,
-model or adapter) is evaluated with the chat template it saved — the one it trained with. Any other
-folder uses the config's `template`, as training would. An adapter's folder also provides the
-tokenizer when it saved one.
+model or adapter) is evaluated with the chat template it saved — the one it trained with — and the
+template variables it recorded (template_kwargs), unless the config sets template_kwargs itself. Any
+other folder uses the config's `template` and `template_kwargs`, as training would. An adapter's folder
+also provides the tokenizer when it saved one.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tunelab.config.args import ModelArguments, RunConfig
-from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tunelab.data.templates import TEMPLATE_NAMES, Template, check_template_kwargs, get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
 from tunelab.infer.generate import Prediction, generate_predictions
@@ -66,6 +70,27 @@ def inference_template(template_name: str | None, tokenizer, folder: Path) -> Te
     return template
 
 
+def recorded_template_kwargs(folder: Path) -> dict[str, Any] | None:
+    """The template_kwargs a tunelab run recorded in folder/tunelab_config.yaml; None without such a record."""
+    path = folder / RUN_MARKER
+    if not path.is_file():
+        return None
+    try:
+        recorded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None  # the chat template saved beside it still applies; its variables are then unknown
+    value = recorded.get("template_kwargs") if isinstance(recorded, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def inference_template_kwargs(configured: dict[str, Any] | None, folder: Path, template: Template) -> dict[str, Any]:
+    """The template variables to render with: configured ones when set (even {}), else those the trained folder
+    recorded, else none; checked against the variables `template` reads (TemplateError)."""
+    kwargs = dict(configured) if configured is not None else (recorded_template_kwargs(folder) or {})
+    check_template_kwargs(template.name, template.jinja, kwargs)
+    return kwargs
+
+
 def eval_rows(config: RunConfig) -> dict:
     """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
     from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
@@ -75,14 +100,14 @@ def eval_rows(config: RunConfig) -> dict:
 
 
 def predict(model, tokenizer, template: Template, rows_by_name: dict, output_dir: str | Path,
-            max_new_tokens: int, batch_size: int) -> dict[str, float]:
+            max_new_tokens: int, batch_size: int, template_vars: dict[str, Any] | None = None) -> dict[str, float]:
     """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
     with (out / PREDICTIONS_FILE).open("w", encoding="utf-8") as handle:
         for name, rows in rows_by_name.items():
-            predictions = generate_predictions(model, tokenizer, template, rows, max_new_tokens, batch_size)
+            predictions = generate_predictions(model, tokenizer, template, rows, max_new_tokens, batch_size, template_vars)
             for p in predictions:
                 record = {"dataset": name, "prompt": p.prompt, "reference": p.reference, "prediction": p.prediction}
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -102,6 +127,7 @@ def run_predict(config: RunConfig) -> dict[str, float]:
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
+    template_vars = inference_template_kwargs(config.data.template_kwargs, trained_folder(config.model), template)
     rows = eval_rows(config)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=False)
     if config.model.quantization_bit is None:  # bitsandbytes places quantized weights itself
@@ -109,6 +135,7 @@ def run_predict(config: RunConfig) -> dict[str, float]:
     metrics = predict(
         model, tokenizer, template, rows, config.training.output_dir,
         max_new_tokens=config.generation.max_new_tokens, batch_size=config.training.per_device_eval_batch_size,
+        template_vars=template_vars,
     )
     logger.info("predictions: %s", Path(config.training.output_dir) / PREDICTIONS_FILE)
     return metrics

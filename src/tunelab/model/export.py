@@ -2,7 +2,9 @@
 
     base (float32) + adapter → PEFT merge_and_unload → export_dtype → save_pretrained (safetensors,
     sharded above export_size, with model.safetensors.index.json) + tokenizer with the chat template
-    + generation_config.json whose eos ids are the template's end-of-turn tokens.
+    + generation_config.json whose eos ids are the template's end-of-turn tokens
+    + tunelab_config.yaml (the export's resolved options, with the template variables the model trained
+    with, so `tunelab chat` / `tunelab eval` on the folder render as training did).
 
 The folder loads with `AutoModelForCausalLM.from_pretrained` alone (no peft, no tunelab). The merge runs
 in float32 so rounding happens once, when casting to export_dtype. A reward model (an adapter with
@@ -20,6 +22,7 @@ import logging
 from pathlib import Path
 
 import torch
+import yaml
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers.utils.hub import convert_file_size_to_int
 
@@ -91,15 +94,19 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
 def export_model(config: RunConfig) -> Path:
     """Write the merged model, tokenizer, chat template and generation config to export_dir."""
     from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
-    from tunelab.infer.predict import inference_template, load_inference_tokenizer, trained_folder  # noqa: PLC0415
+    from tunelab.config.loader import resolved_dict  # noqa: PLC0415
+    from tunelab.infer.predict import (  # noqa: PLC0415
+        RUN_MARKER, inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder,
+    )
 
     out = Path(config.export.export_dir)
     max_shard_size = shard_size_bytes(config.export.export_size)
     dtype = export_dtype(config)
     tokenizer = load_inference_tokenizer(config.model)
-    template = None
+    template, template_vars = None, None
     if config.finetuning.stage != "pt" and (config.data.template or tokenizer.chat_template):
         template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
+        template_vars = inference_template_kwargs(config.data.template_kwargs, trained_folder(config.model), template)
 
     model = merged_model(config, tokenizer.pad_token_id).to(dtype)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +116,8 @@ def export_model(config: RunConfig) -> Path:
     if model.can_generate():
         tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
     tokenizer.save_pretrained(out)
+    record = {**resolved_dict(config), "template_kwargs": template_vars or None}
+    (out / RUN_MARKER).write_text(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), encoding="utf-8")
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         generation_config.eos_token_id = stop_token_ids(tokenizer, template) if template else tokenizer.eos_token_id

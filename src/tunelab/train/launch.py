@@ -72,7 +72,7 @@ def needs_launch(args: TrainingArguments) -> bool:
     return not under_launcher() and (nproc_per_node(args) > 1 or args.nnodes > 1)
 
 
-def wants_launch(config_path: str, overrides: list[str]) -> bool:
+def wants_launch(config_path: str | None, overrides: list[str]) -> bool:
     """Whether this command asks for several processes, read from the raw YAML and overrides, before
     TrainingArguments is built (building it selects a GPU in this process; see `devices_untouched`).
     Values that do not parse answer False here; load_config then reports them."""
@@ -81,7 +81,7 @@ def wants_launch(config_path: str, overrides: list[str]) -> bool:
     if under_launcher():
         return False
     try:
-        raw = {**read_yaml(config_path), **parse_overrides(list(overrides))}
+        raw = {**(read_yaml(config_path) if config_path else {}), **parse_overrides(list(overrides))}
         nproc = raw.get("nproc_per_node") or os.environ.get(NPROC_ENV) or 1
         return int(nproc) > 1 or int(raw.get("nnodes") or 1) > 1
     except (ConfigError, TypeError, ValueError):

@@ -78,8 +78,9 @@ class RewardModelScorer:
     """Scores (prompt, answer) pairs with a stage-rm reward model: the full template render, right-padded,
     read at the last non-pad token (model/reward.py)."""
 
-    def __init__(self, reward_model: nn.Module, tokenizer, template):
+    def __init__(self, reward_model: nn.Module, tokenizer, template, template_vars: dict | None = None):
         self.model, self.tokenizer, self.template = reward_model, tokenizer, template
+        self.template_vars = template_vars or {}
 
     @torch.no_grad()
     def __call__(self, rows: list[dict], completions: list[str]) -> torch.Tensor:
@@ -88,6 +89,7 @@ class RewardModelScorer:
             self.template.render(
                 [*json.loads(row["messages"]), {"role": "assistant", "content": completion}],
                 _parse_tools(row["tools"] or None), bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+                **self.template_vars,
             )
             for row, completion in zip(rows, completions)
         ]

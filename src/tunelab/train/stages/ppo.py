@@ -14,10 +14,10 @@ from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, Rewa
 
 def run_ppo(config: RunConfig) -> dict:
     def reward_model(device, tokenizer, template):
-        reward = load_reward_model(
+        reward_model = load_reward_model(
             config.finetuning.reward_model, device=device, allow_pickle_weights=config.model.allow_pickle_weights
         )
-        return RewardModelScorer(reward, tokenizer, template)
+        return RewardModelScorer(reward_model, tokenizer, template, config.data.template_kwargs)
 
     def save_value_head(loop) -> None:
         if loop.accelerator.is_main_process:

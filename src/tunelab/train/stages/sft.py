@@ -77,6 +77,7 @@ def run_sft(config: RunConfig) -> dict:
         metrics.update(predict(
             trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
             max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
+            template_vars=config.data.template_kwargs,
         ))
     outputs.finish(trainer, metrics, config)
     return metrics

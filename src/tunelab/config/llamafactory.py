@@ -1,0 +1,178 @@
+"""LlamaFactory options tunelab deliberately lacks, each with what to do instead.
+
+Consulted only for keys that are not tunelab options, so that a LlamaFactory YAML fails with the way
+forward rather than a guess at a similar name (`export_device` is not a misspelt `export_dir`). Keys
+are LlamaFactory's (src/llamafactory/hparams/*.py); a family sharing a prefix (galore_*, vllm_*) has one
+entry in LLAMAFACTORY_PREFIXES. Keys tunelab shares with LlamaFactory, or accepts as aliases, are not here.
+docs/config.md ("Coming from LlamaFactory") lists the same table for people.
+"""
+
+from __future__ import annotations
+
+_TEXT_ONLY = "tunelab trains text-only models (image, video and audio columns are refused): remove it"
+_NOT_SERVING_ENGINE = "tunelab chat and tunelab api generate with transformers: remove it"
+_NO_PROFILER = "tunelab has no built-in profiler: remove it (torch.profiler around a short run measures the same)"
+_KTRANSFORMERS = "KTransformers is not supported: remove it"
+
+LLAMAFACTORY_KEYS: dict[str, str] = {
+    # data
+    "tokenized_path": "tokenized datasets are cached automatically and reused while their inputs are unchanged: "
+    "remove it (tokenized_cache_dir sets where the cache lives)",
+    "enable_thinking": "use template_kwargs: {enable_thinking: false}, which reaches training, eval, chat, the API "
+    "and export alike (or template: qwen3_nothink)",
+    "preserve_thinking": "the template decides how earlier reasoning is rendered (Qwen3 drops it, exactly as when "
+    "serving): remove it",
+    "default_system": "put a system message in the data (the system column of dataset_info.json): remove it",
+    "tool_format": "tools are rendered by the chat template itself: remove it",
+    "neat_packing": "packing: true always keeps packed samples isolated (attention and positions): use packing: true",
+    "block_diag_attn": "packing: true always keeps packed samples isolated: use packing: true",
+    "eval_on_each_dataset": "each eval_dataset is evaluated and logged separately already: remove it",
+    "preprocessing_batch_size": "remove it (encoding batches are fixed; preprocessing_num_workers sets the processes)",
+    "data_shared_file_system": "the tokenized cache is safe on shared file systems (one process builds, the others "
+    "wait): remove it",
+    "ignore_pad_token_for_loss": "padding never reaches the loss: remove it",
+    "eval_num_beams": "generation-based evaluation is greedy: remove it",
+    "media_dir": _TEXT_ONLY,
+    # model
+    "infer_backend": _NOT_SERVING_ENGINE,
+    "infer_dtype": "use tunelab chat / tunelab api --dtype: remove it",
+    "model_max_length": "use cutoff_len",
+    "use_fast_tokenizer": "fast tokenizers are used whenever the model folder has one: remove it",
+    "resize_vocab": "adding tokens is not supported: remove it",
+    "add_tokens": "adding tokens is not supported: remove it",
+    "add_special_tokens": "adding tokens is not supported: remove it",
+    "new_special_tokens_config": "adding tokens is not supported: remove it",
+    "init_special_tokens": "adding tokens is not supported: remove it",
+    "split_special_tokens": "the tokenizer's own setting is used: remove it",
+    "low_cpu_mem_usage": "transformers always loads weights this way: remove it",
+    "cache_dir": "model_name_or_path is a local folder: remove it",
+    "rope_scaling": "set rope_scaling in the model folder's config.json: remove it",
+    "shift_attn": "shifted sparse attention (LongLoRA) is not supported: remove it",
+    "mixture_of_depths": "mixture-of-depths is not supported: remove it",
+    "use_unsloth": "Unsloth is not supported: remove it",
+    "use_unsloth_gc": "Unsloth is not supported: use gradient_checkpointing: true",
+    "enable_liger_kernel": "use transformers' own use_liger_kernel: true",
+    "moe_aux_loss_coef": "set router_aux_loss_coef in the model folder's config.json: remove it",
+    "disable_gradient_checkpointing": "gradient checkpointing is off unless gradient_checkpointing: true: remove it",
+    "use_reentrant_gc": "use gradient_checkpointing_kwargs: {use_reentrant: false}",
+    "upcast_layernorm": "remove it (under bf16 / fp16 the trainable parameters are kept in float32)",
+    "upcast_lmhead_output": "the loss is computed in float32 already: remove it",
+    "train_from_scratch": "training starts from the weights in model_name_or_path: remove it",
+    "offload_folder": "remove it (model_name_or_path is loaded whole)",
+    "use_kv_cache": "the cache is off while training and on for generation: remove it",
+    "hf_hub_token": "set the HF_TOKEN environment variable instead: remove it",
+    "ms_hub_token": "ModelScope is not supported: remove it",
+    "om_hub_token": "Modelers is not supported: remove it",
+    "print_param_status": "the run log counts trainable parameters: remove it",
+    "quantization_method": "quantization_bit always uses bitsandbytes: remove it",
+    "quantization_device_map": "quantized weights are placed by bitsandbytes: remove it",
+    "device_map": "placement follows the launcher (one device per process): remove it",
+    "adapter_folder": "use adapter_name_or_path",
+    "image_do_pan_and_scan": _TEXT_ONLY,
+    "crop_to_patches": _TEXT_ONLY,
+    "use_audio_in_video": _TEXT_ONLY,
+    "export_device": "tunelab export merges on the CPU in float32: remove it",
+    "export_legacy_format": "tunelab export writes safetensors only: remove it",
+    "export_hub_model_id": "tunelab export writes a local folder: upload it with `hf upload` and remove export_hub_model_id",
+    "export_hf_on_finish": "run tunelab export after training: remove it",
+    # fine-tuning
+    "freeze_vision_tower": _TEXT_ONLY,
+    "freeze_multi_modal_projector": _TEXT_ONLY,
+    "freeze_language_model": _TEXT_ONLY,
+    "create_new_adapter": "adapter_name_or_path always continues training that adapter: remove it",
+    "module_dropout": "use lora_dropout",
+    "loraplus_lr_ratio": "LoRA+ is not supported: remove it",
+    "loraplus_lr_embedding": "LoRA+ is not supported: remove it",
+    "pref_bco_weight": "BCO is not supported: remove it",
+    "kto_chosen_weight": "use kto_desirable_weight",
+    "kto_rejected_weight": "use kto_undesirable_weight",
+    "ld_alpha": "LD-DPO is not supported: remove it",
+    "ref_model": "the reference is the model training starts from (LoRA: the base with the adapter disabled): remove it",
+    "ref_model_adapters": "the reference is the model training starts from (LoRA: the base with the adapter "
+    "disabled): remove it",
+    "ref_model_quantization_bit": "the reference shares the policy's quantization_bit: remove it",
+    "reward_model_adapters": "reward_model is the output_dir of a stage rm run, full or LoRA: remove it",
+    "reward_model_quantization_bit": "remove it (reward_model is loaded as its stage rm run saved it)",
+    "reward_model_type": "reward_model is the output_dir of a stage rm run (full or LoRA): remove it",
+    "ppo_epochs": "use num_iterations",
+    "ppo_buffer_size": "remove it (each step's rollouts train num_iterations optimizer steps)",
+    "ppo_score_norm": "remove it (advantages are whitened per batch)",
+    "ppo_whiten_rewards": "remove it (advantages are whitened per batch)",
+    "ppo_target": "remove it (the KL penalty has a fixed weight, kl_coef)",
+    "pure_bf16": "use bf16: true (mixed precision)",
+    "use_llama_pro": "LLaMA Pro block expansion is not supported: remove it",
+    "use_adam_mini": "Adam-mini is not supported: remove it",
+    "use_muon": "Muon is not supported: remove it",
+    "use_galore": "use transformers' optim: galore_adamw with optim_target_modules (pip install galore-torch)",
+    "use_apollo": "use transformers' optim: apollo_adamw with optim_target_modules (pip install apollo-torch)",
+    "use_badam": "BAdam is not supported: remove it",
+    "use_swanlab": "use report_to: swanlab (transformers' integration)",
+    "use_dft_loss": "DFT loss is not supported: remove it",
+    "use_asft_loss": "ASFT loss is not supported: remove it",
+    "use_eaft_loss": "EAFT loss is not supported: remove it",
+    "asft_alpha": "ASFT loss is not supported: remove it",
+    "eaft_alpha": "EAFT loss is not supported: remove it",
+    "use_mca": "Megatron-Core is not supported: use deepspeed or fsdp",
+    "use_megatron_bridge": "Megatron is not supported: use deepspeed or fsdp",
+    "megatron_bridge_args": "Megatron is not supported: use deepspeed or fsdp",
+    "use_hyper_parallel": "remove it (use deepspeed or fsdp)",
+    "hyper_parallel_args": "remove it (use deepspeed or fsdp)",
+    "hyper_parallel_cp_size": "remove it (use deepspeed or fsdp)",
+    "compute_accuracy": "use compute_token_accuracy: true",
+    "disable_shuffling": "remove it (training rows are shuffled with seed)",
+    "early_stopping_steps": "early stopping is not supported: remove it",
+    "include_effective_tokens_per_second": "trainer_log.jsonl reports tokens per second already: remove it",
+    # generation (LlamaFactory's chat / predict sampling)
+    "do_sample": "tunelab eval generates greedily; tunelab chat / api take --temperature: remove it",
+    "top_p": "tunelab chat / tunelab api take --top-p: remove it",
+    "top_k": "tunelab chat / tunelab api take --top-k: remove it",
+    "num_beams": "generation is greedy or sampled, without beams: remove it",
+    "max_length": "use max_new_tokens (cutoff_len for training)",
+    "repetition_penalty": "tunelab chat / tunelab api take --repetition-penalty: remove it",
+    "length_penalty": "generation is greedy or sampled, without beams: remove it",
+    "skip_special_tokens": "answers are decoded without special tokens: remove it",
+    "predict_with_generate": "tunelab eval (or do_predict: true) generates and scores answers: remove it",
+    # training
+    "fp8": "FP8 training is not supported: remove it",
+    "fp8_backend": "FP8 training is not supported: remove it",
+    "fp8_enable_fsdp_float8_all_gather": "FP8 training is not supported: remove it",
+    "enable_torch_profiler": _NO_PROFILER,
+    "profile_modules": _NO_PROFILER,
+    "ray_num_workers": "Ray is not supported: use nproc_per_node (and nnodes) to launch processes",
+    "ray_init_kwargs": "Ray is not supported: use nproc_per_node (and nnodes) to launch processes",
+    # llamafactory-cli eval (MMLU-style benchmarks)
+    "task": "tunelab eval scores generated answers on eval_dataset; run benchmarks on an exported model with "
+    "lm-evaluation-harness",
+    "task_dir": "benchmarks are not built in: use lm-evaluation-harness on an exported model",
+    "n_shot": "benchmarks are not built in: use lm-evaluation-harness on an exported model",
+    "lang": "benchmarks are not built in: use lm-evaluation-harness on an exported model",
+    "save_dir": "tunelab eval writes to output_dir",
+    "download_mode": "tunelab reads datasets from local files: remove it",
+}
+
+# Families of LlamaFactory keys, matched by prefix.
+LLAMAFACTORY_PREFIXES: dict[str, str] = {
+    "galore_": "use transformers' optim: galore_adamw with optim_target_modules (pip install galore-torch)",
+    "apollo_": "use transformers' optim: apollo_adamw with optim_target_modules (pip install apollo-torch)",
+    "badam_": "BAdam is not supported: remove it",
+    "pissa_": "PiSSA initialisation is not supported: remove it",
+    "oft_": "OFT adapters are not supported: use finetuning_type: lora",
+    "swanlab_": "use report_to: swanlab and its SWANLAB_* environment variables",
+    "vllm_": _NOT_SERVING_ENGINE,
+    "sglang_": _NOT_SERVING_ENGINE,
+    "kt_": _KTRANSFORMERS,
+    "use_kt": _KTRANSFORMERS,
+    "profiler_": _NO_PROFILER,
+    "export_quantization_": "tunelab export does not quantize: export the merged model, then quantize it with the "
+    "tool that serves it",
+    "image_": _TEXT_ONLY,
+    "video_": _TEXT_ONLY,
+    "audio_": _TEXT_ONLY,
+}
+
+
+def llamafactory_advice(key: str) -> str | None:
+    """What to do instead of the LlamaFactory option `key`, or None when it is not one."""
+    if key in LLAMAFACTORY_KEYS:
+        return LLAMAFACTORY_KEYS[key]
+    return next((advice for prefix, advice in LLAMAFACTORY_PREFIXES.items() if key.startswith(prefix)), None)
