@@ -58,6 +58,8 @@ def test_errors_are_one_line(tmp_path, capsys):
     )
     assert main(["chat", "tiny", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "tunelab: error: temperature: expected a number >= 0 (0: greedy), got -1.0\n"
+    assert main(["api", "tiny", "--max-batch-size", "0"]) == 2
+    assert capsys.readouterr().err == "tunelab: error: --max-batch-size: expected an integer >= 1, got 0\n"
 
 
 class Terminal:

@@ -158,8 +158,8 @@ def test_a_special_tool_call_opening_is_kept_in_the_text(engine):
     tokenizer.add_tokens(["[TOOL_CALLS]"], special_tokens=True)
     mistral = ChatEngine(engine.model, tokenizer, get_template("mistral_v0_3"), "mistral")
     [opening] = tokenizer("[TOOL_CALLS]", add_special_tokens=False)["input_ids"]
-    assert mistral._opening_tokens() == {opening: "[TOOL_CALLS]"}
-    assert engine._opening_tokens() == {}  # chatml: no tool-call syntax
+    assert mistral._opening_tokens == {opening: "[TOOL_CALLS]"}
+    assert engine._opening_tokens == {}  # chatml: no tool-call syntax
     ids = tokenizer(' [TOOL_CALLS] [{"name": "f"}]', add_special_tokens=False)["input_ids"]
     dropped = tokenizer.decode(ids, skip_special_tokens=True)
     assert "[TOOL_CALLS]" not in dropped

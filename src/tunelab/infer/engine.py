@@ -19,6 +19,7 @@ import json
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -311,7 +312,6 @@ class ChatEngine:
         self.context_length = _context_length(model, tokenizer)
         self.tokenizer_lock = threading.Lock()
         self.scheduler = BatchScheduler(model, self.stop_ids, self.pad_id)
-        self._tool_syntax: tuple[ToolSyntax | None] | None = None
 
     @property
     def max_batch_size(self) -> int:
@@ -323,13 +323,10 @@ class ChatEngine:
             raise ConfigError(f"--max-batch-size: expected an integer >= 1, got {value}")
         self.scheduler.max_batch_size = value
 
-    @property
+    @cached_property
     def tool_syntax(self) -> ToolSyntax | None:
         """How this model's template writes tool calls (None: it has no tool-call format), from a probe render."""
-        if self._tool_syntax is None:
-            tok = self.tokenizer
-            self._tool_syntax = (tool_syntax(self.template, tok.bos_token or "", tok.eos_token or ""),)
-        return self._tool_syntax[0]
+        return tool_syntax(self.template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "")
 
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = "") -> list[int]:
         """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it."""
@@ -355,7 +352,7 @@ class ChatEngine:
                 "start a new conversation or shorten it"
             )
         max_new = options.max_new_tokens or room or 2048
-        keep = self._opening_tokens() if tools else {}
+        keep = self._opening_tokens if tools else {}
         return Generation(self, ids, options, min(max_new, room) if room else max_new, prefill, keep)
 
     def start(self, generations: Sequence[Generation]) -> None:
@@ -374,6 +371,7 @@ class ChatEngine:
             pass
         return generation
 
+    @cached_property
     def _opening_tokens(self) -> dict[int, str]:
         """The tool-call openings that are one special token (e.g. Mistral's [TOOL_CALLS]), which decoding drops."""
         syntax, kept, tok = self.tool_syntax, {}, self.tokenizer
