@@ -99,7 +99,8 @@ class Server:
     def __init__(self, model: str, max_batch_size: int, threads: int, log: Path):
         env = {**os.environ, "PYTHONPATH": f"{SRC_DIR}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                "OMP_NUM_THREADS": str(threads)}
-        argv = [sys.executable, "-m", "tunelab.cli", "api", model, "--port", "0", "--max-batch-size", str(max_batch_size)]
+        argv = [sys.executable, "-m", "tunelab.cli", "api", model, "--port", "0",
+                "--max-batch-size", str(max_batch_size)]
         self.log = log
         with log.open("w") as sink:
             self.process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)

@@ -93,8 +93,9 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [
-                {"type": "function", "id": call.id,
-                 "function": {"name": call.function.name, "arguments": _arguments(call, f"messages.{index}.tool_calls.{j}")}}
+                {"type": "function", "id": call.id, "function": {
+                    "name": call.function.name, "arguments": _arguments(call, f"messages.{index}.tool_calls.{j}"),
+                }}
                 for j, call in enumerate(self.tool_calls)
             ]
         if self.tool_call_id:

@@ -118,7 +118,8 @@ class BatchScheduler:
             device = next(self.model.parameters()).device
             width = max(len(row.prompt_ids) for row in rows)
             pads = [width - len(row.prompt_ids) for row in rows]
-            input_ids = torch.tensor([[self.pad_id] * pad + row.prompt_ids for row, pad in zip(rows, pads)], device=device)
+            padded = [[self.pad_id] * pad + row.prompt_ids for row, pad in zip(rows, pads, strict=True)]
+            input_ids = torch.tensor(padded, device=device)
             attention_mask = torch.tensor([[0] * pad + [1] * (width - pad) for pad in pads], device=device)
             self.model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,

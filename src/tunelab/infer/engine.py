@@ -328,7 +328,9 @@ class ChatEngine:
         """How this model's template writes tool calls (None: it has no tool-call format), from a probe render."""
         return tool_syntax(self.template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "")
 
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = "") -> list[int]:
+    def prompt_ids(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = ""
+    ) -> list[int]:
         """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it."""
         tok = self.tokenizer
         prompt = self.template.prompt(messages, tools, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "")

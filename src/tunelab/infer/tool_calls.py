@@ -209,7 +209,9 @@ def tool_syntax(template: Template, bos_token: str = "", eos_token: str = "") ->
         at, opening = min((turn.find(o), o) for o in FAMILIES[family].openings if o in turn)
         name_at = turn.find(f'"{_PROBE_NAME}"') + 1
         arguments_at = turn.find(json.dumps(_PROBE_ARGUMENTS, ensure_ascii=False))
-        named = (turn[:name_at], turn[name_at + len(_PROBE_NAME) : arguments_at]) if 0 < name_at < arguments_at else None
+        named = None
+        if 0 < name_at < arguments_at:  # the name first: a prefix can start a call of a given function
+            named = (turn[:name_at], turn[name_at + len(_PROBE_NAME) : arguments_at])
         return ToolSyntax(family, turn[: at + len(opening)], named)
     return None
 
