@@ -373,10 +373,13 @@ def _cmd_api(ns: argparse.Namespace) -> int:
         raise ConfigError(f"tunelab api needs FastAPI and uvicorn ({exc}); pip install 'tunelab[serve]'") from None
 
     api_key = ns.api_key or os.environ.get("TUNELAB_API_KEY") or None
+    if ns.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size: expected an integer >= 1, got {ns.max_batch_size}")
     engine = _load_engine(ns)
     key_note = "an API key is required" if api_key else "no API key"
-    print(f"tunelab api: serving '{engine.name}' (template {engine.template.name}, {key_note})", file=sys.stderr)
-    serve(engine, host=ns.host, port=ns.port, api_key=api_key)
+    print(f"tunelab api: serving '{engine.name}' (template {engine.template.name}, {key_note}, "
+          f"up to {ns.max_batch_size} requests per batch)", file=sys.stderr)
+    serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size)
     return 0
 
 
@@ -414,14 +417,16 @@ def _add_serving_commands(sub) -> None:
     chat.set_defaults(func=_cmd_chat)
     api = sub.add_parser(
         "api", help="serve a model or adapter over an OpenAI-compatible HTTP API",
-        description="GET /v1/models, POST /v1/chat/completions (streaming with stream: true). One request "
-        "generates at a time; others wait. See docs/serving.md.",
+        description="GET /v1/models, POST /v1/chat/completions (streaming with stream: true, tools). Concurrent "
+        "requests are batched. See docs/serving.md.",
     )
     model_arguments(api)
     api.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     api.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     api.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $TUNELAB_API_KEY; "
                      "none: no key)")
+    api.add_argument("--max-batch-size", type=int, default=8, help="concurrent requests that share one forward "
+                     "pass (1: one request at a time)")
     api.set_defaults(func=_cmd_api)
 
 

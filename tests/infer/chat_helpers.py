@@ -1,15 +1,21 @@
-"""The chat model the serving tests talk to, and the plain transformers + peft reference it must equal.
+"""The chat models the serving tests talk to, and the plain transformers + peft reference they must equal.
 
-The model: the embedded tiny Llama plus a LoRA adapter that memorised four answers, built in seconds with
-plain LoRA steps (a `tunelab train` run that learns as much takes ~25 s on 2 CPU cores; here the serving
-code is under test, not training). Saved the way a tunelab run saves its output: the adapter folder holds
-the adapter, the tokenizer with the chatml chat template and a generation_config whose eos ids are the
-end-of-turn tokens; `merged` is the same model as a whole folder. The answers contain multi-byte
-characters that the byte-level tokenizer splits across several tokens.
+The chat model: the embedded tiny Llama plus a LoRA adapter that memorised four answers, built in seconds
+with plain LoRA steps (a `tunelab train` run that learns as much takes ~25 s on 2 CPU cores; here the
+serving code is under test, not training). Saved the way a tunelab run saves its output: the adapter folder
+holds the adapter, the tokenizer with the chatml chat template and a generation_config whose eos ids are the
+end-of-turn tokens; `merged` is the same model as a whole folder. The answers contain multi-byte characters
+that the byte-level tokenizer splits across several tokens.
+
+The tool model: the same recipe with the `default` template (tools as JSON lines, calls as
+<tool_call>{...}</tool_call>) on two conversations with a weather tool: one that calls it and answers from
+its result, one that needs no tool.
 """
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,39 +54,93 @@ def messages(system: str | None, turns: list[tuple[str, str | None]]) -> list[di
     return out
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}
+WEATHER_QUESTION, WEATHER_RESULT, WEATHER_ANSWER = "Weather in Paris?", "18°C, sunny", "It is 18°C and sunny in Paris."
+WEATHER_CALL = {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def _turn(role: str, content: str, tool_calls: str = "", tool_call_id: str = "") -> dict[str, str]:
+    return {"role": role, "content": content, "tool_calls": tool_calls, "tool_call_id": tool_call_id}
+
+
+TOOL_CONVERSATIONS = [
+    [
+        _turn("user", WEATHER_QUESTION),
+        _turn("assistant", "", tool_calls=json.dumps([WEATHER_CALL])),
+        _turn("tool", WEATHER_RESULT, tool_call_id="call_1"),
+        _turn("assistant", WEATHER_ANSWER),
+    ],
+    [_turn("user", "Say hi"), _turn("assistant", "Hi!")],
+]
+
+
 def build_chat_model(folder: Path) -> ChatModel:
-    """Train the adapter (80 LoRA steps, one thread) and save both folders under `folder`."""
+    """Train the chat adapter (80 LoRA steps, one thread) and save both folders under `folder`."""
+    with _one_thread():
+        tokenizer, template = AutoTokenizer.from_pretrained(TINY_MODEL_DIR), "chatml"
+        rows = [{"system": system or "", "messages": messages(None, turns)} for system, turns in CONVERSATIONS]
+        model = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR),
+            LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear"),
+        )
+        template = _fit(model, tokenizer, template, rows, steps=80, lr=5e-3)
+        adapter, merged = folder / "adapter", folder / "merged"
+        for out in (adapter, merged):
+            _save_tokenizer_and_generation_config(model, tokenizer, template, out)
+        model.save_pretrained(adapter)
+        model.merge_and_unload().save_pretrained(merged)
+    return ChatModel(adapter=adapter, merged=merged)
+
+
+def build_tool_model(folder: Path) -> Path:
+    """Fine-tune the whole tiny model on the tool conversations (50 steps, one thread); returns its folder.
+
+    Full fine-tuning: the tool prompts are ~200 tokens and LoRA needs several times more steps to learn them.
+    """
+    with _one_thread():
+        tokenizer, model = AutoTokenizer.from_pretrained(TINY_MODEL_DIR), AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+        rows = [{"system": "", "messages": turns, "tools": json.dumps([WEATHER_TOOL])} for turns in TOOL_CONVERSATIONS]
+        template = _fit(model, tokenizer, "default", rows, steps=50, lr=3e-3)
+        _save_tokenizer_and_generation_config(model, tokenizer, template, folder)
+        model.save_pretrained(folder)
+    return folder
+
+
+@contextmanager
+def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
-    template = get_template("chatml", tokenizer)
-    rows = [{"system": system or "", "messages": messages(None, turns)} for system, turns in CONVERSATIONS]
-    encoder = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=128)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit(model, tokenizer, template_name: str, rows: list[dict], steps: int, lr: float):
+    """Plain AdamW steps on all the rows' examples in one batch; returns the template."""
+    template = get_template(template_name, tokenizer)
+    encoder = SupervisedEncoder(tokenizer=tokenizer, template=template, cutoff_len=512)
     examples = [{"input_ids": e["input_ids"], "labels": e["labels"]} for kept in encoder.encode_rows(rows) for e in kept]
     batch = SupervisedCollator(tokenizer.pad_token_id)(examples)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR),
-        LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear"),
-    )
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
-    for _ in range(80):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         causal_lm_loss(logits, batch["labels"]).backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
+    return template
 
+
+def _save_tokenizer_and_generation_config(model, tokenizer, template, folder: Path) -> None:
+    """As a tunelab run saves them: the chat template in the tokenizer, the end-of-turn ids as eos ids."""
     tokenizer.chat_template = template.jinja
     model.generation_config.eos_token_id = stop_token_ids(tokenizer, template)
-    adapter, merged = folder / "adapter", folder / "merged"
-    for out in (adapter, merged):
-        tokenizer.save_pretrained(out)
-        model.generation_config.save_pretrained(out)
-    model.save_pretrained(adapter)
-    model.merge_and_unload().save_pretrained(merged)
-    torch.set_num_threads(threads)
-    return ChatModel(adapter=adapter, merged=merged)
+    tokenizer.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
 
 
 class Reference:

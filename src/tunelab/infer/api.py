@@ -3,14 +3,17 @@
 Routes: `GET /health` (no key), `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`
 (JSON, or Server-Sent Events with `stream: true`: `data: {chat.completion.chunk}` events, then `data: [DONE]`).
 
-One generation runs at a time (a lock; further requests wait their turn). Generation runs in a
-worker thread, so the event loop keeps accepting connections and noticing disconnects; a client that goes
-away mid-stream cancels its generation. Errors use OpenAI's body: {"error": {message, type, param, code}}.
+Concurrent requests share the model's forward passes (the engine's batch scheduler, up to `max_batch_size`
+rows). Generation runs in the scheduler's thread, so the event loop keeps accepting connections and
+noticing disconnects; a client that goes away mid-stream cancels its generation. Errors use OpenAI's body:
+{"error": {message, type, param, code}}.
 
 Honoured: temperature (0: greedy; default 1 as OpenAI's), top_p, max_tokens / max_completion_tokens,
-stop, seed, stream_options.include_usage, and the extensions top_k and repetition_penalty (vLLM's names).
-Refused with 400 rather than ignored: n > 1, tools, logprobs, response_format other than text, non-zero
-presence / frequency penalties.
+stop, seed, stream_options.include_usage, tools / tool_choice / parallel_tool_calls (the template renders
+the tools; tool_calls.py parses the answer with the template's own call syntax), and the extensions top_k
+and repetition_penalty (vLLM's names). Refused with 400 rather than ignored: n > 1, logprobs,
+response_format other than text, non-zero presence / frequency penalties, tools with a template that has no
+tool-call format.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ import logging
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tunelab.data.templates.builtin import BUILTIN_NAMES
 from tunelab.errors import InferenceError, TemplateError
 from tunelab.infer.engine import ChatEngine, Generation, SamplingOptions
+from tunelab.infer.tool_calls import BUILTIN_FAMILIES, ToolCall, ToolCallStream, ToolSyntax
+
+DEFAULT_MAX_BATCH_SIZE = 8
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +58,81 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. `name`
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
-    def as_template_message(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates read it (as training renders it: calls with their arguments as objects)."""
+        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"type": "function", "id": call.id, "function": {
+                    "name": call.function.name, "arguments": _arguments(call, f"messages.{index}.tool_calls.{j}"),
+                }}
+                for j, call in enumerate(self.tool_calls)
+            ]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise ApiError(400, f"{where}.function.arguments: expected a JSON object as text, got "
+                       f"{call.function.arguments!r}", f"{where}.function.arguments")
+    return arguments
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. strict: passed to the template as given
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -80,8 +154,10 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     top_k: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, gt=0)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # Refused when used (see refuse_unsupported):
-    tools: list[Any] | None = None
     logprobs: bool | None = None
     response_format: dict[str, Any] | None = None
     presence_penalty: float | None = None
@@ -91,8 +167,6 @@ class ChatCompletionRequest(BaseModel):
         if self.n != 1:
             raise ApiError(400, f"n: this server returns one choice per request, got n={self.n}; "
                            "send n separate requests (with different seeds) instead", "n")
-        if self.tools:
-            raise ApiError(400, "tools: function calling is not supported by tunelab api", "tools")
         if self.logprobs:
             raise ApiError(400, "logprobs: not supported by tunelab api", "logprobs")
         if self.response_format and self.response_format.get("type") != "text":
@@ -100,6 +174,33 @@ class ChatCompletionRequest(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ApiError(400, f"{name}: not supported; use repetition_penalty (1: off) instead", name)
+
+    def tool_use(self, engine: ChatEngine) -> ToolUse:
+        """What the tools of this request change: the tools rendered, the syntax to parse, the answer's prefill."""
+        if self.tool_choice is not None and not self.tools:
+            raise ApiError(400, "tool_choice: only allowed when tools are given", "tool_choice")
+        if not self.tools or self.tool_choice == "none":  # "none": the model is not shown the tools
+            return ToolUse()
+        syntax = engine.tool_syntax
+        if syntax is None:
+            with_tools = ", ".join(name for name in BUILTIN_NAMES if name in BUILTIN_FAMILIES)
+            raise ApiError(400, f"tools: the chat template '{engine.template.name}' has no tool-call format (it does "
+                           "not render tools, or writes calls in a syntax tunelab does not parse); train and serve "
+                           f"with a template that has one ({with_tools})", "tools")
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        prefill = ""
+        if self.tool_choice == "required":
+            prefill = syntax.prefill(None)
+        elif isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in [tool["function"]["name"] for tool in tools]:
+                raise ApiError(400, f"tool_choice: no tool named '{name}' in tools", "tool_choice")
+            prefill = syntax.prefill(name)
+            if prefill is None:
+                raise ApiError(400, f"tool_choice: the chat template '{engine.template.name}' writes a call's "
+                               "arguments before its name, so a named function cannot be forced; use 'required' "
+                               "or 'auto'", "tool_choice")
+        return ToolUse(tools, syntax, prefill, self.parallel_tool_calls)
 
     def sampling_options(self) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -110,12 +211,23 @@ class ChatCompletionRequest(BaseModel):
         )
 
 
-def create_app(engine: ChatEngine, api_key: str | None = None) -> FastAPI:
-    """The ASGI app serving `engine` under the model id `engine.name`; `api_key` required as a Bearer token if set."""
+@dataclass(frozen=True)
+class ToolUse:
+    """A request's tools as the engine and the answer see them (empty: no tools, or tool_choice "none")."""
+
+    tools: list[dict[str, Any]] | None = None  # rendered into the prompt by the template
+    syntax: ToolSyntax | None = None  # parses the answer; None: the answer is all content
+    prefill: str = ""  # the answer's forced start (tool_choice "required" or a named function)
+    parallel: bool = True  # False: at most one call (the first) is returned
+
+
+def create_app(engine: ChatEngine, api_key: str | None = None, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> FastAPI:
+    """The ASGI app serving `engine` under the model id `engine.name`; `api_key` required as a Bearer token if set.
+
+    Up to `max_batch_size` concurrent requests share each forward pass of the model.
+    """
     app = FastAPI(title="tunelab api", docs_url=None, redoc_url=None, openapi_url=None)
-    # One generation at a time: the model and tokenizer are shared. A semaphore, not a Lock, because a stream
-    # cut by its client is finished by the request's task while a child task of it took the lock (_EventStream).
-    lock = anyio.Semaphore(1)
+    engine.max_batch_size = max_batch_size
     created = int(time.time())
 
     @app.exception_handler(ApiError)
@@ -166,40 +278,48 @@ def create_app(engine: ChatEngine, api_key: str | None = None) -> FastAPI:
             raise ApiError(404, f"The model '{model_id}' does not exist; this server serves '{engine.name}'",
                            "model", "model_not_found")
 
-    async def _prepare(body: ChatCompletionRequest) -> Generation:
+    async def _prepare(body: ChatCompletionRequest) -> tuple[Generation, ToolUse]:
         body.refuse_unsupported()
         _check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
+        messages = [m.as_template_message(i) for i, m in enumerate(body.messages)]
+        tool_use = body.tool_use(engine)
         options = body.sampling_options()
-        async with lock:  # the tokenizer too is used by one thread at a time
-            try:
-                return await run_in_threadpool(engine.generate, messages, options)
-            except (InferenceError, TemplateError) as exc:
-                code = "context_length_exceeded" if isinstance(exc, InferenceError) else None
-                raise ApiError(400, str(exc), "messages", code) from None
+        try:
+            generation = await run_in_threadpool(engine.generate, messages, options, tool_use.tools, tool_use.prefill)
+        except (InferenceError, TemplateError) as exc:
+            code = "context_length_exceeded" if isinstance(exc, InferenceError) else None
+            raise ApiError(400, str(exc), "messages", code) from None
+        return generation, tool_use
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
-        generation = await _prepare(body)
+        generation, tool_use = await _prepare(body)
         completion_id, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if not body.stream:
-            async with lock:
-                await run_in_threadpool(_drain, generation)
+            await run_in_threadpool(_drain, generation)
+            answer = _Answer(tool_use)
+            content = answer.feed(tool_use.prefill + generation.text)
+            rest, calls = answer.finish()
+            content += rest
+            # As OpenAI: content null beside calls when the answer holds nothing else.
+            message: dict[str, Any] = {"role": "assistant", "content": (content or None) if calls else content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
             return {
                 "id": completion_id, "object": "chat.completion", "created": now, "model": engine.name,
                 "choices": [{
-                    "index": 0, "message": {"role": "assistant", "content": generation.text},
-                    "logprobs": None, "finish_reason": generation.finish_reason,
+                    "index": 0, "message": message, "logprobs": None,
+                    "finish_reason": "tool_calls" if calls else generation.finish_reason,
                 }],
                 "usage": _usage(generation),
             }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return _EventStream(
-            _events(generation, completion_id, now, include_usage), media_type="text/event-stream",
+            _events(generation, tool_use, completion_id, now, include_usage), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _events(generation: Generation, completion_id: str, now: int, include_usage: bool):
+    async def _events(generation: Generation, tool_use: ToolUse, completion_id: str, now: int, include_usage: bool):
         def chunk(delta: dict, finish_reason: str | None = None, usage: dict | None = None) -> str:
             data = {"id": completion_id, "object": "chat.completion.chunk", "created": now, "model": engine.name,
                     "choices": [] if usage else [
@@ -208,24 +328,31 @@ def create_app(engine: ChatEngine, api_key: str | None = None) -> FastAPI:
                 data["usage"] = usage
             return f"data: {json.dumps(data)}\n\n"
 
-        async with lock:
-            pieces = iter(generation)
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                while (piece := await run_in_threadpool(next, pieces, None)) is not None:
-                    yield chunk({"content": piece})
-                yield chunk({}, generation.finish_reason)
-                if include_usage:
-                    yield chunk({}, usage=_usage(generation))
-                yield "data: [DONE]\n\n"
-            except Exception as exc:  # noqa: BLE001  (headers are sent: report in the stream, as OpenAI does)
-                logger.exception("generation failed")
-                yield f"data: {json.dumps(ApiError(500, str(exc), kind='server_error').body())}\n\n"
-            finally:
-                # Also on a disconnect (cancellation): stop the worker and wait for it before the next request.
-                generation.cancel()
-                with anyio.CancelScope(shield=True):
-                    await run_in_threadpool(generation.wait)
+        pieces = iter(generation)
+        answer = _Answer(tool_use)
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            text = answer.feed(tool_use.prefill)
+            while True:
+                if text:
+                    yield chunk({"content": text})
+                if (piece := await run_in_threadpool(next, pieces, None)) is None:
+                    break
+                text = answer.feed(piece)
+            rest, calls = answer.finish()
+            if rest:
+                yield chunk({"content": rest})
+            for index, call in enumerate(calls):  # each call whole, once the answer is complete
+                yield chunk({"tool_calls": [{"index": index, **call.as_openai()}]})
+            yield chunk({}, "tool_calls" if calls else generation.finish_reason)
+            if include_usage:
+                yield chunk({}, usage=_usage(generation))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # noqa: BLE001  (headers are sent: report in the stream, as OpenAI does)
+            logger.exception("generation failed")
+            yield f"data: {json.dumps(ApiError(500, str(exc), kind='server_error').body())}\n\n"
+        finally:
+            generation.cancel()  # also on a disconnect (cancellation): the scheduler drops the row at its next step
 
     app.include_router(v1)
     return app
@@ -235,7 +362,7 @@ class _EventStream(StreamingResponse):
     """Closes its event generator as soon as the response ends, also when the client went away mid-stream.
 
     Starlette stops iterating on a disconnect and leaves the generator suspended for the garbage collector,
-    so its `finally` (cancel the generation, release the lock) would run late, in some other task.
+    so its `finally` (cancel the generation) would run late, in some other task.
     """
 
     async def __call__(self, scope, receive, send) -> None:
@@ -243,6 +370,23 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+class _Answer:
+    """An answer's text → the content to send and the tool calls (ToolCallStream), or all content without tools."""
+
+    def __init__(self, tool_use: ToolUse):
+        self.stream = ToolCallStream(tool_use.syntax) if tool_use.syntax else None
+        self.parallel = tool_use.parallel
+
+    def feed(self, piece: str) -> str:
+        return self.stream.feed(piece) if self.stream else piece
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self.stream is None:
+            return "", []
+        rest, calls = self.stream.finish()
+        return rest, calls if self.parallel else calls[:1]
 
 
 def _drain(generation: Generation) -> None:
@@ -257,10 +401,13 @@ def _usage(generation: Generation) -> dict[str, int]:
     }
 
 
-def serve(engine: ChatEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+def serve(
+    engine: ChatEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+) -> None:
     """Run the server until Ctrl-C / SIGTERM (uvicorn shuts down gracefully, finishing open requests)."""
     import uvicorn  # noqa: PLC0415
 
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("Serving on %s without an API key: anyone who can reach this port can use the model.", host)
-    uvicorn.run(create_app(engine, api_key), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(engine, api_key, max_batch_size), host=host, port=port, log_level="info")

@@ -2,28 +2,29 @@
 
     model folder | adapter folder (+ its base from adapter_config.json, or --model)
       → tokenizer (the adapter's own when it saved one) + chat template (the folder's, or --template NAME)
-      → messages rendered with the generation prompt → token ids (prompt_tokens)
-      → model.generate in a worker thread, one token at a time through a queue
+      → messages (and tools) rendered with the generation prompt → token ids (prompt_tokens)
+      → the batch scheduler (batching.py): one thread runs model.generate, one request or several together,
+        and hands each request its tokens through a queue
       → incremental decode (never splits a multi-byte character) → stop strings → text pieces
 
 Generation ends at the template's end-of-turn ids (finish_reason "stop"), at a stop string ("stop"), or
-after max_new_tokens ("length"). The engine serves one generation at a time: callers serialise (the chat
-loop is sequential; the API holds a lock). It owns no terminal or HTTP code (chat.py, api.py do).
+after max_new_tokens ("length"). Concurrent generations share forward passes, up to `max_batch_size` rows
+(1: one at a time, as the chat loop needs). It owns no terminal or HTTP code (chat.py, api.py do), and no
+tool-call parsing (tool_calls.py): it renders `tools` into the prompt and can start the answer with a prefill.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers import AutoModelForCausalLM
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.config.args import ModelArguments
@@ -31,9 +32,11 @@ from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
 from tunelab.errors import ConfigError, InferenceError, ModelError
+from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
 from tunelab.model import hub
 from tunelab.infer.predict import inference_template_kwargs
+from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.model.adapters import first_line, load_adapter
 from tunelab.model.load import load_tokenizer
 
@@ -50,7 +53,7 @@ class SamplingOptions:
     top_k: int = 0  # 0: off
     max_new_tokens: int | None = None  # None: up to the end of the model's context
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | None = None  # the answer's own random generator: repeatable, whatever shares its batch
     stop: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -174,17 +177,26 @@ class IncrementalDecoder:
 
     Decodes a short window (the previous piece's tokens + the new ones) and emits what the new tokens added,
     so tokenizers that drop a leading space at the start of a decode still join up. A piece that ends in
-    U+FFFD (a character whose bytes have not all arrived) waits for the next token.
+    U+FFFD (a character whose bytes have not all arrived) waits for the next token. Special tokens are
+    skipped, except those in `keep` (id → text: a tool-call opening such as Mistral's [TOOL_CALLS]).
     """
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, lock: threading.Lock | None = None, keep: dict[int, str] | None = None):
+        self.tokenizer, self.lock, self.keep = tokenizer, lock or threading.Lock(), keep or {}
         self.ids: list[int] = []
         self.prefix = 0  # start of the window
         self.read = 0  # tokens before this one have been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        with self.lock:  # a tokenizer is shared by the requests' threads
+            if not self.keep or not self.keep.keys() & set(ids):
+                return self.tokenizer.decode(ids, skip_special_tokens=True)
+            parts, start = [], 0
+            for i, token_id in enumerate(ids):
+                if token_id in self.keep:
+                    parts += [self.tokenizer.decode(ids[start:i], skip_special_tokens=True), self.keep[token_id]]
+                    start = i + 1
+            return "".join(parts) + self.tokenizer.decode(ids[start:], skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -203,35 +215,6 @@ class IncrementalDecoder:
         return after[len(before) :]
 
 
-class _TokenQueue(BaseStreamer):
-    """generate()'s streamer: the first put() is the prompt (skipped), then one tensor per step."""
-
-    def __init__(self):
-        self.queue: queue.Queue = queue.Queue()
-        self.prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:
-            self.prompt_seen = True
-            return
-        for token_id in value.reshape(-1).tolist():
-            self.queue.put(token_id)
-
-    def end(self) -> None:
-        pass  # the worker thread puts the end marker, also after an exception
-
-
-class _Cancelled(StoppingCriteria):
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
-
-
-_END = object()
-
-
 def _held_back(text: str, stops: Sequence[str]) -> int:
     """Length of the longest end of `text` that could still grow into a stop string."""
     longest = 0
@@ -247,47 +230,56 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 class Generation:
     """One answer: iterate for its text pieces; afterwards `text`, `finish_reason` and the token counts are final.
 
-    Stopping the iteration early (closing it, Ctrl-C, a client that went away) or calling `cancel()` ends
-    the generation at the next token.
+    Iterating starts it (or `start()`, or `ChatEngine.start` for several at once). Stopping the iteration
+    early (closing it, Ctrl-C, a client that went away) or calling `cancel()` ends the generation at the
+    next token. `prefill` is text the answer was made to start with: part of the prompt, not of `text`.
     """
 
     engine: ChatEngine
     prompt_ids: list[int]
     options: SamplingOptions
     max_new_tokens: int
+    prefill: str = ""
+    keep_tokens: dict[int, str] = field(default_factory=dict)  # special tokens to decode as text (IncrementalDecoder)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length"
     completion_tokens: int = 0
-    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
-    _thread: threading.Thread | None = field(default=None, repr=False)
+    _row: BatchRow | None = field(default=None, repr=False)
+    _iterated: bool = field(default=False, repr=False)
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 
+    def start(self) -> None:
+        """Queue the generation for the model (no-op once started); its tokens wait until iterated."""
+        if self._row is None:
+            self.engine.start([self])
+
     def cancel(self) -> None:
-        self._cancel.set()
+        if self._row is not None:
+            self._row.cancel.set()
 
     def wait(self) -> None:
-        """Block until the worker thread has finished (after `cancel()`: within one token)."""
-        if self._thread is not None:
-            self._thread.join()
+        """Block until the model is done with this generation (after `cancel()`: within one token)."""
+        if self._row is not None:
+            self._row.done.wait()
 
     def __iter__(self) -> Iterator[str]:
-        if self._thread is not None:
+        if self._iterated:
             raise RuntimeError("a Generation can be iterated once")
-        streamer = _TokenQueue()
-        self._thread = threading.Thread(target=self._run, args=(streamer,), name="tunelab-generate", daemon=True)
-        self._thread.start()
+        self._iterated = True
+        self.start()
+        tokens = self._row.tokens
         stops = self.engine.stop_ids
-        decoder = IncrementalDecoder(self.engine.tokenizer)
+        decoder = IncrementalDecoder(self.engine.tokenizer, self.engine.tokenizer_lock, self.keep_tokens)
         pending = ""  # decoded text not yet given out: it may be the start of a stop string
         try:
-            while (item := streamer.queue.get()) is not _END:
+            while (item := tokens.get()) is not END:
                 if isinstance(item, BaseException):
                     raise item
                 if self.finish_reason is not None:
-                    continue  # a token generated after the end of turn or a stop string, before generation noticed
+                    continue  # a token generated after a stop string, before the scheduler noticed
                 self.completion_tokens += 1
                 if item in stops:
                     self.finish_reason = "stop"
@@ -297,7 +289,7 @@ class Generation:
                 if hits:
                     yield from self._emit(pending[: min(hits)])
                     pending, self.finish_reason = "", "stop"
-                    self._cancel.set()
+                    self._row.cancel.set()
                     decoder = None  # nothing after a stop string is given out
                     continue
                 keep = _held_back(pending, self.options.stop)
@@ -307,39 +299,27 @@ class Generation:
                 yield from self._emit(pending + decoder.flush())
             self.finish_reason = self.finish_reason or "length"
         finally:
-            self._cancel.set()  # no-op when generation already ended
-            self._thread.join()
+            self._row.cancel.set()  # no-op when generation already ended; the scheduler drops the row
 
     def _emit(self, piece: str) -> Iterator[str]:
         if piece:
             self.text += piece
             yield piece
 
-    @torch.no_grad()
-    def _run(self, streamer: _TokenQueue) -> None:
-        engine, options = self.engine, self.options
-        kwargs: dict[str, Any] = {"do_sample": options.temperature > 0}
-        if options.temperature > 0:
-            kwargs.update(temperature=options.temperature, top_p=options.top_p, top_k=options.top_k)
-        if options.repetition_penalty != 1.0:
-            kwargs["repetition_penalty"] = options.repetition_penalty
-        try:
-            if options.seed is not None:
-                torch.manual_seed(options.seed)
-            input_ids = torch.tensor([self.prompt_ids], device=engine.device)
-            engine.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=self.max_new_tokens,
-                eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id, streamer=streamer,
-                stopping_criteria=StoppingCriteriaList([_Cancelled(self._cancel)]), **kwargs,
-            )
-        except BaseException as exc:  # noqa: BLE001  (re-raised in the consuming thread)
-            streamer.queue.put(exc)
-        finally:
-            streamer.queue.put(_END)
+    def _batch_row(self) -> BatchRow:
+        options = self.options
+        return BatchRow(
+            prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens, temperature=options.temperature,
+            top_p=options.top_p, top_k=options.top_k, repetition_penalty=options.repetition_penalty, seed=options.seed,
+        )
 
 
 class ChatEngine:
-    """A loaded model, its tokenizer and chat template; `generate(messages)` streams the next answer."""
+    """A loaded model, its tokenizer and chat template; `generate(messages)` streams the next answer.
+
+    `max_batch_size`: how many generations may share the model's forward passes (the API raises it; 1 runs
+    them one after another).
+    """
 
     def __init__(self, model, tokenizer, template: Template, name: str, template_kwargs: dict[str, Any] | None = None):
         self.model, self.tokenizer, self.template, self.name = model, tokenizer, template, name
@@ -351,18 +331,47 @@ class ChatEngine:
         self.stop_ids = sorted(set(stop_token_ids(tokenizer, template)) | set(eos))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.context_length = _context_length(model, tokenizer)
+        self.tokenizer_lock = threading.Lock()
+        self.scheduler = BatchScheduler(model, self.stop_ids, self.pad_id)
 
-    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
-        """The conversation rendered with the generation prompt, tokenised as training tokenised it."""
+    @property
+    def max_batch_size(self) -> int:
+        return self.scheduler.max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, value: int) -> None:
+        if value < 1:
+            raise ConfigError(f"--max-batch-size: expected an integer >= 1, got {value}")
+        self.scheduler.max_batch_size = value
+
+    @cached_property
+    def tool_syntax(self) -> ToolSyntax | None:
+        """How this model's template writes tool calls (None: it has no tool-call format), from a probe render."""
+        return tool_syntax(self.template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "")
+
+    def prompt_ids(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = ""
+    ) -> list[int]:
+        """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it."""
         tok = self.tokenizer
         prompt = self.template.prompt(
-            messages, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
+            messages, tools, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
         )
-        return tok(prompt, add_special_tokens=False)["input_ids"]
+        with self.tokenizer_lock:
+            # The prompt alone, then what the answer starts with: the ids training gave this prompt (data/encode.py).
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            return ids + (tok(prefill, add_special_tokens=False)["input_ids"] if prefill else [])
 
-    def generate(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:
-        """The next assistant answer (not started until iterated). InferenceError when the prompt fills the context."""
-        ids = self.prompt_ids(messages)
+    def generate(
+        self, messages: Sequence[Message], options: SamplingOptions, tools: Sequence[dict] | None = None,
+        prefill: str = "",
+    ) -> Generation:
+        """The next assistant answer (not started until iterated). InferenceError when the prompt fills the context.
+
+        `tools` (OpenAI's function schemas) are rendered by the template; the answer then keeps the tool-call
+        opening tokens in its text even when they are special tokens, so that tool_calls.py can find the calls.
+        """
+        ids = self.prompt_ids(messages, tools, prefill)
         room = self.context_length - len(ids) if self.context_length else None
         if room is not None and room < 1:
             raise InferenceError(
@@ -370,14 +379,35 @@ class ChatEngine:
                 "start a new conversation or shorten it"
             )
         max_new = options.max_new_tokens or room or 2048
-        return Generation(self, ids, options, min(max_new, room) if room else max_new)
+        keep = self._opening_tokens if tools else {}
+        return Generation(self, ids, options, min(max_new, room) if room else max_new, prefill, keep)
 
-    def complete(self, messages: Sequence[Message], options: SamplingOptions) -> Generation:
+    def start(self, generations: Sequence[Generation]) -> None:
+        """Queue several generations at once: they share batches as far as max_batch_size allows."""
+        rows = []
+        for generation in generations:
+            if generation._row is None:
+                generation._row = generation._batch_row()
+                rows.append(generation._row)
+        self.scheduler.submit(*rows)
+
+    def complete(self, messages: Sequence[Message], options: SamplingOptions, **kwargs: Any) -> Generation:
         """generate(), run to the end."""
-        generation = self.generate(messages, options)
+        generation = self.generate(messages, options, **kwargs)
         for _ in generation:
             pass
         return generation
+
+    @cached_property
+    def _opening_tokens(self) -> dict[int, str]:
+        """The tool-call openings that are one special token (e.g. Mistral's [TOOL_CALLS]), which decoding drops."""
+        syntax, kept, tok = self.tool_syntax, {}, self.tokenizer
+        for opening in syntax.openings if syntax else ():
+            with self.tokenizer_lock:
+                ids = tok(opening, add_special_tokens=False)["input_ids"]
+                if len(ids) == 1 and not tok.decode(ids, skip_special_tokens=True) and tok.decode(ids) == opening:
+                    kept[ids[0]] = opening
+        return kept
 
 
 def _context_length(model, tokenizer) -> int | None:
