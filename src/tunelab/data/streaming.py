@@ -65,9 +65,9 @@ import numpy as np
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
-from tunelab.data.formats import CANONICAL_FEATURES, _Converter, _has_empty_answer
+from tunelab.data.formats import CANONICAL_FEATURES, _Converter
 from tunelab.data.packing import PackingStats, pack_dataset
-from tunelab.data.pipeline import DatasetBundle, _load_canonical, _mix, encode_dataset
+from tunelab.data.pipeline import DatasetBundle, TrainedReasoning, _load_canonical, _mix, encode_dataset
 from tunelab.data.pretrain import (
     TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, _keep_document, _load_documents, _packed_report,
     _window_report, resolve_text_column,
@@ -419,10 +419,10 @@ class SupervisedStream:
         spec = self.specs[part.source]
         columns = self.source_columns[part.source]
         rows = stream_rows(spec, part.files, self.data_args)
-        converted = rows.map(
-            _Converter(spec, columns), with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES
-        )
-        return converted.filter(lambda row: not _has_empty_answer(row))
+        # As map-style: a structurally wrong row is an error naming it (skip_bad_rows is not for streams),
+        # an empty answer trains the end-of-turn, and reasoning must reach the loss.
+        converter = _Converter(spec, columns, row_check=TrainedReasoning(self.encoder))
+        return rows.map(converter, with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES)
 
     def examples(self, shards: list[Shard], counter: _CountingEncoder) -> Iterator[dict[str, np.ndarray]]:
         for shard in shards:
@@ -537,7 +537,7 @@ def build_streaming_supervised(data_args: DataArguments, tokenizer, template, ar
     )
     eval_rows, evals = {}, {}
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, encoder)
         num_proc = data_args.preprocessing_num_workers
         evals[name], stats = encode_dataset(eval_rows[name], encoder, f"eval:{name}", num_proc)
         report[f"eval:{name}"] = asdict(stats)
