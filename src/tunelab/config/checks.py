@@ -267,7 +267,7 @@ def _check_stage_data(config: RunConfig) -> None:
     for key in ("dataset", "eval_dataset"):
         for name in getattr(data, key) or []:
             formatting = registry[name].formatting
-            if stage == "pt" and formatting != "text":
+            if stage == "pt" and not registry[name].reads_documents:
                 raise ConfigError(
                     f"{key}: '{name}' has formatting: {formatting}, but stage pt trains on raw documents; "
                     "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
