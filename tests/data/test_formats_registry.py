@@ -159,6 +159,20 @@ def test_registry_rejects_unknown_keys_of_the_entry_used(tmp_path):
         registry["x"]
 
 
+def test_a_file_entry_has_only_the_train_split(tmp_path):
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "x": {"file_name": "x.jsonl", "split": "test"}, "y": {"file_name": "y.jsonl", "split": "train"},
+    }))
+    registry = load_registry(str(tmp_path))
+    assert registry["y"].split == "train"
+    with pytest.raises(ConfigError) as info:
+        registry["x"]
+    assert str(info.value) == (
+        f"{tmp_path}/dataset_info.json: dataset 'x': split 'test' applies to generator datasets; a file_name entry is "
+        "read whole: remove split (or give that split its own file and entry)"
+    )
+
+
 def test_registry_checks_only_the_entries_a_run_uses(tmp_path):
     # One multimodal entry in the folder's dataset_info.json must not stop runs on the other datasets.
     (tmp_path / "dataset_info.json").write_text(json.dumps({

@@ -98,6 +98,11 @@ def _spec(path: Path, name: str, entry: dict[str, Any]) -> DatasetSpec:
         )
     if bool(entry.get("file_name")) == bool(entry.get("generator")):
         raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name or generator")
+    if entry.get("file_name") and entry.get("split", "train") != "train":  # LlamaFactory habit, meant for the hub
+        raise ConfigError(
+            f"{path}: dataset '{name}': split '{entry['split']}' applies to generator datasets; a file_name entry is "
+            "read whole: remove split (or give that split its own file and entry)"
+        )
     if entry.get("formatting", "alpaca") not in FORMATTINGS:
         raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
     media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
