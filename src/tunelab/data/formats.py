@@ -507,6 +507,8 @@ def to_canonical(
         num_proc=num_proc, features=datasets.Features(features), desc=f"Converting {spec.name}",
     )
     stats = ConversionStats(rows=len(dataset))
+    if len(converted) == 0:  # no rows in: datasets' map writes none of the columns either
+        return converted, stats
     table = converted.with_format("arrow")[:]  # counts in Arrow: a Python object per row costs as much as converting
     reasons = table["drop_reason"]
     for entry in pc.value_counts(reasons).to_pylist():
