@@ -5,7 +5,8 @@ A registry maps dataset names to where the rows come from (a file, folder or glo
 how their columns map onto the canonical conversation (see formats.py), or, with
 `"formatting": "text"`, that its rows are raw documents for stage pt (see pretrain.py). The
 built-in registry (data/dataset_info.json) is always available; a user's
-`dataset_dir/dataset_info.json` adds to it and wins on equal names.
+`dataset_dir/dataset_info.json` adds to it and wins on equal names. An entry is checked when a run
+looks it up (`Registry`), so an entry no run uses cannot stop the others.
 
 This module owns reading files into `datasets.Dataset`; it does not tokenise.
 """
