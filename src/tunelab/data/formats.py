@@ -209,10 +209,10 @@ def renders_reasoning(template: Template) -> bool:
 
 
 def _string_arguments(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"], ensure_ascii=False)}}
-        for call in calls
-    ]
+    def as_text(function: dict[str, Any]) -> dict[str, Any]:
+        return {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+
+    return [{**call, "function": as_text(call["function"])} for call in calls]
 
 
 def template_messages(row: dict, template: Template | None = None) -> list[dict[str, Any]]:
@@ -419,7 +419,9 @@ class _Converter:
                 continue
             reasoning = _reasoning(turn, turn_where)
             if reasoning and role not in ("assistant", "function"):
-                raise RowError(f"{turn_where}: a {role} turn has reasoning; only answers carry it", "misplaced_reasoning")
+                raise RowError(
+                    f"{turn_where}: a {role} turn has reasoning; only answers carry it", "misplaced_reasoning"
+                )
             if role == "function":  # sharegpt: the turn's content is the call itself, the answer has no text
                 messages.append(_message("assistant", None, _tool_calls(content, turn_where), reasoning=reasoning))
             elif role == "assistant" and turn.get("tool_calls"):  # openai: content (maybe null) plus calls

@@ -123,7 +123,9 @@ def _load_canonical(
             first.update(conversion.first)
             source.update(skipped_bad_rows=sum(by_reason.values()), skipped_by_reason=by_reason, first_skipped=first)
             for reason, count in by_reason.items():
-                logger.warning("dataset %s: skipped %d rows (skip_bad_rows): %s, first: %s", name, count, reason, first[reason])
+                logger.warning(
+                    "dataset %s: skipped %d rows (skip_bad_rows): %s, first: %s", name, count, reason, first[reason]
+                )
         report.setdefault("sources", []).append(source)
         if identical:
             logger.warning("dataset %s: dropped %d of %d pairs whose chosen and rejected answers are the same "
