@@ -59,9 +59,9 @@ class TrainedReasoning:
     def __call__(self, row: dict) -> tuple[str, str] | None:
         if is_ranking_row(row):
             return None
-        answers = [m for m in row["messages"] if m["role"] == "assistant"]
+        answers = list(enumerate((m for m in row["messages"] if m["role"] == "assistant"), start=1))
         trains = answers[-1:] if self.encoder.mask_history else answers
-        wanted = [(answers.index(m) + 1, m["reasoning"].strip()) for m in trains if (m.get("reasoning") or "").strip()]
+        wanted = [(number, m["reasoning"].strip()) for number, m in trains if (m.get("reasoning") or "").strip()]
         if not wanted:
             return None
         template = self.encoder.template
