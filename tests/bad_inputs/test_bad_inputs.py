@@ -67,7 +67,8 @@ ERRORS = [
      "dataset 'mine': column 'question' (mapped as prompt) is missing; the file has instruction, output — "
      "set columns.prompt in dataset_info.json"),
     ("wrong role order", {"dataset": "mine", "dataset_dir": "{data}/role_order"},
-     "dataset 'mine' row 0: turn 0 is assistant, expected a user/tool turn (roles must alternate)"),
+     "dataset 'mine' row 0: turn 0 is assistant, expected a user/tool turn (roles must alternate); or set "
+     "skip_bad_rows: true to skip such rows (counted per reason)"),
     ("non-UTF-8 bytes", {"dataset": "mine", "dataset_dir": "{data}/not_utf8"},
      "{data}/not_utf8/data.jsonl:2: not UTF-8 (byte 0xe9); re-encode the file as UTF-8"),
     ("images column mapped", {"dataset": "mine", "dataset_dir": "{data}/images_mapped"},
@@ -197,15 +198,37 @@ def test_skip_bad_rows_skips_and_counts(tmp_path, caplog):
     source = json.loads((tmp_path / "out" / "data_report.json").read_text())["sources"][0]
     assert (source["rows"], source["skipped_bad_rows"]) == (3, 3)
     path = DATA / "bad_lines" / "data.jsonl"
-    assert f"dataset mine: skipped 3 bad lines (skip_bad_rows), first: {path}:2: Expecting value" in caplog.messages
+    assert f"dataset mine: skipped 3 rows (skip_bad_rows): unreadable_line, first: {path}:2: Expecting value" in caplog.messages
 
 
 @pytest.mark.slow
-def test_empty_responses_are_dropped_and_counted(tmp_path):
+def test_skip_bad_rows_skips_structural_faults_per_reason(tmp_path, caplog):
+    code = main(["train", str(write_config(
+        tmp_path, dataset="mine", dataset_dir=str(DATA / "bad_structure"), skip_bad_rows=True,
+    ))])
+    assert code == 0
+    source = json.loads((tmp_path / "out" / "data_report.json").read_text())["sources"][0]
+    path = DATA / "bad_structure" / "data.jsonl"
+    assert source["rows"] == 5 and source["skipped_bad_rows"] == 3
+    assert source["skipped_by_reason"] == {"unreadable_line": 1, "answer_first": 1, "ends_without_answer": 1}
+    assert source["first_skipped"] == {
+        "unreadable_line": f"{path}:4: Expecting ',' delimiter",
+        "answer_first": "dataset 'mine' row 1: turn 0 is assistant, expected a user/tool turn (roles must alternate)",
+        "ends_without_answer": "dataset 'mine' row 2: the conversation must end with an assistant turn",
+    }
+    assert source["empty_answers"] == 1  # kept: it trains the end-of-turn
+    assert (
+        "dataset mine: skipped 1 rows (skip_bad_rows): ends_without_answer, first: dataset 'mine' row 2: "
+        "the conversation must end with an assistant turn"
+    ) in caplog.messages
+
+
+@pytest.mark.slow
+def test_empty_responses_are_kept_and_counted(tmp_path):
     assert main(["train", str(write_config(tmp_path, dataset="mine", dataset_dir=str(DATA / "empty_response")))]) == 0
     report = json.loads((tmp_path / "out" / "data_report.json").read_text())
-    assert (report["sources"][0]["rows"], report["sources"][0]["dropped_empty_answer"]) == (4, 2)
-    assert report["train"]["examples"] == 2
+    assert (report["sources"][0]["rows"], report["sources"][0]["empty_answers"]) == (4, 2)
+    assert report["train"]["examples"] == 4
 
 
 @pytest.mark.slow

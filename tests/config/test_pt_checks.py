@@ -97,3 +97,16 @@ def test_eval_generation_is_not_for_pt(tmp_path, base):
 def test_sft_still_needs_a_template(tmp_path, base):
     sft = {**base, "stage": "sft", "dataset": "demo_reverse"}
     assert error_of(tmp_path, sft).startswith("template: the tokenizer in ")
+
+
+def test_pt_accepts_llamafactory_pretraining_entries(tmp_path, base):
+    # LlamaFactory writes its pt sets without a formatting: {"file_name": ..., "columns": {"prompt": "text"}}
+    (tmp_path / "dataset_info.json").write_text(
+        '{"c4_demo": {"file_name": "c4.jsonl", "columns": {"prompt": "text"}}, "chat": {"file_name": "c.jsonl", '
+        '"formatting": "alpaca"}}'
+    )
+    assert load(tmp_path, {**base, "dataset_dir": str(tmp_path), "dataset": "c4_demo"}).data.dataset == ["c4_demo"]
+    assert error_of(tmp_path, {**base, "dataset_dir": str(tmp_path), "dataset": "chat"}) == (
+        "dataset: 'chat' has formatting: alpaca, but stage pt trains on raw documents; "
+        "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
+    )

@@ -38,6 +38,9 @@ def test_shingles_and_content_text() -> None:
     assert shingles("Ab  CDEF") == {"ab cd", "b cde", " cdef"}
     assert shingles("hi") == {"hi"}
     assert content_text(rows(("q", "a"))[0]) == "q\na"
+    reasoned = {**rows(("q", "a"))[0]}
+    reasoned["messages"][1]["reasoning"] = "because"
+    assert content_text(reasoned) == "q\nbecause\na"  # rows that differ in their reasoning differ
 
 
 def test_exact_duplicates_across_sources_keep_the_first() -> None:

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from tests.data.test_template_spans import family_tokenizer, tiny_tokenizer
 from tunelab.data.encode import _direct_backend, _Tokens
-from tunelab.data.formats import CANONICAL_FEATURES, _Converter, _has_empty_answer, to_canonical
+from tunelab.data.formats import CANONICAL_FEATURES, _Converter, to_canonical
 from tunelab.data.registry import DatasetSpec
 from tunelab.data.templates import TEMPLATE_NAMES, get_template
 from tunelab.data.templates.spans import assistant_spans
@@ -91,20 +91,20 @@ def test_the_last_answer_reuses_the_full_render():
     assert calls == [(2, False), (2, False), (1, True)]  # the render, the marked render, the prompt
 
 
-def test_batched_conversion_equals_per_row_conversion_then_filter():
+def test_batched_conversion_equals_per_row_conversion():
     rows = [
         {"instruction": "q1", "input": "x", "output": "a1"},
-        {"instruction": "q2", "input": "", "output": "  "},  # empty answer: dropped
+        {"instruction": "q2", "input": "", "output": "  "},  # an empty answer: kept, it trains the end-of-turn
         {"instruction": "q3", "input": "", "output": "a3", "system": "be brief"},
-        {"instruction": "q4", "input": "y", "output": ""},  # dropped
+        {"instruction": "q4", "input": "y", "output": ""},
     ] * 3
     dataset = datasets.Dataset.from_list(rows)
     spec = DatasetSpec(name="d", columns={"system": "system"})
-    converted, dropped = to_canonical(dataset, spec)
+    converted, stats = to_canonical(dataset, spec)
     per_row = dataset.map(
         _Converter(spec, dataset.column_names), with_indices=True, remove_columns=dataset.column_names,
         features=CANONICAL_FEATURES,
-    ).filter(lambda row: not _has_empty_answer(row))
-    assert dropped == 6
+    )
+    assert (stats.total_dropped, stats.empty_answers) == (0, 6)
     assert converted.features == per_row.features
     assert converted.to_list() == per_row.to_list()

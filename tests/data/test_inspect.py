@@ -20,6 +20,7 @@ from tunelab.data.inspect import (
     pack_rows,
     padded_slots,
     padding_free_slots,
+    source_line,
     split_characters,
     supervised_counts,
     verify_batch,
@@ -320,3 +321,30 @@ def test_verify_split_lays_out_pairs_as_the_collator_does() -> None:
                                    vocab_size=16, max_batches=0)
     assert problem is None
     assert (counts.batch_rows, counts.padding, counts.keys) == (4, 5, ("input_ids", "labels", "attention_mask"))
+
+
+# ---- the pipeline's row counts
+
+
+def test_stats_count_rows_with_reasoning_and_empty_answers(tmp_path, tiny_tokenizer) -> None:
+    import json  # noqa: PLC0415
+
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+    ]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"chats": {"file_name": "data.jsonl", "formatting": "openai"}}))
+    args = DataArguments(dataset_dir=str(tmp_path), dataset=["chats"], template="qwen3", cutoff_len=64, skip_bad_rows=True)
+    report = build_datasets(args, tiny_tokenizer, get_template("qwen3", tiny_tokenizer), seed=0).report
+    assert source_line(report["sources"][0]) == (
+        "rows (chats): 4 read, 1 with an empty answer (trains the end-of-turn), 1 with reasoning, "
+        "1 skipped (skip_bad_rows: 1 answer_first)"
+    )
+    ranking = {"name": "prefs", "rows": 3, "empty_answers": 0, "rows_with_reasoning": 0, "dropped_identical_pairs": 1}
+    assert source_line(ranking) == (
+        "rows (prefs): 3 read, 0 with an empty answer (trains the end-of-turn), 0 with reasoning, "
+        "1 pairs dropped with identical answers"
+    )

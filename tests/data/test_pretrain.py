@@ -277,3 +277,63 @@ def test_demo_corpus_through_the_tiny_tokenizer(tiny_tokenizer):
     assert report["target_tokens"] == report["tokens"] - 1
     assert all(len(ids) == 64 for ids in bundle.train["input_ids"][: report["full_windows"]])
     assert isinstance(bundle.train, datasets.Dataset)
+
+
+# --- LlamaFactory habits: mixed text/content rows, BOS, pt entries without a formatting -------------------
+
+
+def test_rows_mixing_text_and_content_keep_every_document(tmp_path, word_tokenizer):
+    # One JSONL with both fields: the reader gives every row both columns, null where absent.
+    _write(tmp_path / "c.jsonl", [{"text": words(1)}, {"content": words(2, 3)}, {"text": words(4)}, {"other": 1}])
+    bundle = build(register(tmp_path, "c.jsonl"), word_tokenizer, cutoff_len=32)
+    source = bundle.report["sources"][0]
+    assert (source["kept"], source["dropped_empty"], source["documents_by_column"]) == (3, 1, {"text": 2, "content": 1})
+    assert windows(bundle)[0][0] == [4, EOS, 5, 6, EOS, 7, EOS]
+    # text_column takes a list: each row's first column with text, in that order
+    _write(tmp_path / "c.jsonl", [{"body": words(1), "title": words(9)}, {"title": words(2)}])
+    bundle = build(tmp_path, word_tokenizer, cutoff_len=32, text_column=["body", "title"])
+    assert windows(bundle)[0][0] == [4, EOS, 5, EOS]
+
+
+def bos_tokenizer(adds_bos: bool):
+    """Word-level tokenizer ("w<i>" → i + 4; <s> 3, </s> 2) that declares <s> and, if `adds_bos`, adds it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: PLC0415
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415
+
+    vocab = {"<pad>": 0, "<unk>": 1, "</s>": 2, "<s>": 3} | {f"w{i}": i + 4 for i in range(50)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if adds_bos:  # what Llama's tokenizer.json does
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize(("adds_bos", "stream"), [(True, [3, 5, 6, EOS, 3, 7, EOS]), (False, [5, 6, EOS, 7, EOS])])
+def test_documents_start_with_bos_when_the_tokenizer_adds_it(tmp_path, adds_bos, stream):
+    tokenizer = bos_tokenizer(adds_bos)
+    assert tokenizer(words(1))["input_ids"][:1] == ([3] if adds_bos else [5])
+    assert pretrain.document_bos_id(tokenizer) == (3 if adds_bos else None)
+    (tmp_path / "c.txt").write_text(f"{words(1, 2)}\n{words(3)}\n")
+    bundle = build(register(tmp_path, "c.txt"), tokenizer, cutoff_len=32, min_length=2)  # BOS/EOS not counted
+    assert bundle.report["sources"][0]["kept"] == 1
+    bundle = build(register(tmp_path, "c.txt"), tokenizer, cutoff_len=32)
+    assert windows(bundle) == [(stream, stream)]
+    assert bundle.report["sources"][0]["tokens"] == bundle.report["train"]["tokens"] == len(stream)
+    packed = build(register(tmp_path, "c.txt"), tokenizer, cutoff_len=32, packing=True)
+    assert sorted(len(ids) for ids in packed.train["input_ids"]) == [len(stream)]
+
+
+def test_the_embedded_tiny_tokenizer_declares_bos_but_does_not_add_it(tiny_tokenizer):
+    assert tiny_tokenizer.bos_token == "<s>" and pretrain.document_bos_id(tiny_tokenizer) is None
+
+
+def test_llamafactory_pretraining_entries_read_as_documents(tmp_path, word_tokenizer):
+    # LlamaFactory's own dataset_info.json: {"c4_demo": {"file_name": ..., "columns": {"prompt": "text"}}}
+    _write(tmp_path / "c4.jsonl", [{"text": words(1, 2)}, {"text": words(3)}])
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"corpus": {"file_name": "c4.jsonl", "columns": {"prompt": "text"}}}))
+    assert windows(build(tmp_path, word_tokenizer, cutoff_len=32)) == [([4, 5, EOS, 6, EOS], [4, 5, EOS, 6, EOS])]
+    spec = load_registry(str(tmp_path))["corpus"]
+    assert (spec.formatting, spec.reads_documents) == ("alpaca", True)
+    # a formatting the entry names is kept to: an alpaca set is not a corpus
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"corpus": {"file_name": "c4.jsonl", "formatting": "alpaca"}}))
+    assert not load_registry(str(tmp_path))["corpus"].reads_documents

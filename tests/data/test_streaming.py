@@ -100,6 +100,20 @@ def test_pt_stream_with_row_limits_and_interleaving_equals_map_style(corpus, wor
         assert rows_of(pretrain_stream(args, word_tokenizer, seed=0)) == expected
 
 
+def test_pt_stream_with_bos_and_mixed_text_columns_equals_map_style(tmp_path):
+    from tests.data.test_pretrain import bos_tokenizer  # noqa: PLC0415
+
+    rows = [{"text": words([1, 2])}, {"content": words([3])}, {"text": words([4, 5, 6])}] * 5
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"mixed": {"file_name": "mixed.jsonl", "formatting": "text"}}))
+    for packing in (False, True):
+        args = DataArguments(dataset_dir=str(tmp_path), dataset=["mixed"], cutoff_len=7, packing=packing)
+        keys = ("input_ids", "labels", "position_ids") if packing else ("input_ids", "labels")
+        expected = rows_of(build_pretrain_datasets(args, bos_tokenizer(True), seed=0).train, keys)
+        assert rows_of(pretrain_stream(args, bos_tokenizer(True), seed=0), keys) == expected
+        assert sum(row[0].count(3) for row in expected) == 15  # one BOS per document, none lost
+
+
 def test_pt_stream_fails_before_reading_on_a_missing_column(corpus, word_tokenizer):
     args = DataArguments(dataset_dir=str(corpus), dataset=["web"], text_column="body")
     with pytest.raises(DataError, match=r"^dataset 'web': no column 'body' \(text_column\); columns: id, content"):

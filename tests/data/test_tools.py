@@ -21,7 +21,7 @@ from tests.data.test_template_spans import family_tokenizer
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import template_messages, to_canonical
 from tunelab.data.registry import DatasetSpec
-from tunelab.data.templates import get_template
+from tunelab.data.templates import Template, get_template
 from tunelab.errors import DataError
 
 QUESTION = "What's the weather in Paris?"
@@ -60,14 +60,14 @@ OFFICIAL_MESSAGES = [
 
 
 def canonical(rows: list[dict], formatting: str = "sharegpt") -> list[dict]:
-    dataset, dropped = to_canonical(datasets.Dataset.from_list(rows), DatasetSpec(name="d", formatting=formatting))
-    assert dropped == 0
+    dataset, stats = to_canonical(datasets.Dataset.from_list(rows), DatasetSpec(name="d", formatting=formatting))
+    assert stats.total_dropped == 0
     return dataset.to_list()
 
 
-def msg(role: str, content: str, tool_calls: list | None = None, tool_call_id: str = "") -> dict[str, str]:
+def msg(role: str, content: str | None, tool_calls: list | None = None, tool_call_id: str = "") -> dict[str, str]:
     return {"role": role, "content": content, "tool_calls": json.dumps(tool_calls) if tool_calls else "",
-            "tool_call_id": tool_call_id}
+            "tool_call_id": tool_call_id, "reasoning": ""}
 
 
 # --- formats ------------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def msg(role: str, content: str, tool_calls: list | None = None, tool_call_id: s
 def test_sharegpt_function_call_and_observation() -> None:
     (row,) = canonical([SHAREGPT_ROW])
     assert row["messages"] == [
-        msg("user", QUESTION), msg("assistant", "", [CALL]), msg("tool", RESULT), msg("assistant", ANSWER),
+        msg("user", QUESTION), msg("assistant", None, [CALL]), msg("tool", RESULT), msg("assistant", ANSWER),
     ]
     assert json.loads(row["tools"]) == [WEATHER_TOOL]
     assert template_messages(row) == OFFICIAL_MESSAGES
@@ -103,7 +103,7 @@ def test_openai_tool_calls_and_parallel_tool_messages() -> None:
     rows = canonical([OPENAI_ROW], "openai")
     with_id = {**CALL, "id": "call12345"}
     assert rows[0]["messages"] == [
-        msg("user", QUESTION), msg("assistant", "", [with_id]), msg("tool", RESULT, tool_call_id="call12345"),
+        msg("user", QUESTION), msg("assistant", None, [with_id]), msg("tool", RESULT, tool_call_id="call12345"),
         msg("assistant", ANSWER),
     ]
     parallel = {"messages": [
@@ -135,19 +135,19 @@ def test_openai_tool_calls_and_parallel_tool_messages() -> None:
 )
 def test_bad_function_calls_name_row_and_turn(value: str, message: str) -> None:
     conversation = [{"from": "human", "value": "q"}, {"from": "function_call", "value": value}]
-    with pytest.raises(DataError, match=rf"^dataset 'd' row 0 turn 1: {message}$"):
+    with pytest.raises(DataError, match=rf"^dataset 'd' row 0 turn 1: {message}; or set skip_bad_rows: true"):
         canonical([{"conversations": conversation}])
 
 
 def test_tool_turns_keep_prompt_and_answer_alternation() -> None:
     conversation = [{"from": "human", "value": "q"}, {"from": "observation", "value": "20"}]
-    with pytest.raises(DataError, match=r"turn 1 is tool, expected an assistant turn \(roles must alternate\)$"):
+    with pytest.raises(DataError, match=r"turn 1 is tool, expected an assistant turn \(roles must alternate\); or set"):
         canonical([{"conversations": conversation}])
 
 
 def test_a_conversation_may_end_with_a_call() -> None:
     (row,) = canonical([{"conversations": SHAREGPT_ROW["conversations"][:2]}])
-    assert row["messages"][-1] == msg("assistant", "", [CALL])  # empty content, yet not an empty answer
+    assert row["messages"][-1] == msg("assistant", None, [CALL])  # no content (None), yet not an empty answer
 
 
 def test_tool_rows_and_plain_rows_share_one_schema() -> None:
@@ -217,3 +217,31 @@ def test_mistral_tool_ids_come_from_openai_rows(name: str) -> None:
     (ids,), (labels,) = out["input_ids"], out["labels"]
     assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
     assert supervised_runs(tokenizer, ids, labels) == [CALL_TEXT[name], ANSWER_TEXT[name]]
+
+
+# --- DeepSeek-R1: call turns need content None and arguments as JSON text ------------------------------
+
+R1_TOKENS = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
+R1_CALL = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n'
+           "```<｜tool▁call▁end｜>")
+
+
+@pytest.mark.parametrize("source", ["sharegpt", "openai"])
+def test_deepseek_r1_call_turns_write_their_calls(source: str) -> None:
+    (row,) = canonical([SHAREGPT_ROW]) if source == "sharegpt" else canonical([OPENAI_ROW], "openai")
+    template = get_template("deepseek_r1_distill")
+    messages = template_messages(row, template)
+    assert messages[1]["content"] is None  # with "" the template writes no calls: the turn would train a bare eos
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    [(text, spans)] = template.training_examples(messages, **R1_TOKENS)
+    assert [text[start:end] for start, end in spans] == [R1_CALL, ANSWER + R1_TOKENS["eos_token"]]
+    assert template_messages(row, get_template("qwen2_5"))[1]["content"] == ""  # Qwen's templates take ""
+    assert official_render("deepseek_r1_distill", messages, **R1_TOKENS) == text  # the official template agrees
+
+
+def test_deepseek_r1_encoder_trains_the_calls(tiny_tokenizer) -> None:
+    (row,) = canonical([OPENAI_ROW], "openai")
+    encoder = SupervisedEncoder(tokenizer=tiny_tokenizer, template=get_template("deepseek_r1_distill"), cutoff_len=512)
+    out = encoder({key: [value] for key, value in row.items()})
+    runs = [supervised_runs(tiny_tokenizer, ids, labels) for ids, labels in zip(out["input_ids"], out["labels"])]
+    assert runs == [[R1_CALL, ANSWER + R1_TOKENS["eos_token"]]]

@@ -117,7 +117,11 @@ class DataArguments:
         "pt: the last window shorter than cutoff_len is kept as a shorter window, or dropped (counted).",
         default="keep",
     )
-    text_column: str | None = _help("pt: the text column of json/csv/parquet rows; default 'text', then 'content'.", default=None)
+    text_column: list[str] | None = _help(
+        "pt: the text column(s) of json/csv/parquet rows; with several, each row takes the first one it has a "
+        "value in. Default: 'text' and 'content'.",
+        default=None,
+    )
     txt_sample_by: Literal["line", "paragraph", "document"] = _help(
         "pt: a .txt document is one line, one blank-line-separated block, or the whole file.", default="line"
     )

@@ -116,6 +116,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_eval,
         _check_nan_policy,
         _check_skip_bad_rows,
+        _check_label_smoothing,
         _check_distributed,
         _check_output_dir,
     ):
@@ -347,7 +348,7 @@ def _check_stage_data(config: RunConfig) -> None:
     for key in ("dataset", "eval_dataset"):
         for name in getattr(data, key) or []:
             formatting = registry[name].formatting
-            if stage == "pt" and formatting != "text":
+            if stage == "pt" and not registry[name].reads_documents:
                 raise ConfigError(
                     f"{key}: '{name}' has formatting: {formatting}, but stage pt trains on raw documents; "
                     "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
@@ -623,6 +624,21 @@ def _check_skip_bad_rows(config: RunConfig) -> None:
         raise ConfigError(
             "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"
         )
+
+
+def _check_label_smoothing(config: RunConfig) -> None:
+    """label_smoothing_factor smooths the token cross-entropy (train/losses.py): stages sft and pt only."""
+    factor, stage = config.training.label_smoothing_factor, config.finetuning.stage
+    if not factor:
+        return
+    if stage not in ("sft", "pt"):
+        hint = " (dpo_label_smoothing smooths the preference labels)" if stage == "dpo" else ""
+        raise ConfigError(
+            f"label_smoothing_factor smooths the token cross-entropy of stages sft and pt; stage {stage} does not "
+            f"train on it: remove it{hint}"
+        )
+    if not 0.0 <= factor < 1.0:
+        raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {factor}")
 
 
 def _check_distributed(config: RunConfig) -> None:

@@ -64,7 +64,7 @@ def content_text(row: dict) -> str:
     """The words of a canonical row, without template markup: what near-duplicate search compares."""
     parts = [row.get("system") or "", row.get("tools") or ""]
     for message in row["messages"]:
-        parts += [message.get("content") or "", message.get("tool_calls") or ""]
+        parts += [message.get("reasoning") or "", message.get("content") or "", message.get("tool_calls") or ""]
     return "\n".join(p for p in parts if p)
 
 

@@ -203,7 +203,7 @@ class SupervisedEncoder:
 
     def examples(self, row: dict) -> list[tuple[str, list[Span]]]:
         """The (text, trained character spans) examples one canonical row renders as (before tokenising)."""
-        messages, options = template_messages(row), self.options(row)
+        messages, options = template_messages(row, self.template), self.options(row)
         if self.train_on_prompt:  # every token trains, so one render of the whole conversation is all it takes
             return [(self.template.render(messages, **options), [])]
         return self.template.training_examples(messages, last_only=self.mask_history, **options)
@@ -429,7 +429,7 @@ class SupervisedEncoder:
         """Each canonical row's kept examples: dicts of input_ids, labels and COUNTER_COLUMNS (plus the internal
         ``_messages`` the example was rendered from). A row whose every example lost its supervised tokens gets
         an empty list (pairwise data drops the whole pair then; see data/pairwise.py)."""
-        return self.encode_conversations([(template_messages(row), self.options(row)) for row in rows])
+        return self.encode_conversations([(template_messages(row, self.template), self.options(row)) for row in rows])
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         """Batched datasets.map function: rows in, encoded examples out (dropped examples removed)."""
@@ -586,7 +586,7 @@ def encoded_row_problem(encoder: SupervisedEncoder, row: dict) -> str | None:
                 text = encoder.tokenizer.decode(example["input_ids"][start:end])
                 if text.endswith(marker) and example["input_ids"][end - 1] != marker_ids[0]:
                     return f"{where}: an answer ends with the text of {marker!r} but not with its token"
-    answers = [m for m in template_messages(row) if m.get("role") == "assistant"]
+    answers = [m for m in template_messages(row, encoder.template) if m.get("role") == "assistant"]
     if examples and answers and examples[-1]["_messages"][-1] != answers[-1]:
         return "the conversation's last answer is not the last example's last answer"
     return None

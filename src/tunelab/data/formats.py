@@ -1,48 +1,70 @@
 """Dataset formats (alpaca, sharegpt, openai) → one canonical conversation row.
 
 Canonical row (what templates and encoders read):
-    messages: [{"role": "user"|"assistant"|"tool", "content": str, "tool_calls": str, "tool_call_id": str}, ...]
-              prompt turns (user, or one or more tool results) alternating with assistant answers, ending
-              with an assistant turn for supervised data (for ranking data it ends with the prompt turn;
-              the answers are in chosen/rejected). tool_calls is "" or a JSON list of
-              {"type": "function", "function": {"name", "arguments": {...}}, ["id"]} (a string column:
-              Arrow cannot type arbitrary JSON); tool_call_id is "" or the id a tool result answers.
-    system:   str ("" when none)
+    messages: [{"role", "content", "tool_calls", "tool_call_id", "reasoning"}, ...]
+              role is "user", "assistant" or "tool" (and "system" for one case, below). Prompt turns (a user
+              turn, or the results of one call turn) alternate with assistant answers, ending with an
+              assistant turn for supervised data (ranking data ends with the prompt; its answers are in
+              chosen/rejected).
+              content: str, or None for an assistant turn that only calls tools and whose source wrote no
+              content (openai `content: null`, every sharegpt function_call turn): DeepSeek-R1's template
+              writes the calls only for None. An empty answer ("") is kept: it trains the end-of-turn.
+              tool_calls: "" or a JSON list of {"type": "function", "function": {"name", "arguments": {...}},
+              ["id"]} (a string column: Arrow cannot type arbitrary JSON); tool_call_id: "" or the id a tool
+              result answers; reasoning: "" or the answer's reasoning (reasoning_content / reasoning fields,
+              an alpaca `reasoning` column), rendered where the template has a place for it.
+              An explicitly empty system turn stays in messages as {"role": "system", "content": ""} (first):
+              templates render it unlike no system turn (Qwen2.5 writes its default prompt only without one).
+    system:   str, the system prompt ("" when none; an alpaca/column value "" means none)
     tools:    str ("" when none; a JSON list of tool schemas)
-    chosen / rejected: str ("" unless the dataset is a ranking set)
+    chosen / rejected: str ("" unless the dataset is a ranking set; then either may be "": an empty answer)
     kto_tag:  bool, only for datasets that map a kto_tag column (stage kto: is the last answer desirable?)
 
-sharegpt function_call turns become assistant turns with tool_calls and empty content, observation turns
-become tool turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages``
-turns a canonical row back into the message dicts chat templates read.
+sharegpt function_call turns become assistant turns with tool_calls, observation turns become tool
+turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages`` turns a
+canonical row back into the message dicts a chat template reads, in the shapes that template handles
+(``message_conventions``: None content and JSON-text arguments for DeepSeek-R1).
 
-This module owns the column and role mapping; it knows nothing of tokens or templates.
-Rows that are structurally wrong raise DataError naming the dataset and row; rows whose answer is
-empty are dropped and counted (an empty target teaches nothing and would be silently zero loss).
+This module owns the column and role mapping; it knows nothing of tokens. Rows that are structurally
+wrong raise a RowError naming the dataset, row and why; with skip_bad_rows they are left out instead,
+counted per reason (``ConversionStats``). Ranking rows whose two answers are identical teach nothing
+(every pair loss is constant) and are always dropped and counted.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import datasets
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from tunelab.data.registry import MEDIA_COLUMNS, DatasetSpec
-from tunelab.errors import DataError
+from tunelab.errors import DataError, TemplateError
+
+if TYPE_CHECKING:
+    from tunelab.data.templates import Template
 
 CANONICAL_COLUMNS = ("messages", "system", "tools", "chosen", "rejected")
 
 _STRING = datasets.Value("string")
 # A fixed schema, so canonical sets from any format (with or without tools) concatenate and interleave.
 CANONICAL_FEATURES = datasets.Features({
-    "messages": [{"role": _STRING, "content": _STRING, "tool_calls": _STRING, "tool_call_id": _STRING}],
+    "messages": [{
+        "role": _STRING, "content": _STRING, "tool_calls": _STRING, "tool_call_id": _STRING, "reasoning": _STRING,
+    }],
     "system": _STRING, "tools": _STRING, "chosen": _STRING, "rejected": _STRING,
 })
+# Per converted row while converting: why it was left out ("" when kept) and the one-line message.
+_DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING}
 
 ALPACA_COLUMNS = {
     "prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
-    "tools": None, "chosen": "chosen", "rejected": "rejected",
+    "tools": None, "chosen": "chosen", "rejected": "rejected", "reasoning": None,
 }
 SHAREGPT_COLUMNS = {
     "messages": "conversations", "system": None, "tools": "tools", "chosen": "chosen", "rejected": "rejected",
@@ -56,6 +78,33 @@ OPENAI_TAGS = {
     "role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
     "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system",
 }
+# Turn fields that hold an answer's reasoning (OpenAI-compatible APIs, DeepSeek, vLLM), first one set wins.
+REASONING_KEYS = ("reasoning_content", "reasoning")
+IDENTICAL_PAIR = "identical_pair"  # drop reason of ranking rows whose chosen and rejected answers are the same
+
+
+class RowError(DataError):
+    """A structurally wrong row. ``reason`` is a short name for the kind of fault: skip_bad_rows counts
+    skipped rows per reason."""
+
+    def __init__(self, message: str, reason: str = "bad_row"):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class ConversionStats:
+    """What converting one dataset did, for data_report.json and the log."""
+
+    rows: int = 0  # rows converted (read)
+    dropped: dict[str, int] = field(default_factory=dict)  # rows left out, per reason
+    first: dict[str, str] = field(default_factory=dict)  # the first left-out row's message, per reason
+    empty_answers: int = 0  # kept rows with an empty answer (they train the end-of-turn only)
+    with_reasoning: int = 0  # kept rows where some assistant turn carries reasoning
+
+    @property
+    def total_dropped(self) -> int:
+        return sum(self.dropped.values())
 
 
 def _text(value: Any) -> str:
@@ -66,8 +115,11 @@ def _text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _message(role: str, content: str, tool_calls: str = "", tool_call_id: str = "") -> dict[str, str]:
-    return {"role": role, "content": content, "tool_calls": tool_calls, "tool_call_id": tool_call_id}
+def _message(
+    role: str, content: str | None, tool_calls: str = "", tool_call_id: str = "", reasoning: str = ""
+) -> dict[str, str | None]:
+    return {"role": role, "content": content, "tool_calls": tool_calls, "tool_call_id": tool_call_id,
+            "reasoning": reasoning}
 
 
 def _tool_calls(value: Any, where: str) -> str:
@@ -76,15 +128,15 @@ def _tool_calls(value: Any, where: str) -> str:
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: the function call is not valid JSON ({exc.msg}); write it as "
-                            '{"name": ..., "arguments": {...}} or a list of those') from None
+            raise RowError(f"{where}: the function call is not valid JSON ({exc.msg}); write it as "
+                           '{"name": ..., "arguments": {...}} or a list of those', "bad_tool_call") from None
     calls = []
     for call in value if isinstance(value, list) else [value]:
         function = call.get("function", call) if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
-            raise DataError(f"{where}: a function call needs a name; write it as "
-                            '{"name": ..., "arguments": {...}}')
+            raise RowError(f"{where}: a function call needs a name; write it as "
+                           '{"name": ..., "arguments": {...}}', "bad_tool_call")
         arguments = function.get("arguments")
         if arguments is None or arguments == "":
             arguments = {}
@@ -94,7 +146,7 @@ def _tool_calls(value: Any, where: str) -> str:
             except json.JSONDecodeError:
                 arguments = None
         if not isinstance(arguments, dict):
-            raise DataError(f"{where}: the arguments of function call '{name}' must be a JSON object")
+            raise RowError(f"{where}: the arguments of function call '{name}' must be a JSON object", "bad_tool_call")
         canonical: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
         if isinstance(call, dict) and call.get("id"):
             canonical["id"] = str(call["id"])
@@ -102,38 +154,136 @@ def _tool_calls(value: Any, where: str) -> str:
     return json.dumps(calls, ensure_ascii=False) if calls else ""
 
 
-def template_messages(row: dict) -> list[dict[str, Any]]:
-    """A canonical row as the messages a chat template reads: system first, tool calls decoded.
+# --- canonical row → the messages a chat template reads ---------------------------------------
+
+
+@dataclass(frozen=True)
+class MessageConventions:
+    """Message shapes a template needs that differ from the usual ones (content "" and arguments objects).
+
+    null_content: a call-only assistant turn must have content None (DeepSeek-R1 writes the calls only then).
+    string_arguments: call arguments must be JSON text (DeepSeek-R1 concatenates them as strings).
+    """
+
+    null_content: bool = False
+    string_arguments: bool = False
+
+
+_PROBE_CALL = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}, "id": "call00001"}
+
+
+@lru_cache(maxsize=32)
+def message_conventions(template: Template) -> MessageConventions:
+    """Probe how `template` renders a call-only turn: None content and JSON-text arguments are used only
+    where the template renders them without error and None renders differently from ""."""
+
+    def render(content: str | None, string_arguments: bool) -> str | None:
+        call = _PROBE_CALL
+        if string_arguments:
+            call = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
+        try:
+            return template.render(messages)
+        except TemplateError:
+            return None
+
+    for string_arguments in (False, True):
+        with_none = render(None, string_arguments)
+        if with_none is not None:
+            return MessageConventions(with_none != render("", string_arguments), string_arguments)
+    return MessageConventions(False, render("", False) is None and render("", True) is not None)
+
+
+_PROBE_REASONING = "\ue003"  # private-use: no template writes it on its own
+
+
+@lru_cache(maxsize=32)
+def renders_reasoning(template: Template) -> bool:
+    """Whether `template` writes an answer's ``reasoning_content`` when that answer ends the conversation."""
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a", "reasoning_content": _PROBE_REASONING}]
+    try:
+        return _PROBE_REASONING in template.render(messages)
+    except TemplateError:
+        return False
+
+
+def _string_arguments(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def as_text(function: dict[str, Any]) -> dict[str, Any]:
+        return {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+
+    return [{**call, "function": as_text(call["function"])} for call in calls]
+
+
+def template_messages(row: dict, template: Template | None = None) -> list[dict[str, Any]]:
+    """A canonical row as the messages a chat template reads: system first, tool calls decoded, reasoning as
+    ``reasoning_content`` (the field Qwen3's template reads). With `template`, call turns take the shapes it
+    handles (``message_conventions``); without, content None becomes "" (what every template accepts).
 
     Keys a template tests for presence (Llama-3.1 checks ``'tool_calls' in message``) are set only when used.
     """
+    conventions = message_conventions(template) if template is not None else MessageConventions()
     messages: list[dict[str, Any]] = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     for m in row["messages"]:
-        message: dict[str, Any] = {"role": m["role"], "content": m["content"]}
-        if m.get("tool_calls"):
-            message["tool_calls"] = json.loads(m["tool_calls"])
+        calls = json.loads(m["tool_calls"]) if m.get("tool_calls") else None
+        content = m["content"]
+        if content is None and not (calls and conventions.null_content):
+            content = ""
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls:
+            message["tool_calls"] = _string_arguments(calls) if conventions.string_arguments else calls
         if m.get("tool_call_id"):
             message["tool_call_id"] = m["tool_call_id"]
+        if m.get("reasoning"):
+            message["reasoning_content"] = m["reasoning"]
         messages.append(message)
     return messages
 
 
-def prompt_and_reference(row: dict) -> tuple[list[dict[str, Any]], str]:
+def is_ranking_row(row: dict) -> bool:
+    """A ranking row holds two answers; identical ones (both empty included) never survive conversion."""
+    return bool(row.get("chosen") or row.get("rejected"))
+
+
+def prompt_and_reference(row: dict, template: Template | None = None) -> tuple[list[dict[str, Any]], str]:
     """A canonical row as the template messages of its prompt and its reference answer: a ranking row's chosen
     answer, else its last assistant turn ("" when the row ends with another role)."""
-    messages = template_messages(row)
-    if row.get("chosen"):
+    messages = template_messages(row, template)
+    if is_ranking_row(row):
         return messages, row["chosen"]
     if messages and messages[-1]["role"] == "assistant":
-        return messages[:-1], messages[-1]["content"]
+        return messages[:-1], messages[-1]["content"] or ""
     return messages, ""
 
 
-class _Converter:
-    """Row converter for one dataset spec (a class so datasets.map can pickle it)."""
+# --- source rows → canonical rows --------------------------------------------------------------
 
-    def __init__(self, spec: DatasetSpec, column_names: list[str]):
+
+def _reasoning(turn: dict, where: str) -> str:
+    for key in REASONING_KEYS:
+        value = turn.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise RowError(f"{where}: {key} must be text, got {type(value).__name__}", "bad_reasoning")
+            return value
+    return ""
+
+
+class _Converter:
+    """Row converter for one dataset spec (a class so datasets.map can pickle it).
+
+    `skip_bad_rows`: a structurally wrong row is left out (its reason and message in the drop columns)
+    instead of raising. `row_check`: a further check of each converted row (picklable), returning None or
+    (reason, why) for a row to treat as structurally wrong (the pipeline checks that reasoning is trained).
+    """
+
+    def __init__(
+        self, spec: DatasetSpec, column_names: list[str], skip_bad_rows: bool = False,
+        row_check: Callable[[dict], tuple[str, str] | None] | None = None,
+    ):
         self.spec = spec
+        self.skip_bad_rows = skip_bad_rows
+        self.row_check = row_check
         defaults = ALPACA_COLUMNS if spec.formatting == "alpaca" else (
             SHAREGPT_COLUMNS if spec.formatting == "sharegpt" else OPENAI_COLUMNS
         )
@@ -146,6 +296,13 @@ class _Converter:
             required.append("response")
         if "kto_tag" in spec.columns:
             required.append("kto_tag")
+        if "reasoning" in spec.columns:
+            if spec.formatting != "alpaca" or spec.ranking:
+                raise DataError(
+                    f"dataset '{spec.name}': columns.reasoning applies to alpaca supervised rows (the reasoning of "
+                    "the answer); sharegpt/openai turns carry it as reasoning_content or reasoning: remove it"
+                )
+            required.append("reasoning")
         for key in required:
             column = self.columns.get(key)
             if column not in column_names:
@@ -162,6 +319,7 @@ class _Converter:
         return row.get(column) if column else None
 
     def __call__(self, row: dict, index: int) -> dict:
+        """One row converted (raises RowError when it is structurally wrong)."""
         where = f"dataset '{self.spec.name}' row {index}"
         if self.spec.formatting == "alpaca":
             messages = self._alpaca_messages(row, where)
@@ -175,32 +333,61 @@ class _Converter:
         if self.spec.ranking:
             out["chosen"], out["rejected"] = self._pair(row, where)
             if messages and messages[-1]["role"] == "assistant":
-                raise DataError(f"{where}: a ranking row must end with the prompt, not an assistant turn")
+                raise RowError(f"{where}: a ranking row must end with the prompt, not an assistant turn",
+                               "ranking_ends_with_answer")
+        problem = self.row_check(out) if self.row_check is not None else None
+        if problem is not None:
+            raise RowError(f"{where}: {problem[1]}", problem[0])
         return out
 
+    def _converted(self, row: dict, index: int) -> dict:
+        """The row converted, with its drop columns: why it is left out ("" when kept) and the message."""
+        try:
+            out = self(row, index)
+        except RowError as exc:
+            if not self.skip_bad_rows:
+                raise DataError(f"{exc}; or set skip_bad_rows: true to skip such rows (counted per reason)") from None
+            return {**_EMPTY_ROW, **({"kto_tag": False} if "kto_tag" in self.present else {}),
+                    "drop_reason": exc.reason, "drop_message": str(exc)}
+        if self.spec.ranking and out["chosen"] == out["rejected"]:
+            message = f"dataset '{self.spec.name}' row {index}: chosen and rejected are the same answer"
+            return {**out, "drop_reason": IDENTICAL_PAIR, "drop_message": message}
+        return {**out, "drop_reason": "", "drop_message": ""}
+
     def convert_batch(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        """Batched datasets.map function: the converted rows less those with an empty answer. One pass over
-        plain dicts, instead of a map and a filter over datasets' lazy per-row views."""
+        """Batched datasets.map function: the converted rows with their drop columns. One pass over plain
+        dicts, instead of datasets' lazy per-row views."""
         columns = list(batch)  # datasets' lazy batch: read each column once, not once per row
         values = zip(*(batch[c] for c in columns))
-        rows = (self(dict(zip(columns, row)), index) for row, index in zip(values, indices))
-        kept = [row for row in rows if not _has_empty_answer(row)]
-        return {key: [row[key] for row in kept] for key in self.output_columns}
+        rows = [self._converted(dict(zip(columns, row)), index) for row, index in zip(values, indices)]
+        return {key: [row[key] for row in rows] for key in [*self.output_columns, *_DROP_COLUMNS]}
+
+    def _answer(self, value: Any, where: str) -> str:
+        if value is None:
+            raise RowError(f"{where}: the answer is missing (null); write \"\" for an empty answer", "missing_answer")
+        return _text(value)
 
     def _alpaca_messages(self, row: dict, where: str) -> list[dict]:
         messages = []
         for turn in self._get(row, "history") or []:
             if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
-                raise DataError(f"{where}: history must be a list of [query, response] pairs")
+                raise RowError(f"{where}: history must be a list of [query, response] pairs", "bad_history")
             messages += [_message("user", _text(turn[0])), _message("assistant", _text(turn[1]))]
         prompt = _text(self._get(row, "prompt"))
         query = _text(self._get(row, "query"))
         content = f"{prompt}\n{query}" if prompt and query else (prompt or query)
         if not content:
-            raise DataError(f"{where}: empty prompt (columns {self.columns['prompt']}/{self.columns['query']})")
+            raise RowError(
+                f"{where}: empty prompt (columns {self.columns['prompt']}/{self.columns['query']})", "empty_prompt"
+            )
         messages.append(_message("user", content))
         if not self.spec.ranking:
-            messages.append(_message("assistant", _text(self._get(row, "response"))))
+            reasoning = self._get(row, "reasoning")
+            if reasoning is not None and not isinstance(reasoning, str):
+                raise RowError(f"{where}: the reasoning column holds {type(reasoning).__name__}, not text",
+                               "bad_reasoning")
+            messages.append(_message("assistant", self._answer(self._get(row, "response"), where),
+                                     reasoning=reasoning or ""))
         return messages
 
     def _sharegpt_messages(self, row: dict, where: str) -> tuple[list[dict], str]:
@@ -211,43 +398,41 @@ class _Converter:
         }
         raw = self._get(row, "messages")
         if not isinstance(raw, list) or not raw:
-            raise DataError(f"{where}: '{self.columns['messages']}' must be a non-empty list of turns")
+            raise RowError(f"{where}: '{self.columns['messages']}' must be a non-empty list of turns", "no_turns")
         system = _text(self._get(row, "system"))
         messages: list[dict] = []
         for turn_index, turn in enumerate(raw):
             role = role_map.get(turn.get(tags["role_tag"])) if isinstance(turn, dict) else None
             if role is None:
-                raise DataError(
+                raise RowError(
                     f"{where} turn {turn_index}: role {turn.get(tags['role_tag']) if isinstance(turn, dict) else turn!r} "
-                    f"is not one of {', '.join(role_map)} (set tags in dataset_info.json)"
+                    f"is not one of {', '.join(role_map)} (set tags in dataset_info.json)", "unknown_role",
                 )
             content = turn.get(tags["content_tag"])
+            turn_where = f"{where} turn {turn_index}"
             if role == "system":
                 if turn_index != 0:
-                    raise DataError(f"{where} turn {turn_index}: a system turn may only come first")
+                    raise RowError(f"{turn_where}: a system turn may only come first", "misplaced_system")
                 system = _text(content)
+                if not system:  # explicitly empty: kept as a turn, templates render it unlike none
+                    messages.append(_message("system", ""))
                 continue
-            turn_where = f"{where} turn {turn_index}"
-            if role == "function":  # sharegpt: the turn's content is the call itself
-                messages.append(_message("assistant", "", _tool_calls(content, turn_where)))
+            reasoning = _reasoning(turn, turn_where)
+            if reasoning and role not in ("assistant", "function"):
+                raise RowError(
+                    f"{turn_where}: a {role} turn has reasoning; only answers carry it", "misplaced_reasoning"
+                )
+            if role == "function":  # sharegpt: the turn's content is the call itself, the answer has no text
+                messages.append(_message("assistant", None, _tool_calls(content, turn_where), reasoning=reasoning))
             elif role == "assistant" and turn.get("tool_calls"):  # openai: content (maybe null) plus calls
-                messages.append(_message("assistant", _text(content), _tool_calls(turn["tool_calls"], turn_where)))
+                text = content if content is None else _text(content)
+                messages.append(_message("assistant", text, _tool_calls(turn["tool_calls"], turn_where),
+                                         reasoning=reasoning))
+            elif role == "assistant":
+                messages.append(_message("assistant", self._answer(content, turn_where), reasoning=reasoning))
             else:
                 messages.append(_message(role, _text(content), tool_call_id=_text(turn.get("tool_call_id"))))
-        # Prompt turns (a user turn, or the results of one call turn) and answers must alternate.
-        expect_answer = False
-        for i, message in enumerate(messages):
-            is_answer = message["role"] == "assistant"
-            if message["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
-                continue  # several results of one turn's parallel calls
-            if is_answer != expect_answer:
-                expected = "an assistant" if expect_answer else "a user/tool"
-                raise DataError(
-                    f"{where}: turn {i} is {message['role']}, expected {expected} turn (roles must alternate)"
-                )
-            expect_answer = not expect_answer
-        if not self.spec.ranking and (not messages or messages[-1]["role"] != "assistant"):
-            raise DataError(f"{where}: the conversation must end with an assistant turn")
+        _check_order(messages, where, ends_with_answer=not self.spec.ranking)
         return messages, system
 
     def _pair(self, row: dict, where: str) -> tuple[str, str]:
@@ -255,17 +440,38 @@ class _Converter:
         for key in ("chosen", "rejected"):
             value = self._get(row, key)
             if isinstance(value, dict):  # sharegpt style {"from": "gpt", "value": "..."}
+                extra = [k for k in ("tool_calls", *REASONING_KEYS) if value.get(k)]
+                if extra:
+                    raise RowError(
+                        f"{where}: the {key} answer has {extra[0]}; ranking answers are text only here: "
+                        f"remove {extra[0]} from chosen/rejected", "unsupported_ranking_answer",
+                    )
                 value = value.get(self.tags["content_tag"])
-            pair.append(_text(value))
+            pair.append(self._answer(value, f"{where} {key}"))
         return pair[0], pair[1]
 
 
-def _has_empty_answer(row: dict) -> bool:
-    if row["chosen"] or row["rejected"]:
-        return not (row["chosen"].strip() and row["rejected"].strip())
-    return any(
-        m["role"] == "assistant" and not m["content"].strip() and not m.get("tool_calls") for m in row["messages"]
-    )
+_EMPTY_ROW = {"messages": [], "system": "", "tools": "", "chosen": "", "rejected": ""}
+
+
+def _check_order(messages: list[dict], where: str, ends_with_answer: bool) -> None:
+    """Prompt turns (a user turn, or the results of one call turn) and answers must alternate."""
+    expect_answer = False
+    for i, message in enumerate(messages):
+        if message["role"] == "system":
+            continue  # an explicitly empty system turn (only ever first)
+        is_answer = message["role"] == "assistant"
+        if message["role"] == "tool" and i and messages[i - 1]["role"] == "tool":
+            continue  # several results of one turn's parallel calls
+        if is_answer != expect_answer:
+            expected = "an assistant" if expect_answer else "a user/tool"
+            reason = "answer_first" if i == 0 or messages[i - 1]["role"] == "system" else "roles_out_of_order"
+            raise RowError(
+                f"{where}: turn {i} is {message['role']}, expected {expected} turn (roles must alternate)", reason
+            )
+        expect_answer = not expect_answer
+    if ends_with_answer and (not messages or messages[-1]["role"] != "assistant"):
+        raise RowError(f"{where}: the conversation must end with an assistant turn", "ends_without_answer")
 
 
 def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec) -> None:
@@ -280,15 +486,65 @@ def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec) -> None:
                 )
 
 
-def to_canonical(dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | None = None) -> tuple[datasets.Dataset, int]:
-    """Convert rows to the canonical columns; returns (dataset, rows dropped for an empty answer)."""
+def _keep(reasons: list[str]) -> list[bool]:
+    return [not reason for reason in reasons]
+
+
+def to_canonical(
+    dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | None = None, skip_bad_rows: bool = False,
+    row_check: Callable[[dict], tuple[str, str] | None] | None = None,
+) -> tuple[datasets.Dataset, ConversionStats]:
+    """Convert rows to the canonical columns; returns the kept rows and what conversion counted.
+
+    A structurally wrong row (or one `row_check` faults) raises DataError naming it, or with `skip_bad_rows`
+    is left out and counted per reason; ranking rows with identical answers are always left out and counted.
+    """
     _refuse_media(dataset, spec)
-    converter = _Converter(spec, list(dataset.column_names))
-    features = CANONICAL_FEATURES
+    converter = _Converter(spec, list(dataset.column_names), skip_bad_rows, row_check)
+    features = {**CANONICAL_FEATURES, **_DROP_COLUMNS}
     if "kto_tag" in converter.present:
-        features = datasets.Features({**CANONICAL_FEATURES, "kto_tag": datasets.Value("bool")})
-    kept = dataset.map(
+        features["kto_tag"] = datasets.Value("bool")
+    converted = dataset.map(
         converter.convert_batch, batched=True, with_indices=True, remove_columns=list(dataset.column_names),
-        num_proc=num_proc, features=features, desc=f"Converting {spec.name}",
+        num_proc=num_proc, features=datasets.Features(features), desc=f"Converting {spec.name}",
     )
-    return kept, len(dataset) - len(kept)
+    stats = ConversionStats(rows=len(dataset))
+    if len(converted) == 0:  # no rows in: datasets' map writes none of the columns either
+        return converted, stats
+    table = converted.with_format("arrow")[:]  # counts in Arrow: a Python object per row costs as much as converting
+    reasons = table["drop_reason"]
+    for entry in pc.value_counts(reasons).to_pylist():
+        if entry["values"]:
+            stats.dropped[entry["values"]] = entry["counts"]
+            first = pc.index(reasons, entry["values"]).as_py()
+            stats.first[entry["values"]] = table["drop_message"][first].as_py()
+    kept_mask = pc.equal(reasons, "")
+    stats.empty_answers, stats.with_reasoning = _answer_counts(table.filter(kept_mask))
+    if stats.total_dropped:
+        converted = converted.filter(
+            _keep, input_columns="drop_reason", batched=True, num_proc=num_proc, desc=f"Leaving out rows of {spec.name}"
+        )
+    return converted.remove_columns(list(_DROP_COLUMNS)), stats
+
+
+def _answer_counts(table: pa.Table) -> tuple[int, int]:
+    """(rows with an empty answer, rows with reasoning) of converted rows, counted in Arrow."""
+    if table.num_rows == 0:
+        return 0, 0
+    messages = table["messages"].combine_chunks()
+    turns = pc.list_flatten(messages)
+    owner = pc.list_parent_indices(messages)
+    answers = pc.equal(pc.struct_field(turns, "role"), "assistant")
+    no_calls = pc.equal(pc.fill_null(pc.struct_field(turns, "tool_calls"), ""), "")
+    blank = pc.equal(pc.utf8_trim_whitespace(pc.fill_null(pc.struct_field(turns, "content"), "")), "")
+    empty = pc.and_(pc.and_(answers, no_calls), blank)
+    reasoned = pc.and_(answers, pc.not_equal(pc.fill_null(pc.struct_field(turns, "reasoning"), ""), ""))
+
+    def rows_where(mask: pa.Array) -> int:
+        return len(pc.unique(pc.filter(owner, mask)))
+
+    chosen, rejected = (table[key].combine_chunks() for key in ("chosen", "rejected"))
+    ranking = pc.or_(pc.not_equal(chosen, ""), pc.not_equal(rejected, ""))
+    blank_side = pc.or_(*(pc.equal(pc.utf8_trim_whitespace(side), "") for side in (chosen, rejected)))
+    empty_pairs = pc.sum(pc.and_(ranking, blank_side)).as_py() or 0
+    return rows_where(empty) + empty_pairs, rows_where(reasoned)

@@ -359,6 +359,20 @@ def _num(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
+def source_line(source: dict[str, Any]) -> str:
+    """One conversation source's row counts: read, empty answers, reasoning, identical pairs, skipped per reason."""
+    parts = [
+        f"{source['rows']} read", f"{source['empty_answers']} with an empty answer (trains the end-of-turn)",
+        f"{source['rows_with_reasoning']} with reasoning",
+    ]
+    if "dropped_identical_pairs" in source:
+        parts.append(f"{source['dropped_identical_pairs']} pairs dropped with identical answers")
+    if "skipped_bad_rows" in source:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in source["skipped_by_reason"].items())
+        parts.append(f"{source['skipped_bad_rows']} skipped (skip_bad_rows{': ' + reasons if reasons else ''})")
+    return f"rows ({source['name']}): {', '.join(parts)}"
+
+
 def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
     """What the pipeline dropped or cut, and why, from its report."""
     data = config.data
@@ -377,9 +391,7 @@ def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
         )
         return lines
     for source in report.get("sources", []):
-        lines.append(
-            f"rows ({source['name']}): {source['rows']} read, {source['dropped_empty_answer']} dropped with an empty answer"
-        )
+        lines.append(source_line(source))
     if "dedup" in report:
         dedup = report["dedup"]
         threshold = f", threshold {dedup['threshold']}" if dedup.get("threshold") is not None else ""

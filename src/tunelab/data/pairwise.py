@@ -30,6 +30,7 @@ from typing import Any
 import datasets
 
 from tunelab.data.encode import SupervisedEncoder
+from tunelab.data.formats import is_ranking_row
 from tunelab.errors import DataError
 
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
@@ -42,7 +43,7 @@ def pair_sides(stage: str) -> tuple[str, str]:
 
 
 def _assistant(content: str) -> dict[str, str]:
-    return {"role": "assistant", "content": content, "tool_calls": "", "tool_call_id": ""}
+    return {"role": "assistant", "content": content, "tool_calls": "", "tool_call_id": "", "reasoning": ""}
 
 
 def with_answer(row: dict, answer: dict) -> dict:
@@ -90,7 +91,7 @@ class PairwiseEncoder:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         rows = _rows(batch)
         for row in rows:
-            if not (row["chosen"] and row["rejected"]):
+            if not is_ranking_row(row):
                 raise DataError("pairwise data needs ranking rows (chosen and rejected); set ranking: true in dataset_info.json")
         n = len(rows)
         encoded = self.encoder.encode_rows(
@@ -150,7 +151,7 @@ class KTOEncoder:
     @staticmethod
     def _split(row: dict, where: str) -> tuple[dict, list[tuple[dict, bool]]]:
         """(prompt row, [(answer message, desirable)]) of one canonical row."""
-        if row["chosen"] or row["rejected"]:
+        if is_ranking_row(row):
             return row, [(_assistant(row["chosen"]), True), (_assistant(row["rejected"]), False)]
         tag = row.get("kto_tag")
         if tag is None or not row["messages"] or row["messages"][-1]["role"] != "assistant":

@@ -3,6 +3,12 @@
 `build_datasets` is what every stage calls. It returns the encoded train set, one encoded eval set
 per eval dataset (evaluated and logged separately), the canonical eval rows (for generation-based
 metrics), and a report of every count that changed on the way — nothing is dropped silently.
+
+Per source (data_report.json `sources`): rows read, rows with an empty answer (kept: they train the
+end-of-turn), rows with reasoning, ranking pairs dropped for identical answers, and with skip_bad_rows
+the rows skipped per reason (unreadable lines and structural faults) with the first example of each.
+An answer's reasoning must reach the loss where it trains (`TrainedReasoning`): a row whose reasoning
+the template would not render is an error naming it, or skipped and counted with skip_bad_rows.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pyarrow.compute as pc
 from tunelab.config.args import DataArguments
 from tunelab.data.dedup import deduplicate_training_rows
 from tunelab.data.encode import COUNTER_COLUMNS, EncodeStats, SupervisedEncoder
-from tunelab.data.formats import to_canonical
+from tunelab.data.formats import IDENTICAL_PAIR, is_ranking_row, renders_reasoning, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, load_registry, load_rows
 from tunelab.data.templates import Template
@@ -37,26 +43,98 @@ class DatasetBundle:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_canonical(names: list[str], data_args: DataArguments, report: dict) -> list[datasets.Dataset]:
+UNREADABLE_LINE = "unreadable_line"  # skip reason of JSON-lines lines that do not parse (registry.load_rows)
+
+
+@dataclass(frozen=True)
+class TrainedReasoning:
+    """Row check for to_canonical: the reasoning of every answer that trains is in the text it trains on.
+
+    Ranking rows are left alone (only chosen/rejected train; their history renders as the template renders
+    history), and with mask_history only the last answer trains. Costs one more render of rows with reasoning.
+    """
+
+    encoder: SupervisedEncoder
+
+    def __call__(self, row: dict) -> tuple[str, str] | None:
+        if is_ranking_row(row):
+            return None
+        answers = list(enumerate((m for m in row["messages"] if m["role"] == "assistant"), start=1))
+        trains = answers[-1:] if self.encoder.mask_history else answers
+        wanted = [(number, m["reasoning"].strip()) for number, m in trains if (m.get("reasoning") or "").strip()]
+        if not wanted:
+            return None
+        template = self.encoder.template
+        if not renders_reasoning(template):
+            return "reasoning_not_rendered", (
+                f"answer {wanted[0][0]} has reasoning, but chat template '{template.name}' has no place for it (it "
+                f"does not read reasoning_content); use a template that does ({', '.join(_reasoning_templates())}) "
+                "or remove the reasoning"
+            )
+        examples = self.encoder.examples(row)
+        if self.encoder.train_on_prompt:
+            trained = [text for text, _ in examples]
+        else:
+            trained = [text[start:end] for text, spans in examples for start, end in spans]
+        for number, reasoning in wanted:
+            if not any(reasoning in text for text in trained):
+                return "reasoning_not_rendered", (
+                    f"the reasoning of answer {number} is not in what chat template '{template.name}' trains (the "
+                    "template writes no reasoning at that point of the conversation); remove it from that answer"
+                )
+        return None
+
+
+def _reasoning_templates() -> list[str]:
+    from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415 - only for an error message
+
+    return [name for name in TEMPLATE_NAMES if renders_reasoning(get_template(name))]
+
+
+def _load_canonical(
+    names: list[str], data_args: DataArguments, report: dict, encoder: SupervisedEncoder | None = None
+) -> list[datasets.Dataset]:
+    """Canonical rows of each named dataset. `encoder` (the sft encoder of the run): check that reasoning trains."""
     registry = load_registry(data_args.dataset_dir)
+    row_check = TrainedReasoning(encoder) if encoder is not None else None
     loaded = []
     for name in names:
         spec = registry[name]
         skipped: list[str] | None = [] if data_args.skip_bad_rows else None
         rows = load_rows(spec, skipped=skipped)
-        if skipped:
-            logger.warning("dataset %s: skipped %d bad lines (skip_bad_rows), first: %s", name, len(skipped), skipped[0])
         if data_args.max_samples is not None and len(rows) > data_args.max_samples:
             rows = rows.select(range(data_args.max_samples))
-        canonical, dropped = to_canonical(rows, spec, num_proc=data_args.preprocessing_num_workers)
-        source = {**describe(spec), "rows": len(rows), "dropped_empty_answer": dropped}
+        canonical, conversion = to_canonical(
+            rows, spec, num_proc=data_args.preprocessing_num_workers, skip_bad_rows=data_args.skip_bad_rows,
+            row_check=row_check,
+        )
+        identical = conversion.dropped.pop(IDENTICAL_PAIR, 0)
+        conversion.first.pop(IDENTICAL_PAIR, None)
+        source = {
+            **describe(spec), "rows": len(rows), "empty_answers": conversion.empty_answers,
+            "rows_with_reasoning": conversion.with_reasoning,
+        }
+        if spec.ranking:
+            source["dropped_identical_pairs"] = identical
         if skipped is not None:
-            source["skipped_bad_rows"] = len(skipped)
+            by_reason = {UNREADABLE_LINE: len(skipped)} if skipped else {}
+            first = {UNREADABLE_LINE: skipped[0]} if skipped else {}
+            by_reason.update(conversion.dropped)
+            first.update(conversion.first)
+            source.update(skipped_bad_rows=sum(by_reason.values()), skipped_by_reason=by_reason, first_skipped=first)
+            for reason, count in by_reason.items():
+                logger.warning(
+                    "dataset %s: skipped %d rows (skip_bad_rows): %s, first: %s", name, count, reason, first[reason]
+                )
         report.setdefault("sources", []).append(source)
-        if dropped:
-            logger.warning("dataset %s: dropped %d of %d rows with an empty answer", name, dropped, len(rows))
+        if identical:
+            logger.warning("dataset %s: dropped %d of %d pairs whose chosen and rejected answers are the same "
+                           "(they teach nothing)", name, identical, len(rows))
+        if conversion.empty_answers:
+            logger.info("dataset %s: %d rows have an empty answer; they train the end-of-turn only",
+                        name, conversion.empty_answers)
         if len(canonical) == 0:
-            raise DataError(f"dataset '{name}': no usable rows (all {len(rows)} were empty or dropped)")
+            raise DataError(f"dataset '{name}': no usable rows (all {len(rows)} were skipped or dropped)")
         loaded.append(canonical)
     return loaded
 
@@ -148,7 +226,8 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
         )
     num_proc = data_args.preprocessing_num_workers
 
-    sources = _load_canonical(data_args.dataset or [], data_args, report)
+    sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
+    sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder)
     if data_args.dedup != "none":  # before mixing and the val split: no duplicate straddles train and val
         sources, dedup = deduplicate_training_rows(sources, data_args, encoder)
         report["dedup"] = dedup.as_dict()
@@ -157,7 +236,7 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, sft_encoder)
 
     train, stats = encode_dataset(train_rows, encoder, "train", num_proc)
     report["train"] = stats.__dict__

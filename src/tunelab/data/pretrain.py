@@ -4,14 +4,19 @@ This module owns everything between a text dataset's rows and the (input_ids, la
 Trainer sees in stage pt. Tokenising and cutting are batched HF datasets maps (Arrow files, cached,
 parallel with preprocessing_num_workers):
 
-1. Read. Each registry source (`"formatting": "text"`) gives one document per row: a .txt line,
-   blank-line-separated paragraph or whole file (`txt_sample_by`), or the text column of
-   json/jsonl/csv/parquet/arrow rows (`text_column`; else the registry's `columns.text` or
-   `columns.prompt`; else `text`, then `content`).
+1. Read. Each registry source (`"formatting": "text"`, or an entry with no formatting at all, as
+   LlamaFactory writes its pretraining sets) gives one document per row: a .txt line,
+   blank-line-separated paragraph or whole file (`txt_sample_by`), or the text of
+   json/jsonl/csv/parquet/arrow rows. The text column: `text_column` (one name or a list), else the
+   registry's `columns.text` or `columns.prompt`, else `text` and `content`; with several candidates
+   each row takes the first one it has a value in (a JSONL may mix `text` and `content` rows), and
+   the documents per column are counted (`documents_by_column`).
 2. Clean and tokenise. Strip; tokenise without truncation or padding and without special tokens;
-   drop empty documents and those under `min_length` tokens (EOS not counted). Both drops are
-   counted per source in data_report.json and logged. Every kept document gets EOS appended. No
-   BOS is added, and no real token is ever overwritten with one.
+   drop empty documents and those under `min_length` tokens (BOS/EOS not counted). Both drops are
+   counted per source in data_report.json and logged. Every kept document gets EOS appended, and
+   starts with BOS when the tokenizer declares one and adds it itself (`tokenizer("x")` starts with
+   it: Llama-style models expect every document to begin with it); no real token is ever
+   overwritten with one.
 3. Mix sources (mix_strategy), hold out val_size documents (a split by document, so no val text is
    trained on), then cut each split's stream into windows.
 
@@ -47,7 +52,7 @@ equal training on every chunk as a row of its own (tested), with a fraction of t
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +81,8 @@ class DocumentStats:
     kept: int = 0
     dropped_empty: int = 0  # empty after stripping
     dropped_short: int = 0  # fewer than min_length tokens
-    tokens: int = 0  # tokens of the kept documents, EOS included
+    tokens: int = 0  # tokens of the kept documents, BOS/EOS included
+    documents_by_column: dict[str, int] = field(default_factory=dict)  # kept documents per text column
 
 
 @dataclass
@@ -126,62 +132,94 @@ def plan_windows(total_tokens: int, window: int, stride: int, tail: str = "keep"
     return WindowPlan(starts, ends, first_targets, total_tokens, full, tail_tokens, tail == "keep")
 
 
-def resolve_text_column(spec: DatasetSpec, column_names: list[str], configured: str | None) -> str:
-    """The column holding a source's documents: text_column, the registry's columns, then text/content."""
+def resolve_text_columns(
+    spec: DatasetSpec, column_names: list[str], configured: list[str] | str | None
+) -> tuple[str, ...]:
+    """The candidate columns of a source's documents, in order: text_column, the registry's columns, then
+    whichever of text/content the rows have. Every named candidate must exist unless it is a default."""
+    if isinstance(configured, str):
+        configured = [configured]
     mapped = spec.columns.get("text") or spec.columns.get("prompt")
     if configured or mapped:
-        column = configured or mapped
-        if column not in column_names:
+        names = list(configured) if configured else [mapped]
+        missing = [column for column in names if column not in column_names]
+        if missing:
             key = "text_column" if configured else f"columns of '{spec.name}' in dataset_info.json"
             raise DataError(
-                f"dataset '{spec.name}': no column '{column}' ({key}); columns: {', '.join(column_names)}; "
+                f"dataset '{spec.name}': no column '{missing[0]}' ({key}); columns: {', '.join(column_names)}; "
                 "set text_column to the column holding the documents"
             )
-        return column
-    for column in DEFAULT_TEXT_COLUMNS:
-        if column in column_names:
-            return column
-    raise DataError(
-        f"dataset '{spec.name}': no 'text' or 'content' column (columns: {', '.join(column_names)}); "
-        "set text_column to the column holding the documents"
-    )
+        return tuple(names)
+    found = tuple(column for column in DEFAULT_TEXT_COLUMNS if column in column_names)
+    if not found:
+        raise DataError(
+            f"dataset '{spec.name}': no 'text' or 'content' column (columns: {', '.join(column_names)}); "
+            "set text_column to the column holding the documents"
+        )
+    return found
+
+
+def document_bos_id(tokenizer: Any) -> int | None:
+    """The BOS id every document starts with: the tokenizer's, when it declares one and adds it itself
+    (``tokenizer("x")`` starts with it, as Llama's does); None otherwise."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    special = tokenizer("x", add_special_tokens=True)["input_ids"]
+    return bos if special[:1] == [bos] and plain[:1] != [bos] else None
 
 
 @dataclass(frozen=True)
 class DocumentTokenizer:
-    """Batched map function: strip, tokenise, drop empty/short (length 0 rows, filtered after), append EOS.
+    """Batched map function: pick the text, strip, tokenise, drop empty/short (length 0 rows, filtered
+    after), add BOS (bos_token_id, when set) and EOS. Outputs input_ids, length (of input_ids), num_tokens
+    (text tokens, for min_length) and text_column (which candidate column the text came from; -1 for none).
 
     Picklable, so datasets.map can run it in worker processes.
     """
 
     tokenizer: Any
-    text_column: str
+    text_columns: tuple[str, ...]
     min_length: int
     source: str
+    bos_token_id: int | None = None
 
-    def _clean(self, value: Any) -> str:
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise DataError(
-                f"dataset '{self.source}': column '{self.text_column}' holds {type(value).__name__} values, "
-                "not text; set text_column to the column holding the documents"
-            )
-        return value.strip()
+    @property
+    def special_tokens(self) -> int:
+        """Tokens added to every kept document (EOS, and BOS when set)."""
+        return 1 + (self.bos_token_id is not None)
+
+    def _pick(self, values: tuple[Any, ...]) -> tuple[str, int]:
+        for index, value in enumerate(values):
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise DataError(
+                    f"dataset '{self.source}': column '{self.text_columns[index]}' holds {type(value).__name__} "
+                    "values, not text; set text_column to the column holding the documents"
+                )
+            if value.strip():
+                return value.strip(), index
+        return "", -1
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        texts = [self._clean(value) for value in batch[self.text_column]]
-        present = [text for text in texts if text]
+        picked = [self._pick(values) for values in zip(*(batch[column] for column in self.text_columns))]
+        present = [text for text, _ in picked if text]
         # verbose=False: documents longer than model_max_length are expected here, not a warning.
         encoded = iter(self.tokenizer(present, add_special_tokens=False, verbose=False)["input_ids"] if present else [])
         eos = self.tokenizer.eos_token_id
+        bos = [] if self.bos_token_id is None else [self.bos_token_id]
         input_ids, num_tokens = [], []
-        for text in texts:
+        for text, _ in picked:
             ids = list(next(encoded)) if text else []
             keep = len(ids) >= max(self.min_length, 1)
-            input_ids.append(ids + [eos] if keep else [])
+            input_ids.append(bos + ids + [eos] if keep else [])
             num_tokens.append(len(ids))
-        return {"input_ids": input_ids, "num_tokens": num_tokens}
+        return {
+            "input_ids": input_ids, "length": [len(ids) for ids in input_ids], "num_tokens": num_tokens,
+            "text_column": [index for _, index in picked],
+        }
 
 
 def _int_column(dataset: datasets.Dataset, name: str) -> np.ndarray:
@@ -195,9 +233,9 @@ def _keep_document(num_tokens: list[int], min_length: int) -> list[bool]:
 def tokenize_documents(
     rows: datasets.Dataset, spec: DatasetSpec, tokenizer, data_args: DataArguments
 ) -> tuple[datasets.Dataset, DocumentStats]:
-    """Cleaned, tokenised documents of one source (columns input_ids, num_tokens) and the cleaning counts."""
-    column = resolve_text_column(spec, list(rows.column_names), data_args.text_column)
-    function = DocumentTokenizer(tokenizer, column, data_args.min_length, spec.name)
+    """Cleaned, tokenised documents of one source (columns input_ids, length, num_tokens) and the cleaning counts."""
+    columns = resolve_text_columns(spec, list(rows.column_names), data_args.text_column)
+    function = DocumentTokenizer(tokenizer, columns, data_args.min_length, spec.name, document_bos_id(tokenizer))
     reuse = False if data_args.overwrite_cache else None  # None: datasets' own caching default
     tokenized = rows.map(
         function, batched=True, batch_size=TOKENIZE_BATCH, remove_columns=list(rows.column_names),
@@ -205,10 +243,14 @@ def tokenize_documents(
     )
     num_tokens = _int_column(tokenized, "num_tokens")
     kept = num_tokens >= max(data_args.min_length, 1)
+    by_column = np.bincount(_int_column(tokenized, "text_column")[kept], minlength=len(columns))
     stats = DocumentStats(
         documents=len(num_tokens), kept=int(kept.sum()), dropped_empty=int((num_tokens == 0).sum()),
-        dropped_short=int(((num_tokens > 0) & ~kept).sum()), tokens=int((num_tokens[kept] + 1).sum()),
+        dropped_short=int(((num_tokens > 0) & ~kept).sum()),
+        tokens=int((num_tokens[kept] + function.special_tokens).sum()),
+        documents_by_column={column: int(count) for column, count in zip(columns, by_column)},
     )
+    tokenized = tokenized.remove_columns("text_column")
     if stats.kept < stats.documents:
         tokenized = tokenized.filter(
             _keep_document, input_columns="num_tokens", batched=True, fn_kwargs={"min_length": data_args.min_length},
@@ -252,14 +294,14 @@ def cut_windows(
     """Windows (input_ids, labels) over the concatenation of `documents`, exactly as plan_windows places them."""
     window = data_args.cutoff_len
     stride = data_args.stride or window
-    offsets = np.concatenate([[0], np.cumsum(_int_column(documents, "num_tokens") + 1)]).astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(_int_column(documents, "length"))]).astype(np.int64)
     plan = plan_windows(int(offsets[-1]), window, stride, data_args.tail)
     if plan.windows == 0:
         raise DataError(
             f"{name}: all {plan.total_tokens} tokens are fewer than cutoff_len={window} and tail: drop drops them; "
             "set tail: keep or lower cutoff_len"
         )
-    fingerprint = Hasher.hash(["pt-windows-v1", documents._fingerprint, window, stride, data_args.tail])
+    fingerprint = Hasher.hash(["pt-windows-v2", documents._fingerprint, window, stride, data_args.tail])
     cache_file = None
     if documents.cache_files:  # file-backed sources: windows go to an Arrow file beside the documents, not RAM
         cache_file = str(Path(documents.cache_files[0]["filename"]).parent / f"pt-windows-{fingerprint}.arrow")

@@ -51,7 +51,7 @@ class PromptEncoder:
     template_vars: dict[str, Any] = field(default_factory=dict, hash=False)
 
     def __call__(self, row: dict) -> dict:
-        messages, reference = prompt_and_reference(row)
+        messages, reference = prompt_and_reference(row, self.template)
         prompt = self.template.prompt(
             messages, _parse_tools(row.get("tools") or None),
             bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "", **self.template_vars,

@@ -6,7 +6,8 @@ model/hub.py), or one of the built-in generators: synthetic.py's tasks, corpus.p
 how their columns map onto the canonical conversation (see formats.py), or, with
 `"formatting": "text"`, that its rows are raw documents for stage pt (see pretrain.py). The
 built-in registry (data/dataset_info.json) is always available; a user's
-`dataset_dir/dataset_info.json` adds to it and wins on equal names.
+`dataset_dir/dataset_info.json` adds to it and wins on equal names. An entry is checked when a run
+looks it up (`Registry`), so an entry no run uses cannot stop the others.
 
 This module owns reading files into `datasets.Dataset`; it does not tokenise.
 """
@@ -18,6 +19,7 @@ import functools
 import glob
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,9 @@ class DatasetSpec:
     folder: str | None = None  # hub: the folder of the repo holding the data, as datasets' `data_dir`
     revision: str = "main"  # hub: branch, tag or commit
     formatting: str = "alpaca"  # alpaca | sharegpt | openai | text (raw documents, stage pt)
+    # False when the entry names no formatting: LlamaFactory's pretraining entries ({"columns": {"prompt":
+    # "text"}}) are such alpaca-by-default entries, and stage pt reads them as documents (reads_documents).
+    formatting_given: bool = True
     ranking: bool = False  # rows hold chosen/rejected answers
     split: str = "train"  # generators: which rows; hub: the split of the repo's data files
     num_samples: int | None = None  # generator size, or rows to draw from a file (repeating if larger)
@@ -56,32 +61,67 @@ class DatasetSpec:
     tags: dict[str, str] = field(default_factory=dict)
     root: str = ""  # folder file_name is relative to
 
+    @property
+    def reads_documents(self) -> bool:
+        """Stage pt can read this set: raw text, or an entry without a formatting (LlamaFactory's pt entries)."""
+        return self.formatting == "text" or not self.formatting_given
 
-def _read_registry(path: Path) -> dict[str, DatasetSpec]:
+
+class Registry(Mapping[str, DatasetSpec]):
+    """Dataset names → specs. An entry is checked when it is looked up, so one entry a run does not use
+    (a multimodal set, a key tunelab does not support) cannot stop it; names are known without checking."""
+
+    def __init__(self, entries: dict[str, tuple[Path, dict[str, Any]]]):
+        self._entries = entries  # name -> (dataset_info.json it comes from, its raw entry)
+        self._specs: dict[str, DatasetSpec] = {}
+
+    def __getitem__(self, name: str) -> DatasetSpec:
+        if name not in self._specs:
+            path, entry = self._entries[name]
+            self._specs[name] = _spec(path, name, entry)
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _read_registry(path: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: dataset_info.json is not valid JSON ({exc.msg})") from None
-    specs: dict[str, DatasetSpec] = {}
-    for name, entry in raw.items():
-        unknown = set(entry) - SPEC_KEYS
-        if unknown:
-            raise ConfigError(
-                f"{path}: dataset '{name}' has unsupported key(s) {sorted(unknown)} (supported: {sorted(SPEC_KEYS)})"
-            )
-        entry = _hub_entry(path, name, entry)
-        if sum(bool(entry.get(k)) for k in ("file_name", "generator", "hf_hub_url")) != 1:
-            raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name, hf_hub_url or generator")
-        if entry.get("formatting", "alpaca") not in FORMATTINGS:
-            raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
-        media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
-        if media:
-            raise ConfigError(
-                f"{path}: dataset '{name}' maps columns.{media[0]}, but tunelab trains text-only models and "
-                f"would ignore the {media[0]}: remove columns.{media[0]} (and the {media[0]} from the rows)"
-            )
-        specs[name] = DatasetSpec(name=name, root=str(path.parent), **entry)
-    return specs
+    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
+        raise ConfigError(f"{path}: dataset_info.json must map each dataset name to an object of its settings")
+    return {name: (path, entry) for name, entry in raw.items()}
+
+
+def _spec(path: Path, name: str, entry: dict[str, Any]) -> DatasetSpec:
+    """One registry entry checked and turned into a spec."""
+    unknown = set(entry) - SPEC_KEYS
+    if unknown:
+        raise ConfigError(
+            f"{path}: dataset '{name}' has unsupported key(s) {sorted(unknown)} (supported: {sorted(SPEC_KEYS)})"
+        )
+    entry = _hub_entry(path, name, entry)
+    if sum(bool(entry.get(k)) for k in ("file_name", "generator", "hf_hub_url")) != 1:
+        raise ConfigError(f"{path}: dataset '{name}' needs exactly one of file_name, hf_hub_url or generator")
+    if entry.get("file_name") and entry.get("split", "train") != "train":  # LlamaFactory habit, meant for the hub
+        raise ConfigError(
+            f"{path}: dataset '{name}': split '{entry['split']}' applies to generator and hf_hub_url datasets; a "
+            "file_name entry is read whole: remove split (or give that split its own file and entry)"
+        )
+    if entry.get("formatting", "alpaca") not in FORMATTINGS:
+        raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
+    media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
+    if media:
+        raise ConfigError(
+            f"{path}: dataset '{name}' maps columns.{media[0]}, but tunelab trains text-only models and "
+            f"would ignore the {media[0]}: remove columns.{media[0]} (and the {media[0]} from the rows)"
+        )
+    return DatasetSpec(name=name, root=str(path.parent), formatting_given="formatting" in entry, **entry)
 
 
 def _hub_entry(path: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -107,15 +147,15 @@ def _hub_entry(path: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
     return entry
 
 
-def load_registry(dataset_dir: str | None = None) -> dict[str, DatasetSpec]:
-    """Built-in datasets plus the ones in `dataset_dir/dataset_info.json`."""
-    specs = _read_registry(BUILTIN_REGISTRY)
+def load_registry(dataset_dir: str | None = None) -> Registry:
+    """Built-in datasets plus the ones in `dataset_dir/dataset_info.json` (each checked when looked up)."""
+    entries = _read_registry(BUILTIN_REGISTRY)
     if dataset_dir:
         path = Path(dataset_dir) / "dataset_info.json"
         if not path.is_file():
             raise ConfigError(f"dataset_dir: {dataset_dir} has no dataset_info.json")
-        specs.update(_read_registry(path))
-    return specs
+        entries.update(_read_registry(path))
+    return Registry(entries)
 
 
 def resolve_files(spec: DatasetSpec) -> list[Path]:

@@ -65,12 +65,12 @@ import numpy as np
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
-from tunelab.data.formats import CANONICAL_FEATURES, _Converter, _has_empty_answer
+from tunelab.data.formats import CANONICAL_FEATURES, _Converter
 from tunelab.data.packing import PackingStats, pack_dataset
-from tunelab.data.pipeline import DatasetBundle, _load_canonical, _mix, encode_dataset
+from tunelab.data.pipeline import DatasetBundle, TrainedReasoning, _load_canonical, _mix, encode_dataset
 from tunelab.data.pretrain import (
     TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, _keep_document, _load_documents, _packed_report,
-    _window_report, resolve_text_column,
+    _window_report, document_bos_id, resolve_text_columns,
 )
 from tunelab.data.registry import FILE_TYPES, DatasetSpec, check_utf8, describe, load_registry, load_rows, resolve_files
 from tunelab.errors import ConfigError, DataError
@@ -223,11 +223,13 @@ class _CountingTokenizer:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         out = self.inner(batch)
         keep = max(self.inner.min_length, 1)
-        for n in out["num_tokens"]:
+        for n, column in zip(out["num_tokens"], out["text_column"]):
             self.stats.documents += 1
             if n >= keep:
                 self.stats.kept += 1
-                self.stats.tokens += n + 1
+                self.stats.tokens += n + self.inner.special_tokens
+                name = self.inner.text_columns[column]
+                self.stats.documents_by_column[name] = self.stats.documents_by_column.get(name, 0) + 1
             elif n == 0:
                 self.stats.dropped_empty += 1
             else:
@@ -242,7 +244,7 @@ class PretrainStream:
     tokenizer: Any
     data_args: DataArguments
     specs: dict[str, DatasetSpec]
-    text_columns: dict[str, str]
+    text_columns: dict[str, tuple[str, ...]]
     source_columns: dict[str, list[str]]
     seed: int
 
@@ -264,9 +266,10 @@ class PretrainStream:
 
         def counter(part: Part) -> _CountingTokenizer:
             if part.source not in counters:
-                counters[part.source] = _CountingTokenizer(
-                    DocumentTokenizer(self.tokenizer, self.text_columns[part.source], data.min_length, part.source)
-                )
+                counters[part.source] = _CountingTokenizer(DocumentTokenizer(
+                    self.tokenizer, self.text_columns[part.source], data.min_length, part.source,
+                    document_bos_id(self.tokenizer),
+                ))
             return counters[part.source]
 
         for shard in shards:
@@ -355,7 +358,7 @@ def pretrain_stream(
     for spec in specs:  # resolve every column now, so a wrong text_column fails before training starts
         files = tuple(str(p) for p in resolve_files(spec)) if not spec.generator else ()
         columns[spec.name] = column_names(stream_rows(spec, files, data_args), spec.name)
-        text_columns[spec.name] = resolve_text_column(spec, columns[spec.name], data_args.text_column)
+        text_columns[spec.name] = resolve_text_columns(spec, columns[spec.name], data_args.text_column)
     generator = PretrainStream(tokenizer, data_args, {s.name: s for s in specs}, text_columns, columns, seed)
     shards = plan_shards(specs, data_args, readers, seed if shuffle_files else None)
     return datasets.IterableDataset.from_generator(generator, gen_kwargs={"shards": shards})
@@ -421,10 +424,10 @@ class SupervisedStream:
         spec = self.specs[part.source]
         columns = self.source_columns[part.source]
         rows = stream_rows(spec, part.files, self.data_args)
-        converted = rows.map(
-            _Converter(spec, columns), with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES
-        )
-        return converted.filter(lambda row: not _has_empty_answer(row))
+        # As map-style: a structurally wrong row is an error naming it (skip_bad_rows is not for streams),
+        # an empty answer trains the end-of-turn, and reasoning must reach the loss.
+        converter = _Converter(spec, columns, row_check=TrainedReasoning(self.encoder))
+        return rows.map(converter, with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES)
 
     def examples(self, shards: list[Shard], counter: _CountingEncoder) -> Iterator[dict[str, np.ndarray]]:
         for shard in shards:
@@ -543,7 +546,7 @@ def build_streaming_supervised(data_args: DataArguments, tokenizer, template, ar
     )
     eval_rows, evals = {}, {}
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, encoder)
         num_proc = data_args.preprocessing_num_workers
         evals[name], stats = encode_dataset(eval_rows[name], encoder, f"eval:{name}", num_proc)
         report[f"eval:{name}"] = asdict(stats)

@@ -50,7 +50,7 @@ def generate_predictions(
     model.eval()
     stops = stop_token_ids(tokenizer, template)
     tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
-    items = [prompt_and_reference(row) for row in rows]
+    items = [prompt_and_reference(row, template) for row in rows]
     prompts = [template.prompt(messages, **tokens, **(template_vars or {})) for messages, _ in items]
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]

@@ -3,7 +3,8 @@
 transformers.Trainer already runs the loop, gradient accumulation, mixed precision, distributed
 engines and checkpointing, and already leaves biases and norm weights out of weight decay. We add:
 - the loss: a `compute_loss_func` (train/losses.py) normalised by the supervised tokens of the whole
-  optimizer step, which the Trainer counts across micro-batches and processes;
+  optimizer step, which the Trainer counts across micro-batches and processes, with the run's
+  `label_smoothing_factor` (transformers' own LabelSmoother is never reached past a compute_loss_func);
 - token accounting (all tokens and supervised tokens seen), logged with every training log line;
 - evaluation metrics per eval set, counted batch by batch (logits are never gathered across the set):
   `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
@@ -27,13 +28,15 @@ from tunelab.errors import TrainingError
 from tunelab.train import checkpoints
 from tunelab.train.callbacks import JsonlLogCallback
 from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
-from tunelab.train.losses import IGNORE_INDEX, causal_lm_loss_func
+from tunelab.train.losses import IGNORE_INDEX, CausalLMLoss, causal_lm_loss_func
 from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
 
 class TunelabTrainer(transformers.Trainer):
     def __init__(self, *args, compute_loss_func=causal_lm_loss_func, **kwargs):
         super().__init__(*args, compute_loss_func=compute_loss_func, **kwargs)
+        if compute_loss_func is causal_lm_loss_func and self.args.label_smoothing_factor:
+            self.compute_loss_func = CausalLMLoss(self.args.label_smoothing_factor)
         self.tokens_seen = 0
         self.supervised_tokens_seen = 0
         self.train_start_time: float | None = None
