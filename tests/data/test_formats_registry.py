@@ -9,7 +9,7 @@ import datasets
 import pytest
 
 from tests.data.test_encode import supervised_runs
-from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tests.official import official_render
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import ConversionStats, template_messages, to_canonical
 from tunelab.data.pairwise import PairwiseEncoder
@@ -318,14 +318,11 @@ def test_a_pair_with_an_empty_side_trains_that_side_on_the_end_of_turn(tiny_toke
     assert (chosen, rejected) == (["<|im_end|>"], ["Well, actually<|im_end|>"])
 
 
-@pytest.mark.skipif(not CHAT_TEMPLATE_FIXTURES.is_dir(), reason=f"official chat templates not found at {CHAT_TEMPLATE_FIXTURES}")
 def test_an_explicitly_empty_system_turn_encodes_as_the_official_render(tiny_tokenizer):
-    from tunelab.data.templates import Template  # noqa: PLC0415
-
     turns = [{"role": "system", "content": ""}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     rows, _ = canonical([{"messages": turns}], formatting="openai")
-    official = Template("official:qwen2_5", (CHAT_TEMPLATE_FIXTURES / "qwen2_5.jinja").read_text(encoding="utf-8"))
+    official = official_render("qwen2_5", turns)
     encoder = SupervisedEncoder(tokenizer=tiny_tokenizer, template=get_template("qwen2_5"), cutoff_len=128)
     out = encoder({key: [value] for key, value in rows[0].items()})
-    assert out["input_ids"] == [tiny_tokenizer(official.render(turns), add_special_tokens=False)["input_ids"]]
-    assert "You are Qwen" not in official.render(turns)
+    assert out["input_ids"] == [tiny_tokenizer(official, add_special_tokens=False)["input_ids"]]
+    assert "You are Qwen" not in official

@@ -16,18 +16,13 @@ from typing import Any
 import pytest
 
 from tests.data.test_encode import supervised_runs
-from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
+from tests.official import needs_official, official_render, official_template
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import renders_reasoning, template_messages
 from tunelab.data.pipeline import build_datasets
-from tunelab.data.templates import Template, get_template
+from tunelab.data.templates import get_template
 from tunelab.errors import DataError
-
-needs_official = pytest.mark.skipif(
-    not CHAT_TEMPLATE_FIXTURES.is_dir(),
-    reason=f"official chat templates not found at {CHAT_TEMPLATE_FIXTURES} (check out ../shared beside the repo)",
-)
 
 TWO_ANSWERS = [
     {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "reasoning_content": "r1"},
@@ -40,6 +35,13 @@ def write_dataset(folder: Path, rows: list[dict[str, Any]]) -> str:
     (folder / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / "dataset_info.json").write_text(json.dumps({"r": {"file_name": "data.jsonl", "formatting": "openai"}}))
     return str(folder)
+
+
+def r1_tokenizer():
+    # The embedded tokenizer lacks R1's <｜end▁of▁sentence｜>, which a run refuses (data/templates: end-of-turn check).
+    from tests.data.test_template_spans import family_tokenizer  # noqa: PLC0415
+
+    return family_tokenizer("deepseek_r1_distill")
 
 
 def build(folder: str, tokenizer, template: str, **options: Any):
@@ -64,12 +66,13 @@ def test_qwen3_trains_each_answer_with_its_reasoning(tmp_path, tiny_tokenizer):
     assert bundle.report["sources"][0]["rows_with_reasoning"] == 1
 
 
-def test_deepseek_r1_trains_reasoning_after_its_think_prompt(tmp_path, tiny_tokenizer):
-    bundle = build(write_dataset(tmp_path / "d", [{"messages": TWO_ANSWERS}]), tiny_tokenizer, "deepseek_r1_distill")
+def test_deepseek_r1_trains_reasoning_after_its_think_prompt(tmp_path):
+    tokenizer = r1_tokenizer()
+    bundle = build(write_dataset(tmp_path / "d", [{"messages": TWO_ANSWERS}]), tokenizer, "deepseek_r1_distill")
     eos = "<｜end▁of▁sentence｜>"
-    assert trained(tiny_tokenizer, bundle) == [[f"r1\n</think>\n\na1{eos}"], [f"r2\n</think>\n\na2{eos}"]]
+    assert trained(tokenizer, bundle) == [[f"r1\n</think>\n\na1{eos}"], [f"r2\n</think>\n\na2{eos}"]]
     starts = [next(i for i, label in enumerate(row["labels"]) if label != -100) for row in bundle.train]
-    prompts = [tiny_tokenizer.decode(row["input_ids"][:start]) for row, start in zip(bundle.train, starts)]
+    prompts = [tokenizer.decode(row["input_ids"][:start]) for row, start in zip(bundle.train, starts)]
     assert [prompt.split("<｜User｜>")[-1] for prompt in prompts] == ["q1<｜Assistant｜><think>\n", "q2<｜Assistant｜><think>\n"]
 
 
@@ -102,14 +105,12 @@ def test_reasoning_where_the_template_writes_none_is_an_error(tmp_path, tiny_tok
     ]
     with pytest.raises(DataError, match=r"^dataset 'r' row 0: the reasoning of answer 2 is not in what chat template "
                                         r"'deepseek_r1_distill' trains \(the template writes no reasoning at that point"):
-        build(write_dataset(tmp_path / "d", [{"messages": turns}]), tiny_tokenizer, "deepseek_r1_distill")
+        build(write_dataset(tmp_path / "d", [{"messages": turns}]), r1_tokenizer(), "deepseek_r1_distill")
 
 
-@needs_official
 def test_qwen3_examples_are_the_official_renders_at_each_answer():
-    from tests.data.test_template_spans import family_tokenizer  # noqa: PLC0415 - reads the fixtures
+    from tests.data.test_template_spans import family_tokenizer  # noqa: PLC0415
 
-    official = Template("official:qwen3", (CHAT_TEMPLATE_FIXTURES / "qwen3.jinja").read_text(encoding="utf-8"))
     tokenizer = family_tokenizer("qwen3")
     encoder = SupervisedEncoder(tokenizer=tokenizer, template=get_template("qwen3", tokenizer), cutoff_len=4096)
     row = {"messages": [{"tool_calls": "", "tool_call_id": "", "reasoning": m.get("reasoning_content", ""),
@@ -117,7 +118,7 @@ def test_qwen3_examples_are_the_official_renders_at_each_answer():
            "system": "", "tools": "", "chosen": "", "rejected": ""}
     out = encoder({key: [value] for key, value in row.items()})
     messages = template_messages(row)
-    texts = [official.render(messages[:cut]) for cut in (2, 4)]
+    texts = [official_render("qwen3", messages[:cut]) for cut in (2, 4)]
     assert out["input_ids"] == [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     # at answer 1 the official render holds its reasoning; later renders drop it (history)
     assert "<think>\nr1\n</think>" in texts[0] and "r1" not in texts[1]
@@ -125,10 +126,7 @@ def test_qwen3_examples_are_the_official_renders_at_each_answer():
 
 @needs_official
 def test_deepseek_r1_reasoning_follows_the_official_generation_prompt():
-    official = Template(
-        "official:deepseek_r1_distill",
-        (CHAT_TEMPLATE_FIXTURES / "deepseek_r1_distill.jinja").read_text(encoding="utf-8"),
-    )
+    official = official_template("deepseek_r1_distill")
     ours = get_template("deepseek_r1_distill")
     tokens = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
     prompt = official.render(TWO_ANSWERS[:3], add_generation_prompt=True, **tokens)
