@@ -12,26 +12,6 @@ from tunelab.config.loader import load_config, parse_overrides, resolved_dict
 from tunelab.errors import ConfigError
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """A model folder that passes the pre-load checks (config.json + a chat template)."""
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    return folder
-
-
-@pytest.fixture
-def base(tmp_path: Path, model_dir: Path) -> dict:
-    return {
-        "model_name_or_path": str(model_dir),
-        "dataset": "demo_reverse",
-        "template": "chatml",
-        "output_dir": str(tmp_path / "out"),
-    }
-
-
 def write(tmp_path: Path, data: dict) -> Path:
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -5,7 +5,6 @@ Exact messages, checked before any model or dataset loads.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -16,21 +15,6 @@ from tunelab.config.loader import load_config
 from tunelab.errors import ConfigError
 
 DS_Z2 = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z2_config.json"
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    return folder
-
-
-@pytest.fixture
-def base(tmp_path: Path, model_dir: Path) -> dict:
-    return {"model_name_or_path": str(model_dir), "dataset": "demo_reverse", "template": "chatml",
-            "output_dir": str(tmp_path / "out")}
 
 
 def write(tmp_path: Path, data: dict) -> Path:
