@@ -37,7 +37,7 @@ The micro-batch is per_device_train_batch_size rows of the longest tokenized row
 when the stage is sft or pt and the data is not streamed, else cutoff_len, and the output says which.
 
 Not counted (the output says so too): on CPU, the free memory the C allocator keeps after the first steps
-and the library code the first backward pages in (together ~9% of the quickstart's peak, measured in
+and the library code the first backward pages in (together 4-8% of the quickstart's peak, measured in
 docs/use.md); on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
 and generation batches (smaller than a training step's, without gradients), data-loader workers,
 DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
@@ -56,6 +56,7 @@ import logging
 import re
 import statistics
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,7 +521,8 @@ def format_estimate(result: Estimate) -> str:
     if result.on_gpu:
         lines.append(f"host process: {_size(result.process_baseline)} resident before the model (libraries + tokenized data)")
     lines.append(f"row lengths: {result.lengths.source}")
-    lines.append("not counted: " + (NOT_COUNTED_GPU if result.on_gpu else NOT_COUNTED_CPU))
+    not_counted = "not counted: " + (NOT_COUNTED_GPU if result.on_gpu else NOT_COUNTED_CPU)
+    lines += textwrap.wrap(not_counted, width=110, subsequent_indent="  ")
     lines += [f"note: {note}" for note in result.notes]
     probe = result.probe
     if probe is not None:
