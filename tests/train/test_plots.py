@@ -108,14 +108,16 @@ def _color_at(path, fig, x: float, y: float) -> tuple[float, float, float]:
 def test_plot_loss_writes_both_pngs_and_a_lone_evaluation_is_drawn(tmp_path):
     import matplotlib.colors
 
-    records = [{"step": s, "loss": 3.0 - 0.2 * s} for s in range(1, 9)] + [{"step": 8, "eval_loss": 1.4}]
+    records = [{"step": s, "loss": 3.0 - 0.2 * s} for s in range(1, 9)] + [{"step": 8, "eval_loss": 1.1}]
     (tmp_path / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     written = plot_loss(tmp_path)
     assert [p.name for p in written] == ["training_loss.png", "eval_loss.png"]
-    # The lone evaluation is a marker where it happened (the old one-point line drew nothing there).
-    fig = loss_figure({"eval_loss": ([8], [1.4])}, f"eval loss — {tmp_path.name}")
+    # The lone evaluation is a marker where it happened (the old one-point line drew nothing there), in front
+    # of the training loss.
+    fig = loss_figure({"eval_loss": ([8], [1.1])}, f"eval loss — {tmp_path.name}", reference=series(records, "loss"))
+    assert list(_lines(fig)) == ["training loss", "eval_loss (last 1.1)"]
     fig.canvas.draw()
-    assert _color_at(tmp_path / "eval_loss.png", fig, 8, 1.4) == pytest.approx(matplotlib.colors.to_rgb(EVAL_COLORS[0]), abs=0.02)
+    assert _color_at(tmp_path / "eval_loss.png", fig, 8, 1.1) == pytest.approx(matplotlib.colors.to_rgb(EVAL_COLORS[0]), abs=0.02)
     fig = loss_figure({"loss": series(records, "loss")}, f"training loss — {tmp_path.name}")
     fig.canvas.draw()
     assert _color_at(tmp_path / "training_loss.png", fig, 4, 2.2) == pytest.approx(matplotlib.colors.to_rgb(TRAIN_COLOR), abs=0.02)

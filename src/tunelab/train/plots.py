@@ -13,7 +13,9 @@ What they draw, and why:
   from 10 to 0.006 on a linear axis puts its whole second half in the bottom pixel row. On a log axis
   the smoothing runs on log(loss) (a running geometric mean), so the line sits inside the cloud of
   points the eye sees rather than above it.
-- Evaluations as markers joined by lines: one evaluation is one visible point.
+- Evaluations as markers joined by lines: one evaluation is one visible point. The training loss runs
+  behind them, thin and grey, so an evaluation reads against the training curve (and a lone one sits on
+  an axis that means something).
 - The last value in the legend: what the run ended at, in numbers.
 
 Only the main process calls this, after training (matplotlib is imported here, not at start-up).
@@ -33,6 +35,7 @@ MAX_SMOOTHING_WEIGHT = 0.99
 LOG_SCALE_RATIO = 50.0  # max / min above which the y-axis is logarithmic (> 1.7 decades)
 
 TRAIN_COLOR, EVAL_COLORS = "#1f77b4", ("#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+REFERENCE_COLOR = "#999999"
 
 
 def smoothing_weight(points: int) -> float:
@@ -109,23 +112,30 @@ def _draw(ax, steps: list[int], values: list[float], color: str, label: str, log
             label=f"{label}, smoothed (last {_number(smoothed[-1])})")
 
 
-def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str):
-    """A matplotlib Figure with a curve per label: x step, y loss, log y-axis when the values span decades."""
+def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
+                reference: tuple[list[int], list[float]] | None = None):
+    """A matplotlib Figure with a curve per label: x step, y loss, log y-axis when the values span decades.
+    `reference` (the eval plot's training loss) is drawn thin and grey behind them, smoothed when long."""
     import matplotlib  # noqa: PLC0415 - plotting is optional work at the end of a run
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
-    log_scale = use_log_scale([v for _, values in curves.values() for v in values])
+    shown = [*curves.values(), *([reference] if reference else [])]
+    log_scale = use_log_scale([v for _, values in shown for v in values])
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    if reference:
+        steps, values = reference
+        ax.plot(steps, smooth_curve(values, log_scale) or values, color=REFERENCE_COLOR, linewidth=1.0,
+                label="training loss", zorder=1)
     colors = [TRAIN_COLOR] if list(curves) == ["loss"] else list(EVAL_COLORS) * len(curves)
     for (label, (steps, values)), color in zip(curves.items(), colors, strict=False):
         _draw(ax, steps, values, color, label, log_scale)
     if log_scale:
         ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    last_step = max(step for steps, _ in curves.values() for step in steps)
+    last_step = max(step for steps, _ in shown for step in steps)
     ax.set_xlim(0, last_step * 1.04 + 0.5)  # from the start of the run: a lone evaluation sits where it happened
     ax.set_xlabel("step")
     ax.set_ylabel("loss (log scale)" if log_scale else "loss")
@@ -156,5 +166,6 @@ def plot_loss(output_dir: str | Path) -> list[Path]:
     evals = {key: series(records, key) for key in eval_loss_keys(records)}
     evals = {key: curve for key, curve in evals.items() if curve[0]}
     if evals:
-        written.append(save_figure(loss_figure(evals, f"eval loss — {run}"), output_dir / "eval_loss.png"))
+        figure = loss_figure(evals, f"eval loss — {run}", reference=train if train[0] else None)
+        written.append(save_figure(figure, output_dir / "eval_loss.png"))
     return written
