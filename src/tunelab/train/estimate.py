@@ -523,10 +523,12 @@ def format_estimate(result: Estimate) -> str:
     lines.append(f"row lengths: {result.lengths.source}")
     not_counted = "not counted: " + (NOT_COUNTED_GPU if result.on_gpu else NOT_COUNTED_CPU)
     lines += textwrap.wrap(not_counted, width=110, subsequent_indent="  ")
-    lines += [f"note: {note}" for note in result.notes]
+    for note in result.notes:
+        lines += textwrap.wrap(f"note: {note}", width=110, subsequent_indent="  ")
     probe = result.probe
     if probe is not None:
-        lines.append(f"measured (probe, {probe.steps} steps after a warm-up on {probe.batches}): "
+        steps = f"{probe.steps} step{'s' if probe.steps != 1 else ''}"
+        lines.append(f"measured (probe, {steps} after a warm-up on {probe.batches}): "
                      f"{probe.seconds_per_step:.3f} s per optimizer step (median; fastest {probe.fastest_step:.3f})")
         if probe.reserved is None:
             lines.append(f"  peak RSS of this process: {_size(probe.peak)} measured vs {_size(result.predicted_peak)} predicted")
