@@ -8,8 +8,8 @@ weights, which the baseline already holds — and is compared with the estimate'
 
 glibc keeps freed tensors in its heap once its dynamic mmap threshold has risen, so RSS would show the
 high-water mark of allocator reuse, not live tensors; the subprocess therefore runs with
-MALLOC_MMAP_THRESHOLD_=65536 (tensors above 64 KiB map and unmap directly), as `tunelab estimate`'s
-probe does. What remains beyond tensors is roughly constant (library code paged in by the first
+MALLOC_MMAP_THRESHOLD_=65536 (tensors above 64 KiB map and unmap directly; it also makes steps slower,
+so `tunelab estimate`'s probe, which times steps and measures the whole process, does not). What remains beyond tensors is roughly constant (library code paged in by the first
 backward, thread pools: ~10-15 MiB here), so repeat at two batch sizes to see the per-token slope.
 
     python bench/train_memory.py                    # pt, full, tiny model, cutoff_len 128, batch 16 and 32

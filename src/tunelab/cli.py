@@ -287,9 +287,10 @@ def _add_model_commands(sub) -> None:
     export.set_defaults(func=_cmd_export)
     estimate = sub.add_parser(
         "estimate", help="predict a run's peak memory and time per step (a few measured probe steps)",
-        description="Peak memory by parts (weights, gradients, optimizer states, activations) for the configured "
-        "model, finetuning_type, dtype, batch size, cutoff_len and gradient checkpointing, and the time per "
-        "optimizer step measured over a few real steps on random tokens of the configured shape.",
+        description="The whole process's peak memory (a measured baseline of libraries and data, plus weights, "
+        "gradients, optimizer states and activations for the configured model, finetuning_type, dtype, batch size, "
+        "longest row and gradient checkpointing), and the time per optimizer step measured over a few real steps "
+        "on the run's first batches (random cutoff_len rows when the data is not read).",
     )
     estimate.add_argument("config", nargs="?", help="the run's YAML file (optional: key=value options alone work too)")
     estimate.add_argument("--probe-steps", type=int, default=3, help="measured optimizer steps (0: skip the probe)")

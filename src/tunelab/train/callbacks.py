@@ -1,4 +1,4 @@
-"""Trainer callbacks: the JSON-lines training log and the loss plot.
+"""Trainer callbacks: the JSON-lines training log (the plots drawn from it are in plots.py).
 
 trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate,
 grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA.
@@ -9,7 +9,6 @@ from there, so the file reads as one run.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -61,44 +60,3 @@ def read_log(output_dir: str | Path) -> list[dict]:
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
-
-def plot_loss(output_dir: str | Path) -> list[Path]:
-    """Write training_loss.png (and eval_loss.png when evaluated) from trainer_log.jsonl."""
-    import matplotlib  # noqa: PLC0415 - plotting is optional work at the end of a run
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    records = read_log(output_dir)
-    written = []
-    for key, filename in (("loss", "training_loss.png"), ("eval_loss", "eval_loss.png")):
-        points = [(r["step"], r[key]) for r in records if key in r and math.isfinite(r[key])]
-        eval_keys = sorted({k for r in records for k in r if k.startswith("eval_") and k.endswith("_loss")})
-        if key == "eval_loss" and not points and eval_keys:
-            key = eval_keys[0]
-            points = [(r["step"], r[key]) for r in records if key in r]
-        if not points:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        steps, values = zip(*points)
-        ax.plot(steps, values, color="#1f77b4", alpha=0.4 if len(points) > 10 else 1.0, label="raw")
-        if len(points) > 10:
-            ax.plot(steps, _smooth(values), color="#1f77b4", label="smoothed")
-            ax.legend()
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
-        ax.set_title(f"{key} — {Path(output_dir).name}")
-        fig.tight_layout()
-        path = Path(output_dir) / filename
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
-def _smooth(values, weight: float = 0.9) -> list[float]:
-    out, last = [], values[0]
-    for value in values:
-        last = last * weight + (1 - weight) * value
-        out.append(last)
-    return out

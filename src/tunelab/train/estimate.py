@@ -1,8 +1,13 @@
-"""`tunelab estimate`: a run's peak memory by parts, predicted, and its time per step, measured.
+"""`tunelab estimate`: the peak memory a run will show, by parts, and its time per step, measured.
 
-Memory (bytes, per device, for one micro-batch of per_device_train_batch_size x cutoff_len tokens — the
-longest a batch can be; padded batches of shorter rows need less):
+The memory is the whole process's peak on CPU (what `top`, `/usr/bin/time -v` or getrusage report as the
+run's peak RSS) and the tensors on the device on a GPU, for the longest micro-batch the run's data gives:
 
+    process baseline   measured, not modelled: the resident memory of this process once it has imported
+                       what the stage's training workflow imports (Python, torch, transformers, datasets,
+                       tunelab) and loaded the tokenized dataset the way training does (the tokenized cache,
+                       memory-mapped), before any model exists. On CPU it is part of the total; on a GPU it is
+                       host memory and shown beside the device total.
     weights            every parameter's numel x its element size, counted on a meta-device copy of the
                        model set up exactly as training sets it up (LoRA/freeze/full, dtype, upcasts);
                        tied weights once. 4/8-bit bases: quantized linear weights at bits/8 (+ block
@@ -25,15 +30,23 @@ longest a batch can be; padded batches of shorter rows need less):
                        float32 either way).
     loss workspace     the logits and their float32 copy alive while the loss and its gradient are
                        computed: 2 x tokens x V x 4 bytes.
-    peak = weights + gradients + optimizer states + activations + loss workspace.
+    total              CPU: baseline + the five parts; GPU: the five parts.
 
-Time: a probe runs a few real optimizer steps (the configured model, adapters, optimizer, batch size and
-gradient accumulation, on random tokens of the configured shape) and reports the median seconds per step
-after a warm-up step, and the peak memory it measured (CUDA: max_memory_allocated; CPU: the process's
-peak RSS increase over the loaded-model baseline, via /proc/self/clear_refs and VmHWM on Linux).
+The micro-batch is per_device_train_batch_size rows of the longest tokenized row of the training data
+(padded batches are as wide as their longest row; packed rows are cutoff_len long), read from the data
+when the stage is sft or pt and the data is not streamed, else cutoff_len, and the output says which.
 
-Not modelled: DeepSpeed/FSDP sharding (divide by the shard count), packing isolation masks, CUDA
-context and allocator fragmentation, data loader workers.
+Not counted (the output says so too): on CPU, the free memory the C allocator keeps after the first steps
+and the library code the first backward pages in (together 4-8% of the quickstart's peak, measured in
+docs/use.md); on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
+and generation batches (smaller than a training step's, without gradients), data-loader workers,
+DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
+
+Time: a probe trains a few real optimizer steps on the run's first batches (the configured model,
+adapters, optimizer, batch size and gradient accumulation, on the tokenized training data when it was
+read, else on random rows of cutoff_len tokens) with the allocator as training has it, and reports the
+median seconds per step after a warm-up step, and the peak it measured: the process's peak RSS (VmHWM)
+on CPU, torch.cuda.max_memory_allocated / max_memory_reserved on a GPU.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ import logging
 import re
 import statistics
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,16 +128,45 @@ class MemoryEstimate:
         return self.total - self.weights
 
 
+@dataclass(frozen=True)
+class RowLengths:
+    """The token lengths the estimate assumed, and where they came from."""
+
+    longest: int  # tokens in the longest training row (the widest padded micro-batch)
+    source: str  # one line for the output: the data's lengths, or why cutoff_len was assumed
+    from_data: bool
+
+
+@dataclass
+class ProbeResult:
+    seconds_per_step: float  # the median after the warm-up step
+    fastest_step: float  # the least disturbed by other processes on a shared machine
+    steps: int
+    peak: int  # CPU: the process's peak RSS; GPU: torch.cuda.max_memory_allocated
+    reserved: int | None  # GPU: torch.cuda.max_memory_reserved
+    batches: str  # what the probe trained on
+
+
 @dataclass
 class Estimate:
     memory: MemoryEstimate
     total_parameters: int
     trainable_parameters: int
-    tokens_per_micro_batch: int
+    batch_size: int
+    lengths: RowLengths
+    process_baseline: int  # bytes: this process's RSS after the imports and the data, before the model
+    on_gpu: bool
     notes: list[str] = field(default_factory=list)
-    seconds_per_step: float | None = None
-    measured_peak_increase: int | None = None  # probe: peak over the loaded-model baseline, bytes
-    measured_how: str | None = None
+    probe: ProbeResult | None = None
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.batch_size * self.lengths.longest
+
+    @property
+    def predicted_peak(self) -> int:
+        """CPU: the whole process's peak RSS; GPU: the peak of tensors on the device."""
+        return self.memory.total + (0 if self.on_gpu else self.process_baseline)
 
 
 # ---- activations -----------------------------------------------------------------------------------------
@@ -218,7 +261,8 @@ def meta_model(config: RunConfig) -> nn.Module:
     return setup_finetuning(model, config.finetuning, config.training, adapter_name_or_path=None)
 
 
-def training_shape(model: nn.Module, config: RunConfig) -> TrainingShape:
+def training_shape(model: nn.Module, config: RunConfig, seq_len: int | None = None) -> TrainingShape:
+    """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len)."""
     from tunelab.model.adapters import _checkpointing, decoder_layers  # noqa: PLC0415
     from tunelab.model.load import resolve_dtype  # noqa: PLC0415
 
@@ -237,7 +281,7 @@ def training_shape(model: nn.Module, config: RunConfig) -> TrainingShape:
     half = resolve_dtype(config.model, config.training) in (torch.bfloat16, torch.float16) or config.training.bf16 or config.training.fp16
     return TrainingShape(
         batch_size=config.training.per_device_train_batch_size,
-        seq_len=config.data.cutoff_len,
+        seq_len=seq_len or config.data.cutoff_len,
         active_layers=len(layers) - lowest,
         norms_train=any(p.requires_grad for p in norms),
         outer_train=any(p.requires_grad for p in outer),
@@ -248,10 +292,20 @@ def training_shape(model: nn.Module, config: RunConfig) -> TrainingShape:
     )
 
 
-def estimate(config: RunConfig, probe_steps: int = 3) -> Estimate:
+def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) -> Estimate:
+    """Predict the run's peak memory; with probe_steps > 0 also train that many steps (+1 warm-up) to time them.
+
+    The process baseline is this process's RSS once the stage's workflow is imported and the data loaded:
+    it stands for a training process only when this runs as its own process (`tunelab estimate`).
+    read_data=False assumes cutoff_len rows without reading the dataset.
+    """
+    import_training_stack(config)
+    lengths, train = row_lengths(config) if read_data else (cutoff_lengths(config, "read_data=False"), None)
+    baseline = rss_bytes()["VmRSS"]
+    reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
     model = meta_model(config)
     model_shape = ModelShape.from_config(model.config)
-    shape = training_shape(model, config)
+    shape = training_shape(model, config, lengths.longest)
     weights, grads, trainable = parameter_bytes(model, config.model.quantization_bit)
     states, note = optimizer_state_bytes(model, str(getattr(config.training.optim, "value", config.training.optim)))
     memory = MemoryEstimate(
@@ -259,68 +313,102 @@ def estimate(config: RunConfig, probe_steps: int = 3) -> Estimate:
         activations=activation_bytes(model_shape, shape), loss_workspace=loss_workspace_bytes(model_shape, shape),
     )
     total = sum(p.numel() for p in model.parameters())
-    result = Estimate(memory, total, trainable, shape.batch_size * shape.seq_len, notes=[note] if note else [])
+    on_gpu = config.training.device.type == "cuda"
+    result = Estimate(memory, total, trainable, shape.batch_size, lengths, baseline, on_gpu, notes=[note] if note else [])
+    if config.finetuning.stage not in ("sft", "pt"):
+        result.notes.append(
+            f"stage {config.finetuning.stage}: counted (and probed) as single sequences; pair stages run two per "
+            "row, and a reference or reward model adds its own weights"
+        )
     if probe_steps > 0:
-        result.seconds_per_step, result.measured_peak_increase, result.measured_how = probe(config, probe_steps)
+        result.probe = probe(config, probe_steps, train)
     return result
+
+
+# ---- the data: the lengths training will see ---------------------------------------------------------------
+
+
+def import_training_stack(config: RunConfig) -> None:
+    """Import what `tunelab train` imports for this stage, so the measured baseline holds the same libraries."""
+    import importlib  # noqa: PLC0415
+
+    importlib.import_module(f"tunelab.train.stages.{config.finetuning.stage}")
+
+
+def cutoff_lengths(config: RunConfig, why: str) -> RowLengths:
+    return RowLengths(config.data.cutoff_len, f"every row cutoff_len = {config.data.cutoff_len} tokens ({why})", False)
+
+
+def row_lengths(config: RunConfig):
+    """(RowLengths, the tokenized train set or None): read through the tokenized cache as the sft / pt workflows
+    read it (train/stages/sft.py, pt.py), so a later `tunelab train` finds the same cache entry."""
+    from tunelab.errors import DataError, TemplateError  # noqa: PLC0415
+
+    stage = config.finetuning.stage
+    if stage not in ("sft", "pt"):
+        return cutoff_lengths(config, f"stage {stage}: its rows are not read"), None
+    if config.data.streaming:
+        return cutoff_lengths(config, "streaming: the data is not read ahead"), None
+    try:
+        train = _tokenized_train_set(config)
+    except (DataError, TemplateError) as exc:
+        return cutoff_lengths(config, f"the dataset could not be read: {exc}"), None
+    if train is None or len(train) == 0:
+        return cutoff_lengths(config, "no training rows"), None
+    from tunelab.data.inspect import token_lengths  # noqa: PLC0415
+
+    lengths = token_lengths(train)
+    names = ", ".join(config.data.dataset or [])
+    source = (f"{names}: {len(lengths):,} rows of {int(lengths.min())}-{int(lengths.max())} tokens "
+              f"(mean {float(lengths.mean()):.1f}, cutoff_len {config.data.cutoff_len})")
+    return RowLengths(int(lengths.max()), source, True), train
+
+
+def _tokenized_train_set(config: RunConfig):
+    from tunelab.data.cache import cached_bundle  # noqa: PLC0415
+    from tunelab.model.load import load_tokenizer  # noqa: PLC0415
+
+    args = config.training
+    tokenizer = load_tokenizer(config.model)
+    if config.finetuning.stage == "pt":
+        from tunelab.data.pretrain import build_pretrain_datasets  # noqa: PLC0415
+
+        return cached_bundle(
+            config.data, tokenizer, None, "pt", args.seed,
+            build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
+        ).train
+    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
+    from tunelab.data.templates import get_template  # noqa: PLC0415
+
+    template = get_template(config.data.template, tokenizer)
+    return cached_bundle(
+        config.data, tokenizer, template.jinja, "sft", args.seed,
+        build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
+    ).train
 
 
 # ---- the probe -----------------------------------------------------------------------------------------
 
 
-class PeakMemory:
-    """Peak memory increase over a baseline taken at start(): CUDA allocator stats, else the process's peak RSS."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.baseline = 0
-
-    @property
-    def how(self) -> str:
-        return "torch.cuda.max_memory_allocated" if self.cuda else "peak RSS (VmHWM) over the baseline"
-
-    def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.baseline = torch.cuda.memory_allocated()
-        else:
-            return_freed_memory_to_os()
-            reset_peak_rss()
-            self.baseline = rss_bytes()["VmRSS"]
-
-    def peak_increase(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.baseline
-        return rss_bytes()["VmHWM"] - self.baseline
-
-
-def return_freed_memory_to_os() -> bool:
-    """Fix glibc's mmap threshold at 64 KiB, so every tensor bigger than that is its own mapping, returned to the
-    OS when freed: RSS then follows live tensor memory. (glibc otherwise raises the threshold after the first
-    large free and keeps later tensors in its heap, so RSS stays at the high-water mark of the first step.)"""
-    import ctypes  # noqa: PLC0415
-    import ctypes.util  # noqa: PLC0415
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        return bool(ctypes.CDLL(name).mallopt(-3, 64 * 1024))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        return False
-
-
 def rss_bytes() -> dict[str, int]:
-    """Current (VmRSS) and peak (VmHWM) resident memory of this process, from /proc/self/status."""
-    text = Path("/proc/self/status").read_text()
+    """Current (VmRSS) and peak (VmHWM) resident memory of this process: /proc/self/status on Linux; elsewhere
+    both are the peak so far (getrusage), an upper bound for the current size."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        import resource  # noqa: PLC0415
+        import sys  # noqa: PLC0415
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        return {"VmRSS": peak, "VmHWM": peak}
+    text = status.read_text()
     return {key: int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024 for key in ("VmRSS", "VmHWM")}
 
 
 def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs)."""
-    Path("/proc/self/clear_refs").write_text("5")
+    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs; elsewhere nothing to do)."""
+    clear_refs = Path("/proc/self/clear_refs")
+    if clear_refs.exists():
+        clear_refs.write_text("5")
 
 
 class _StepTimes:
@@ -339,8 +427,13 @@ class _StepTimes:
         self.callback = Callback()
 
 
-def probe(config: RunConfig, steps: int) -> tuple[float, int, str]:
-    """Run 1 + `steps` optimizer steps on random tokens; (median seconds per step after the first, peak increase, how)."""
+def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
+    """Train 1 + `steps` optimizer steps: on `train` (the tokenized training set, in the run's order) when
+    given, else on random rows of cutoff_len tokens. The median seconds per step after the first, and the peak.
+
+    The C allocator is left as training leaves it: pinning glibc's mmap threshold (so that RSS follows live
+    tensors) makes every large tensor a fresh mapping, zeroed page by page, and steps several times slower.
+    """
     import datasets  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
@@ -351,12 +444,18 @@ def probe(config: RunConfig, steps: int) -> tuple[float, int, str]:
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=True)
     args = config.training
-    rows = (steps + 1) * args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
-    generator = torch.Generator().manual_seed(args.seed)
-    vocab = min(len(tokenizer), model.get_input_embeddings().weight.shape[0])
-    ids = torch.randint(0, vocab, (rows, config.data.cutoff_len), generator=generator).tolist()
-    dataset = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    if train is not None:
+        dataset, batches = train, "the run's first batches"
+    else:
+        rows = (steps + 1) * args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
+        generator = torch.Generator().manual_seed(args.seed)
+        vocab = min(len(tokenizer), model.get_input_embeddings().weight.shape[0])
+        ids = torch.randint(0, vocab, (rows, config.data.cutoff_len), generator=generator).tolist()
+        dataset, batches = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), "random rows of cutoff_len tokens"
     times = _StepTimes()
+    cuda = args.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as scratch:
         probe_args = dataclasses.replace(
             args, output_dir=scratch, max_steps=steps + 1, eval_strategy="no", save_strategy="no",
@@ -365,16 +464,18 @@ def probe(config: RunConfig, steps: int) -> tuple[float, int, str]:
         )
         trainer = TunelabTrainer(
             model=model, args=probe_args, train_dataset=dataset,
-            data_collator=build_collator(model, tokenizer.pad_token_id, False), processing_class=tokenizer,
-            callbacks=[times.callback],
+            data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
+            processing_class=tokenizer, callbacks=[times.callback],
         )
         for printer in (transformers.PrinterCallback, transformers.ProgressCallback):  # the table is the output
             trainer.remove_callback(printer)
-        peak = PeakMemory(args.device)
-        peak.start()
         trainer.train()
-        increase = peak.peak_increase()
-    return statistics.median(times.times[1:] or times.times), increase, peak.how
+    timed = times.times[1:] or times.times
+    seconds = (statistics.median(timed), min(timed))
+    if cuda:
+        torch.cuda.synchronize()
+        return ProbeResult(*seconds, steps, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), batches)
+    return ProbeResult(*seconds, steps, rss_bytes()["VmHWM"], None, batches)
 
 
 # ---- the table ---------------------------------------------------------------------------------------------
@@ -387,24 +488,51 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+NOT_COUNTED_CPU = (
+    "the C allocator's retained free memory and the library code the first backward pages in (the probe's peak "
+    "includes them), evaluation and generation batches, data-loader workers"
+)
+NOT_COUNTED_GPU = (
+    "the CUDA context and the caching allocator's reserved-but-free blocks (the probe's 'reserved'), evaluation "
+    "and generation batches; host memory is the baseline above plus pinned buffers"
+)
+
+
 def format_estimate(result: Estimate) -> str:
     memory = result.memory
     rows = [
         ("weights", memory.weights, f"{result.total_parameters:,} parameters"),
         ("gradients", memory.gradients, f"{result.trainable_parameters:,} trainable"),
         ("optimizer states", memory.optimizer_states, ""),
-        ("activations", memory.activations, f"{result.tokens_per_micro_batch:,} tokens per micro-batch"),
+        ("activations", memory.activations,
+         f"{result.tokens_per_micro_batch:,} tokens per micro-batch ({result.batch_size} x {result.lengths.longest})"),
         ("loss workspace", memory.loss_workspace, "logits + float32 copy"),
     ]
+    baseline = ("process baseline", result.process_baseline, "measured: libraries + tokenized data, before the model")
+    if result.on_gpu:
+        lines = ["predicted peak memory on the device (tensors):"]
+    else:
+        lines = ["predicted peak memory (CPU: the whole process's resident memory):"]
+        rows.insert(0, baseline)
     width = max(len(name) for name, _, _ in rows) + 2
-    lines = ["predicted peak memory per device:"]
     lines += [f"  {name:<{width}}{_size(value):>12}  {detail}".rstrip() for name, value, detail in rows]
-    lines.append(f"  {'total':<{width}}{_size(memory.total):>12}")
-    if result.seconds_per_step is not None:
-        lines.append(f"measured (probe): {result.seconds_per_step:.3f} s per optimizer step")
-        lines.append(
-            f"  peak increase over the loaded model: {_size(result.measured_peak_increase)} measured "
-            f"({result.measured_how}) vs {_size(memory.training_increase)} predicted"
-        )
-    lines += [f"note: {note}" for note in result.notes]
+    lines.append(f"  {'total':<{width}}{_size(result.predicted_peak):>12}  "
+                 + ("peak of the device's tensors" if result.on_gpu else "peak RSS of the run"))
+    if result.on_gpu:
+        lines.append(f"host process: {_size(result.process_baseline)} resident before the model (libraries + tokenized data)")
+    lines.append(f"row lengths: {result.lengths.source}")
+    not_counted = "not counted: " + (NOT_COUNTED_GPU if result.on_gpu else NOT_COUNTED_CPU)
+    lines += textwrap.wrap(not_counted, width=110, subsequent_indent="  ")
+    for note in result.notes:
+        lines += textwrap.wrap(f"note: {note}", width=110, subsequent_indent="  ")
+    probe = result.probe
+    if probe is not None:
+        steps = f"{probe.steps} step{'s' if probe.steps != 1 else ''}"
+        lines.append(f"measured (probe, {steps} after a warm-up on {probe.batches}): "
+                     f"{probe.seconds_per_step:.3f} s per optimizer step (median; fastest {probe.fastest_step:.3f})")
+        if probe.reserved is None:
+            lines.append(f"  peak RSS of this process: {_size(probe.peak)} measured vs {_size(result.predicted_peak)} predicted")
+        else:
+            lines.append(f"  peak on the device: {_size(probe.peak)} allocated, {_size(probe.reserved)} reserved, "
+                         f"vs {_size(result.predicted_peak)} predicted")
     return "\n".join(lines)

@@ -24,7 +24,7 @@ import yaml
 
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import resolved_dict
-from tunelab.train.callbacks import plot_loss
+from tunelab.train.plots import plot_loss
 
 
 def write_json(output_dir: str, name: str, data: Any) -> Path:

@@ -1,0 +1,171 @@
+"""The loss plots a run leaves in output_dir: training_loss.png and eval_loss.png, from trainer_log.jsonl.
+
+What they draw, and why:
+- The raw logged values, always, as faint points joined by a faint line: the smoothed line never hides them.
+- A smoothed line only when there are enough points for smoothing to mean something. It is a debiased
+  exponential moving average (as TensorBoard draws it): the average starts from zero weight rather than
+  from the first value, and each point is divided by the weight accumulated so far, so the first
+  smoothed value IS the first raw value and the curve is not dragged towards the start. Its span
+  1 / (1 - weight) is 2% of the points (none below 100 points): a trailing average lags by about its
+  span, so on a falling loss it sits above the points by the fall over that span; 2% keeps that lag to
+  a fiftieth of the x-axis (at 5% the line visibly floats above a loss falling over decades).
+- A logarithmic y-axis when the values span more than LOG_SCALE_RATIO (all positive): a loss falling
+  from 10 to 0.006 on a linear axis puts its whole second half in the bottom pixel row. On a log axis
+  the smoothing runs on log(loss) (a running geometric mean), so the line sits inside the cloud of
+  points the eye sees rather than above it.
+- Evaluations as markers joined by lines: one evaluation is one visible point. The training loss runs
+  behind them, thin and grey, so an evaluation reads against the training curve (and a lone one sits on
+  an axis that means something).
+- The last value in the legend: what the run ended at, in numbers.
+
+Only the main process calls this, after training (matplotlib is imported here, not at start-up).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from tunelab.train.callbacks import read_log
+
+SMOOTH_SPAN_FRACTION = 0.02  # the moving average's span 1 / (1 - weight), as a share of the points
+MIN_SPAN = 2.0  # a shorter span (fewer than 100 points) smooths nothing worth a second line
+MAX_SMOOTHING_WEIGHT = 0.99
+LOG_SCALE_RATIO = 50.0  # max / min above which the y-axis is logarithmic (> 1.7 decades)
+
+TRAIN_COLOR, EVAL_COLORS = "#1f77b4", ("#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+REFERENCE_COLOR = "#999999"
+
+
+def smoothing_weight(points: int) -> float:
+    """The EMA weight for a curve of `points` values: the weight whose span 1 / (1 - weight) is
+    SMOOTH_SPAN_FRACTION of the points, at most MAX_SMOOTHING_WEIGHT; 0 (no smoothing) below MIN_SPAN."""
+    span = points * SMOOTH_SPAN_FRACTION
+    if span < MIN_SPAN:
+        return 0.0
+    return min(1.0 - 1.0 / span, MAX_SMOOTHING_WEIGHT)
+
+
+def debiased_ema(values: Sequence[float], weight: float) -> list[float]:
+    """Exponential moving average with zero-debiasing: out[k] = sum_j w^(k-j) v[j] / sum_j w^(k-j).
+
+    out[0] == values[0]; a constant series stays constant; weight 0 returns the values unchanged.
+    """
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smoothing weight must be in [0, 1), got {weight}")
+    out, total, norm = [], 0.0, 0.0
+    for value in values:
+        total = weight * total + value
+        norm = weight * norm + 1.0
+        out.append(total / norm)
+    return out
+
+
+def use_log_scale(values: Sequence[float]) -> bool:
+    """True when every value is positive and the largest is more than LOG_SCALE_RATIO times the smallest."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > LOG_SCALE_RATIO
+
+
+def smooth_curve(values: Sequence[float], log_scale: bool) -> list[float] | None:
+    """The smoothed line to draw over `values`, or None when there are too few points to smooth.
+    On a log axis the average runs on log(value)."""
+    weight = smoothing_weight(len(values))
+    if weight == 0.0:
+        return None
+    if log_scale:
+        return [math.exp(v) for v in debiased_ema([math.log(v) for v in values], weight)]
+    return debiased_ema(values, weight)
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of `key` over the log records that have a finite value for it."""
+    points = [(r["step"], float(r[key])) for r in records
+              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def eval_loss_keys(records: list[dict]) -> list[str]:
+    """eval_loss (one eval set) or eval_<name>_loss for each of several, in first-seen order."""
+    keys: list[str] = []
+    for record in records:
+        for key in record:
+            if key.startswith("eval_") and key.endswith("loss") and key not in keys:
+                keys.append(key)
+    return keys
+
+
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _draw(ax, steps: list[int], values: list[float], color: str, label: str, log_scale: bool) -> None:
+    smoothed = smooth_curve(values, log_scale)
+    if smoothed is None:  # few points: the points themselves, clearly
+        ax.plot(steps, values, color=color, marker="o", markersize=4, linewidth=1.2,
+                label=f"{label} (last {_number(values[-1])})")
+        return
+    dense = len(values) > 200
+    ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8, marker="." if not dense else None,
+            markersize=3, label=f"{label}, raw (last {_number(values[-1])})")
+    ax.plot(steps, smoothed, color=color, linewidth=1.8,
+            label=f"{label}, smoothed (last {_number(smoothed[-1])})")
+
+
+def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
+                reference: tuple[list[int], list[float]] | None = None):
+    """A matplotlib Figure with a curve per label: x step, y loss, log y-axis when the values span decades.
+    `reference` (the eval plot's training loss) is drawn thin and grey behind them, smoothed when long."""
+    import matplotlib  # noqa: PLC0415 - plotting is optional work at the end of a run
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    shown = [*curves.values(), *([reference] if reference else [])]
+    log_scale = use_log_scale([v for _, values in shown for v in values])
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if reference:
+        steps, values = reference
+        ax.plot(steps, smooth_curve(values, log_scale) or values, color=REFERENCE_COLOR, linewidth=1.0,
+                label="training loss", zorder=1)
+    colors = [TRAIN_COLOR] if list(curves) == ["loss"] else list(EVAL_COLORS) * len(curves)
+    for (label, (steps, values)), color in zip(curves.items(), colors, strict=False):
+        _draw(ax, steps, values, color, label, log_scale)
+    if log_scale:
+        ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last_step = max(step for steps, _ in shown for step in steps)
+    ax.set_xlim(0, last_step * 1.04 + 0.5)  # from the start of the run: a lone evaluation sits where it happened
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (log scale)" if log_scale else "loss")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_loss(output_dir: str | Path) -> list[Path]:
+    """Write training_loss.png (and eval_loss.png when the run evaluated) from trainer_log.jsonl."""
+    output_dir = Path(output_dir)
+    records = read_log(output_dir)
+    run = output_dir.resolve().name
+    written = []
+    train = series(records, "loss")
+    if train[0]:
+        written.append(save_figure(loss_figure({"loss": train}, f"training loss — {run}"), output_dir / "training_loss.png"))
+    evals = {key: series(records, key) for key in eval_loss_keys(records)}
+    evals = {key: curve for key, curve in evals.items() if curve[0]}
+    if evals:
+        figure = loss_figure(evals, f"eval loss — {run}", reference=train if train[0] else None)
+        written.append(save_figure(figure, output_dir / "eval_loss.png"))
+    return written
