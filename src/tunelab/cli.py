@@ -6,7 +6,8 @@ model_name_or_path, adapter_name_or_path and template (LlamaFactory's inference 
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
 anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
 A training run stopped by SIGTERM / SIGINT saves a checkpoint, prints the command that resumes it
-and exits 128 + the signal number (143 / 130).
+and exits 128 + the signal number (143 / 130); resuming a run that already reached its last step says so
+and exits 0 without changing anything.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.train import launch  # noqa: PLC0415
     from tunelab.train.run import run, setup_logging  # noqa: PLC0415
+    from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
@@ -91,6 +93,10 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         if config.training.process_index == 0:
             print(f"tunelab: {stop}; resume with: {resume_command(path, overrides)}", file=sys.stderr)
         return stop.exit_code
+    except NothingToTrain as done:  # resuming a finished run: nothing changed, and that is not a failure
+        if config.training.process_index == 0:
+            print(f"tunelab: {done}", file=sys.stderr)
+        return 0
     if config.training.process_index == 0:
         before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
         if before is not None and after is not None:

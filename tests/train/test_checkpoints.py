@@ -15,7 +15,7 @@ import torch
 
 from tests.train.reliability_helpers import cli_command, cli_env, losses, train, weights, write_config
 from tunelab.train.checkpoints import (
-    SLOW_SAVE_ENV, complete_checkpoints, is_complete, latest_checkpoint, publish, rotate,
+    SLOW_SAVE_ENV, complete_checkpoints, is_complete, latest_checkpoint, publish, rotate, write_manifest,
 )
 
 
@@ -69,6 +69,7 @@ def _fake_checkpoint(folder: Path, step: int, complete: bool = True) -> Path:
     (path / "model.safetensors").write_bytes(b"weights")
     if complete:
         (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        write_manifest(path, step, optimizer_state=False)
     return path
 
 
@@ -77,7 +78,7 @@ def test_rotation_never_deletes_the_newest_complete_checkpoint(tmp_path):
         _fake_checkpoint(tmp_path, step)
     stale = _fake_checkpoint(tmp_path, 9, complete=False)  # a half-written folder with a higher step
     (tmp_path / "checkpoint-8").mkdir()
-    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text('{"global_st')  # truncated write
+    (tmp_path / "checkpoint-8" / "tunelab_manifest.json").write_text('{"form')  # truncated write
 
     assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     rotate(tmp_path, limit=1, keep=[tmp_path / "checkpoint-6"])
@@ -94,6 +95,7 @@ def test_publish_replaces_a_folder_of_the_same_name(tmp_path):
     staging = tmp_path / "tmp-checkpoint-5"
     staging.mkdir()
     (staging / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+    write_manifest(staging, 5, optimizer_state=False)
     publish(staging, tmp_path / "checkpoint-5")
     assert not staging.exists() and is_complete(tmp_path / "checkpoint-5")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5"]

@@ -601,10 +601,36 @@ def _check_output_dir(config: RunConfig) -> None:
 
 
 def _check_resume(config: RunConfig) -> None:
-    """resume_from_checkpoint names a complete checkpoint (true: output_dir has one), before any model loads."""
-    from tunelab.train.checkpoints import resolve_resume  # noqa: PLC0415
+    """resume_from_checkpoint names a checkpoint that verifies (true: the newest of output_dir that does), holds
+    optimizer state (or resume_weights_only), and was written by a run with the same trajectory options
+    (or resume_config_mismatch: allow) — before any model loads. The resolved folder replaces true."""
+    from tunelab.train import checkpoints  # noqa: PLC0415
+    from tunelab.train.outputs import run_options  # noqa: PLC0415
 
-    resolve_resume(config.training.resume_from_checkpoint, config.training.output_dir)
+    args = config.training
+    found = checkpoints.resolve_resume(args.resume_from_checkpoint, args.output_dir, args.resume_weights_only)
+    if found is None:
+        return
+    args.resume_from_checkpoint = found
+    recorded = checkpoints.recorded_config(found)
+    if recorded is None:
+        logger.warning(
+            "resume_from_checkpoint: %s has no %s, so it cannot be checked to come from a run with the same "
+            "options", found, checkpoints.RUN_CONFIG,
+        )
+        return
+    differences = checkpoints.config_differences(recorded, run_options(config))
+    if not differences:
+        return
+    listed = ", ".join(differences)
+    if args.resume_config_mismatch == "allow":
+        logger.warning("resume_config_mismatch: allow: resuming %s although its run had %s", found, listed)
+        return
+    raise ConfigError(
+        f"resume_from_checkpoint: {found} comes from a run with other options: {listed}; resuming would continue "
+        "that run, not this one. Start a fresh run (another output_dir, or overwrite_output_dir: true without "
+        "resume_from_checkpoint), restore those values, or set resume_config_mismatch: allow"
+    )
 
 
 def _check_nan_policy(config: RunConfig) -> None:
