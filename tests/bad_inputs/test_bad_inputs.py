@@ -189,6 +189,42 @@ def test_disk_full_on_a_tiny_tmpfs(tmp_path, capsys):
     )
 
 
+# A checkpoint of the tiny model, full fine-tuning: weights 3.9 MB, optimizer 7.7 MB, ~12 MB in all. On a 14 MB
+# tmpfs the second checkpoint's weights fail (safetensors, "os error 28"); on 17 MB its optimizer does (torch.save:
+# "unexpected pos", no errno).
+FULL_DURING_CHECKPOINT = {"weights (safetensors)": "14m", "optimizer (torch.save)": "17m"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", list(FULL_DURING_CHECKPOINT.values()), ids=list(FULL_DURING_CHECKPOINT))
+def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, size):
+    from tunelab.train.checkpoints import checkpoint_problem, resolve_resume
+
+    out = tmp_path / "small"
+    out.mkdir()
+    if os.geteuid() != 0 or subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(out)], capture_output=True
+    ).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        code, err = train(
+            tmp_path, capsys, finetuning_type="full", output_dir=str(out / "run"), max_steps=4, save_steps=2,
+            per_device_train_batch_size=4, max_samples=48,
+        )
+        left = sorted(p.name for p in (out / "run").iterdir() if "checkpoint" in p.name)
+        previous = out / "run" / "checkpoint-2"
+        problem = checkpoint_problem(previous)
+        picked = resolve_resume(True, out / "run")
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+    assert (code, err) == (
+        2, f"tunelab: error: no space left on device while writing {out}/run: free space or change output_dir / "
+        "TUNELAB_CACHE\n",
+    )
+    assert left == ["checkpoint-2"]  # the staging folder of checkpoint-4 removed
+    assert (problem, picked) == (None, str(previous))  # the previous checkpoint intact, and the one resume picks
+
+
 @pytest.mark.slow
 def test_skip_bad_rows_skips_and_counts(tmp_path, caplog):
     code = main(["train", str(write_config(
