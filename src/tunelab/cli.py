@@ -87,6 +87,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     if launch.needs_launch(config.training):
         return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
     setup_logging(config.training.process_index == 0)
+    out_of_memory = None
     try:
         metrics = run(config)
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
@@ -97,6 +98,17 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         if config.training.process_index == 0:
             print(f"tunelab: {done}", file=sys.stderr)
         return 0
+    except Exception as exc:
+        from tunelab.train.oom import is_out_of_memory  # noqa: PLC0415
+
+        if not is_out_of_memory(exc):
+            raise
+        out_of_memory = str(exc)
+    if out_of_memory is not None:  # outside the handler: the failed step's tensors are released by now
+        from tunelab.errors import TrainingError  # noqa: PLC0415
+        from tunelab.train.oom import out_of_memory_message  # noqa: PLC0415
+
+        raise TrainingError(out_of_memory_message(config, out_of_memory))
     if config.training.process_index == 0:
         before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
         if before is not None and after is not None:

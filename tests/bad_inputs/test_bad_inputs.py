@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -103,6 +104,21 @@ ERRORS = [
     ("nproc_per_node below 1", {"nproc_per_node": 0}, "nproc_per_node: expected at least 1 process, got 0"),
     ("skip_bad_rows with streaming", {"skip_bad_rows": True, "streaming": True},
      "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"),
+    # numbers that torch trips over (or trains nonsense with): stopped before any model loads
+    ("negative learning_rate", {"learning_rate": -1e-3},
+     "learning_rate must be a number > 0, got -0.001; typical values: 1e-4 to 2e-4 for LoRA, 1e-5 for full fine-tuning"),
+    ("batch size 0", {"per_device_train_batch_size": 0},
+     "per_device_train_batch_size must be at least 1, got 0; it is the rows per device in a micro-batch; to use less "
+     "memory raise gradient_accumulation_steps instead"),
+    ("gradient_accumulation_steps 0", {"gradient_accumulation_steps": 0},
+     "gradient_accumulation_steps must be at least 1, got 0; 1 takes one micro-batch per optimizer step"),
+    ("max_steps 0", {"max_steps": 0},
+     "max_steps must be at least 1, or -1, got 0; set the number of optimizer steps, or -1 to train num_train_epochs"),
+    ("no steps and no epochs", {"max_steps": -1, "num_train_epochs": 0},
+     "num_train_epochs: 0 trains nothing (max_steps is -1, so the epochs decide the length); set num_train_epochs > 0 "
+     "or max_steps"),
+    ("save_steps 0", {"save_steps": 0},
+     "save_steps must be a number > 0, got 0; it is the steps between checkpoints, or a ratio of the total below 1"),
 ]
 
 
@@ -223,6 +239,37 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
     )
     assert left == ["checkpoint-2"]  # the staging folder of checkpoint-4 removed
     assert (problem, picked) == (None, str(previous))  # the previous checkpoint intact, and the one resume picks
+
+
+@pytest.mark.slow
+def test_out_of_memory_says_what_to_lower(tmp_path):
+    """A CPU out-of-memory in the first step, made certain by an address-space limit 1 GiB above the process's
+    size: 128 rows of ~440 tokens need ~3.5 GiB of activations. One line with the estimate and the fixes."""
+    rows = [{"instruction": f"Repeat {i}", "output": " ".join(["alpha beta gamma delta"] * 110)} for i in range(128)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"long": {"file_name": "data.jsonl"}}))
+    config = write_config(
+        tmp_path, dataset="long", dataset_dir=str(tmp_path), cutoff_len=512, per_device_train_batch_size=128,
+        finetuning_type="full", max_samples=None,
+    )
+    script = (
+        "import resource, sys; import torch, datasets, transformers; datasets.disable_progress_bars(); "
+        "transformers.utils.logging.disable_progress_bar(); from tunelab.cli import main; "
+        "size = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize(); "
+        "resource.setrlimit(resource.RLIMIT_AS, (size + (1 << 30), resource.RLIM_INFINITY)); "
+        f"sys.exit(main(['train', {str(config)!r}]))"
+    )
+    env = {**os.environ, "TUNELAB_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("tunelab:", "Traceback"))]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
+    assert re.fullmatch(
+        r"tunelab: error: out of CPU memory while training \(an allocation of [\d.]+ [KMG]iB failed\): `tunelab "
+        r"estimate` puts a step of 128 x 512 tokens at 3\.50 GiB of tensors \(activations 3\.07 GiB, loss workspace "
+        r"432\.00 MiB, weights \+ gradients \+ optimizer 14\.71 MiB\); lower per_device_train_batch_size \(now 128; "
+        r"raise gradient_accumulation_steps to keep the batch\) or cutoff_len \(now 512\), set "
+        r"gradient_checkpointing: true", errors[0],
+    ), errors[0]
 
 
 @pytest.mark.slow
