@@ -65,18 +65,42 @@ ERRORS = [
     ("malformed JSON line", {"dataset": "mine", "dataset_dir": "{data}/malformed_json"},
      "{data}/malformed_json/data.jsonl:2: Expecting value; fix or remove that line"),
     ("missing mapped column", {"dataset": "mine", "dataset_dir": "{data}/missing_column"},
-     "dataset 'mine': column 'question' (mapped as prompt) is missing; the file has instruction, output — "
-     "set columns.prompt in dataset_info.json"),
+     "dataset 'mine' ({data}/missing_column/data.jsonl): column 'question' (mapped as prompt) is missing; the file "
+     "has instruction, output — set columns.prompt in dataset_info.json"),
     ("wrong role order", {"dataset": "mine", "dataset_dir": "{data}/role_order"},
-     "dataset 'mine' row 0: turn 0 is assistant, expected a user/tool turn (roles must alternate); or set "
-     "skip_bad_rows: true to skip such rows (counted per reason)"),
+     "dataset 'mine' row 0 ({data}/role_order/data.jsonl:1): turn 0 is assistant, expected a user/tool turn (roles "
+     "must alternate); or set skip_bad_rows: true to skip such rows (counted per reason)"),
+    # data is never silently changed: every error names the file and the row's line
+    ("a list where text belongs", {"dataset": "mine", "dataset_dir": "{data}/not_text"},
+     "dataset 'mine' row 1 ({data}/not_text/data.jsonl:2): column 'instruction' holds a list, not text ([\"Sort\", "
+     "\"3 1 2\"]); write the text itself; or set skip_bad_rows: true to skip such rows (counted per reason)"),
+    ("a null sharegpt turn", {"dataset": "mine", "dataset_dir": "{data}/null_turn"},
+     "dataset 'mine' row 1 ({data}/null_turn/data.jsonl:2) turn 0: 'value' is missing (null); write the user turn's "
+     "text; or set skip_bad_rows: true to skip such rows (counted per reason)"),
+    ("a JSON-lines line that is an array", {"dataset": "mine", "dataset_dir": "{data}/array_line"},
+     "{data}/array_line/data.jsonl:2: a JSON array, not a row object ({{\"column\": value, ...}}); fix or remove "
+     "that line"),
+    ("a ragged CSV row", {"dataset": "mine", "dataset_dir": "{data}/ragged_csv"},
+     "{data}/ragged_csv/data.csv:3: 3 fields where the header has 2; give every row the header's columns (quote "
+     "values that contain commas)"),
+    ("an empty file", {"dataset": "mine", "dataset_dir": "{data}/empty_file"},
+     "{data}/empty_file/data.jsonl: the file is empty; add rows or remove it from the dataset"),
+    ("a top-level JSON object", {"dataset": "mine", "dataset_dir": "{data}/top_level_object"},
+     "{data}/top_level_object/data.json: the file is one JSON object, not rows; write a JSON array of row objects "
+     "([{{...}}, {{...}}]) or one object per line (.jsonl)"),
+    ("dataset_info.json is a list", {"dataset": "mine", "dataset_dir": "{data}/info_list"},
+     "{data}/info_list/dataset_info.json: dataset_info.json holds a JSON array; it must map each dataset name to an "
+     "object of its settings, e.g. {{\"my_data\": {{\"file_name\": \"data.jsonl\"}}}}"),
+    ("an entry that is a string", {"dataset": "mine", "dataset_dir": "{data}/info_string"},
+     "{data}/info_string/dataset_info.json: dataset 'mine' is a string, not an object of settings; write it as "
+     "{{\"file_name\": ...}}, e.g. {{\"my_data\": {{\"file_name\": \"data.jsonl\"}}}}"),
     ("non-UTF-8 bytes", {"dataset": "mine", "dataset_dir": "{data}/not_utf8"},
      "{data}/not_utf8/data.jsonl:2: not UTF-8 (byte 0xe9); re-encode the file as UTF-8"),
     ("images column mapped", {"dataset": "mine", "dataset_dir": "{data}/images_mapped"},
      "{data}/images_mapped/dataset_info.json: dataset 'mine' maps columns.images, but tunelab trains text-only "
      "models and would ignore the images: remove columns.images (and the images from the rows)"),
     ("images in sharegpt rows", {"dataset": "mine", "dataset_dir": "{data}/images_in_rows"},
-     "dataset 'mine': 1 rows have images, but tunelab trains text-only models and would ignore them: remove the "
+     "dataset 'mine' ({data}/images_in_rows/data.jsonl): 1 rows have images, but tunelab trains text-only models and would ignore them: remove the "
      "'images' field from the rows (or use a multimodal trainer)"),
     ("unknown template", {"template": "chatml2"},
      "template: 'chatml2' does not exist; did you mean 'chatml'? built-ins: {templates}"),
@@ -296,14 +320,34 @@ def test_skip_bad_rows_skips_structural_faults_per_reason(tmp_path, caplog):
     assert source["skipped_by_reason"] == {"unreadable_line": 1, "answer_first": 1, "ends_without_answer": 1}
     assert source["first_skipped"] == {
         "unreadable_line": f"{path}:4: Expecting ',' delimiter",
-        "answer_first": "dataset 'mine' row 1: turn 0 is assistant, expected a user/tool turn (roles must alternate)",
-        "ends_without_answer": "dataset 'mine' row 2: the conversation must end with an assistant turn",
+        "answer_first": f"dataset 'mine' row 1 ({path}:2): turn 0 is assistant, expected a user/tool turn (roles must "
+                        "alternate)",
+        "ends_without_answer": f"dataset 'mine' row 2 ({path}:3): the conversation must end with an assistant turn",
     }
     assert source["empty_answers"] == 1  # kept: it trains the end-of-turn
     assert (
-        "dataset mine: skipped 1 rows (skip_bad_rows): ends_without_answer, first: dataset 'mine' row 2: "
+        f"dataset mine: skipped 1 rows (skip_bad_rows): ends_without_answer, first: dataset 'mine' row 2 ({path}:3): "
         "the conversation must end with an assistant turn"
     ) in caplog.messages
+
+
+# Rows that are kept but changed, or left out: exit 0 and the exact count in data_report.json's source.
+COUNTS = [
+    ("numbers in text fields", {"dataset_dir": "{data}/numbers"}, {"rows": 3, "numbers_as_text": 3}),
+    ("a list where text belongs, skipped", {"dataset_dir": "{data}/not_text", "skip_bad_rows": True},
+     {"rows": 2, "skipped_bad_rows": 1, "skipped_by_reason": {"not_text": 1}}),
+    ("a null turn, skipped", {"dataset_dir": "{data}/null_turn", "skip_bad_rows": True},
+     {"rows": 2, "skipped_bad_rows": 1, "skipped_by_reason": {"missing_content": 1}}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options, counts", [case[1:] for case in COUNTS], ids=[case[0] for case in COUNTS])
+def test_kept_or_skipped_rows_are_counted(tmp_path, options, counts):
+    options = {k: v.format(data=DATA) if isinstance(v, str) else v for k, v in options.items()}
+    assert main(["train", str(write_config(tmp_path, dataset="mine", **options))]) == 0
+    source = json.loads((tmp_path / "out" / "data_report.json").read_text())["sources"][0]
+    assert {key: source[key] for key in counts} == counts
 
 
 @pytest.mark.slow
