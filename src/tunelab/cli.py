@@ -394,11 +394,14 @@ def _cmd_api(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("TUNELAB_API_KEY") or None
     if ns.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size: expected an integer >= 1, got {ns.max_batch_size}")
+    if ns.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes: expected an integer >= 1, got {ns.max_request_bytes}")
     engine = _load_engine(ns)
     key_note = "an API key is required" if api_key else "no API key"
     print(f"tunelab api: serving '{engine.name}' (template {engine.template.name}, {key_note}, "
           f"up to {ns.max_batch_size} requests per batch)", file=sys.stderr)
-    serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size)
+    serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size,
+          max_request_bytes=ns.max_request_bytes)
     return 0
 
 
@@ -446,6 +449,8 @@ def _add_serving_commands(sub) -> None:
                      "none: no key)")
     api.add_argument("--max-batch-size", type=int, default=8, help="concurrent requests that share one forward "
                      "pass (1: one request at a time)")
+    api.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies are "
+                     "refused with 413 before they are read (default 8 MiB)")
     api.set_defaults(func=_cmd_api)
 
 
