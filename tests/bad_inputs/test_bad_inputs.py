@@ -143,6 +143,21 @@ ERRORS = [
      "or max_steps"),
     ("save_steps 0", {"save_steps": 0},
      "save_steps must be a number > 0, got 0; it is the steps between checkpoints, or a ratio of the total below 1"),
+    ("learning_rate nan", {"learning_rate": float("nan")},
+     "learning_rate must be a number > 0, got nan; typical values: 1e-4 to 2e-4 for LoRA, 1e-5 for full fine-tuning"),
+    ("adam_beta2 1", {"adam_beta2": 1.0}, "adam_beta2 must be in [0, 1), got 1; the default is 0.999"),
+    ("negative warmup_steps", {"warmup_steps": -1},
+     "warmup_steps must be a number >= 0, got -1; it is a number of steps, or a ratio of the total below 1"),
+    ("logging_steps 0", {"logging_steps": 0},
+     "logging_steps must be a number > 0, got 0; it is the steps between log lines, or a ratio of the total below 1"),
+    ("eval batch size 0", {"per_device_eval_batch_size": 0},
+     "per_device_eval_batch_size must be at least 1, got 0; it is the rows per device in an evaluation batch"),
+    ("negative num_train_epochs", {"num_train_epochs": -1},
+     "num_train_epochs must be a number >= 0, got -1; it is the number of passes over the training set"),
+    ("negative dataloader_num_workers", {"dataloader_num_workers": -1},
+     "dataloader_num_workers must be at least 0, got -1; 0 loads batches in the training process"),
+    ("negative max_grad_norm", {"max_grad_norm": -1},
+     "max_grad_norm must be a number >= 0, got -1; 0 turns gradient clipping off"),
 ]
 
 

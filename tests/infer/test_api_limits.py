@@ -77,7 +77,7 @@ def server(chat_model, tmp_path_factory):
 
 
 def _head(server: Server, headers: dict[str, str]) -> bytes:
-    lines = [f"POST /v1/chat/completions HTTP/1.1", f"Host: {server.host}:{server.port}",
+    lines = ["POST /v1/chat/completions HTTP/1.1", f"Host: {server.host}:{server.port}",
              "Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
