@@ -8,13 +8,8 @@ client must misbehave (a Content-Length it never sends, a chunked body without e
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +17,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.infer.chat_helpers import messages
+from tests.infer.chat_helpers import api_server, messages
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -58,21 +53,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(chat_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("api-limits") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "tunelab.cli", "api", str(chat_model.adapter), "--port", "0",
-            "--max-request-bytes", str(LIMIT)]
-    with log.open("w") as sink:
-        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while not (started := re.search(r"Uvicorn running on http://(127\.0\.0\.1):(\d+)", log.read_text())):
-            assert process.poll() is None, f"the server exited: {log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
-            time.sleep(0.2)
-        yield Server(started.group(1), int(started.group(2)), process.pid)
-    finally:
-        process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == 0, log.read_text()
+    with api_server([str(chat_model.adapter), "--max-request-bytes", str(LIMIT)], log) as started:
+        yield Server(*started)
     assert "Traceback" not in log.read_text(), log.read_text()
 
 
