@@ -38,7 +38,7 @@ _CHILD = r"""
 import json, sys
 from tunelab.cli import main
 from tunelab.train import callbacks
-from tunelab.train.estimate import reset_peak_rss, rss_bytes
+from tunelab.train.memory import reset_peak_rss, rss_bytes
 import tunelab.train.stages.pt as pt, tunelab.train.stages.sft as sft
 
 result = {}
