@@ -205,12 +205,16 @@ def plot_loss(output_dir: str | Path) -> list[Path]:
         ("eval_generation.png", GENERATION_METRIC_NAMES, "generated answers (greedy)"),
         ("eval_token_accuracy.png", ("token_accuracy",), "token accuracy"),
     ):
-        curves = {key: _as_percent(key, series(records, key)) for key in eval_metric_keys(records, metrics)}
+        curves = {_percent_label(key): _as_percent(key, series(records, key)) for key in eval_metric_keys(records, metrics)}
         curves = {key: curve for key, curve in curves.items() if curve[0]}
         if curves:
             ylabel = "score (0-100; exact match and accuracy in %)"
             written.append(save_figure(percent_figure(curves, f"{title} — {run}", ylabel), output_dir / name))
     return written
+
+
+def _percent_label(key: str) -> str:
+    return f"{key} (%)" if key.endswith(FRACTION_METRICS) else key
 
 
 def _as_percent(key: str, curve: tuple[list[int], list[float]]) -> tuple[list[int], list[float]]:
