@@ -51,6 +51,7 @@ class RecordEvents(transformers.TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._write("train_end", state)
 """
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "callbacks" / "sample_generations.py"
 BASE = {
     "model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse", "max_samples": 48,
     "cutoff_len": 64, "per_device_train_batch_size": 8, "per_device_eval_batch_size": 8, "learning_rate": 5e-3,
@@ -74,10 +75,19 @@ def test_user_callback_events_and_generation_metrics_equal_tunelab_eval(tmp_path
         tmp_path, dataset="demo_sort", eval_dataset="demo_sort_test", finetuning_type="full", max_samples=256,
         per_device_train_batch_size=32, learning_rate=3e-3, max_steps=8, logging_steps=4, eval_strategy="steps",
         eval_steps=4, save_steps=4, generate_at_eval=True, eval_generation_samples=8, max_new_tokens=8,
-        callbacks="recorder.py:RecordEvents", callback_kwargs={"RecordEvents": {"path": str(events)}},
+        callbacks=f"recorder.py:RecordEvents,{EXAMPLE}:SampleGenerations",
+        callback_kwargs={"RecordEvents": {"path": str(events)}, "SampleGenerations": {
+            "template": "chatml", "every": 4, "max_new_tokens": 8, "references": ["1 2 3", "4 5 6"],
+            "questions": ["Sort the numbers from smallest to largest.\n3 1 2", "Sort the numbers from smallest to largest.\n6 4 5"],
+        }},
     )
     assert main(["train", str(config)]) == 0
     out = tmp_path / "out"
+
+    # the example callback of docs/training.md, second in the list: two answers at steps 4 and 8
+    samples = [json.loads(line) for line in (out / "sample_generations.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["reference"]) for r in samples] == [(4, "1 2 3"), (4, "4 5 6"), (8, "1 2 3"), (8, "4 5 6")]
+    assert all(0 <= r["rouge_l"] <= 100 and isinstance(r["answer"], str) for r in samples)
 
     recorded = [tuple(json.loads(line)) for line in events.read_text().splitlines()]
     per_interval = lambda step: [*(("step_end", s) for s in range(step - 3, step + 1)),  # noqa: E731
