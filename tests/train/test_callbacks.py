@@ -15,6 +15,8 @@ from tunelab.cli import main
 from tunelab.errors import ConfigError
 from tunelab.train.callbacks import EarlyStopping, read_log, resolve_user_callbacks
 
+from .reliability_helpers import assert_same_weights, weights
+
 RECORDER = """\
 import json
 import transformers
@@ -121,11 +123,13 @@ def test_user_callback_events_and_generation_metrics_equal_tunelab_eval(tmp_path
 @pytest.mark.slow
 def test_early_stopping_stops_where_its_rule_says_and_says_why(tmp_path):
     """Trained on demo_reverse at a high learning rate and evaluated on another task (demo_add_test), the eval
-    loss soon rises: the run stops at the first evaluation that makes `patience` in a row without improvement."""
+    loss soon rises: the run stops at the first evaluation that makes `patience` in a row without improvement.
+    With load_best_model_at_end the saved model and the final eval metrics are the best evaluation's."""
     patience, max_steps = 2, 40
     config = write_config(
         tmp_path, eval_dataset="demo_add_test", max_samples=32, learning_rate=1e-2, max_steps=max_steps,
         logging_steps=2, eval_strategy="steps", eval_steps=2, early_stopping_patience=patience,
+        save_steps=2, load_best_model_at_end=True,
     )
     assert main(["train", str(config)]) == 0
     out = tmp_path / "out"
@@ -150,7 +154,12 @@ def test_early_stopping_stops_where_its_rule_says_and_says_why(tmp_path):
     assert (summary["step"], summary["early_stopping_step"], summary["early_stopping_reason"]) == (expected, expected, reason)
     results = json.loads((out / "all_results.json").read_text())
     assert (results["early_stopping_step"], results["early_stopping_reason"]) == (expected, reason)
-    assert (out / "adapter_model.safetensors").is_file()  # the model at the stop is saved
+    # load_best_model_at_end: the summary names the best checkpoint, whose weights are the saved model's, and the
+    # final eval metrics are its evaluation's (not the stopped step's)
+    best_checkpoint = out / f"checkpoint-{best_step}"
+    assert (summary["best_model_checkpoint"], summary["best_metric"]) == (str(best_checkpoint), best)
+    assert_same_weights(weights(out), weights(best_checkpoint))
+    assert results["eval_loss"] == best
 
 
 def test_early_stopping_counts_only_its_metric_and_not_the_normal_end(tmp_path):

@@ -120,7 +120,8 @@ def test_tunelab_train_under_a_low_limit_warns_then_ends_in_one_line(tmp_path):
     )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-3000:]
-    assert any(line.endswith("open-file limit raised from 48 to 90 (the soft limit, up to the hard one)") for line in lines)
+    raised = [line for line in lines if line.endswith("open-file limit raised from 48 to 90 (the soft limit, up to the hard one)")]
+    assert len(raised) == 1, lines  # logged once
     warning = next(line for line in lines if "the open-file limit (90) is too low for this run" in line)
     assert "dataloader_num_workers: 2 adds about 28" in warning
     assert "Traceback" not in done.stderr

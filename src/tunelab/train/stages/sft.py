@@ -93,10 +93,14 @@ def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list[Ge
 
 
 def _final_eval_metrics(trainer) -> dict:
-    """Eval metrics at the last step: reuse the evaluation the schedule just ran, else run one."""
-    step = trainer.state.global_step
-    for record in reversed(trainer.state.log_history):
+    """Eval metrics of the final model: reuse the evaluation the schedule ran at its step, else run one. With
+    load_best_model_at_end the final model is the best checkpoint's, so its step's evaluation, not the last one."""
+    state = trainer.state
+    loaded_best = trainer.args.load_best_model_at_end and state.best_model_checkpoint is not None
+    step = state.best_global_step if loaded_best and state.best_global_step else state.global_step
+    metrics: dict = {}
+    for record in state.log_history:  # with several eval sets, each logged its own line at that step
         if record.get("step") == step and any(k.startswith("eval_") and k.endswith("loss") for k in record):
-            return {k: v for k, v in record.items() if k.startswith("eval_")}
-    return trainer.evaluate()
+            metrics.update({k: v for k, v in record.items() if k.startswith("eval_")})
+    return metrics or trainer.evaluate()
 
