@@ -121,7 +121,7 @@ def test_user_callback_events_and_generation_metrics_equal_tunelab_eval(tmp_path
 
 
 @pytest.mark.slow
-def test_early_stopping_stops_where_its_rule_says_and_says_why(tmp_path):
+def test_early_stopping_stops_where_its_rule_says_and_says_why(tmp_path, caplog):
     """Trained on demo_reverse at a high learning rate and evaluated on another task (demo_add_test), the eval
     loss soon rises: the run stops at the first evaluation that makes `patience` in a row without improvement.
     With load_best_model_at_end the saved model and the final eval metrics are the best evaluation's."""
@@ -154,6 +154,7 @@ def test_early_stopping_stops_where_its_rule_says_and_says_why(tmp_path):
     assert (summary["step"], summary["early_stopping_step"], summary["early_stopping_reason"]) == (expected, expected, reason)
     results = json.loads((out / "all_results.json").read_text())
     assert (results["early_stopping_step"], results["early_stopping_reason"]) == (expected, reason)
+    assert reason in caplog.messages  # and in the run's log, once it stops
     # load_best_model_at_end: the summary names the best checkpoint, whose weights are the saved model's, and the
     # final eval metrics are its evaluation's (not the stopped step's)
     best_checkpoint = out / f"checkpoint-{best_step}"
