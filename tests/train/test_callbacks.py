@@ -196,3 +196,27 @@ def test_user_callbacks_resolve_to_classes_and_their_arguments(tmp_path):
     assert resolve_user_callbacks([spec], {spec: {"path": "y"}})[0][1] == {"path": "y"}
     with pytest.raises(ConfigError, match=r"^callback_kwargs: both '.*recorder.py:RecordEvents' and 'RecordEvents' are set: keep one$"):
         resolve_user_callbacks([spec], {spec: {"path": "y"}, "RecordEvents": {"path": "z"}})
+
+
+def test_final_eval_metrics_are_the_final_models_evaluation(tmp_path):
+    """all_results.json's eval metrics reuse the evaluation of the final model: the last step's, every eval set's
+    line of it; with load_best_model_at_end the best checkpoint's step. Driven with the Trainer's own state."""
+    from types import SimpleNamespace
+
+    from tunelab.train.stages.sft import _final_eval_metrics
+
+    state = transformers.TrainerState()
+    state.log_history = [
+        {"step": 2, "eval_a_loss": 1.0}, {"step": 2, "eval_b_loss": 2.0},
+        {"step": 4, "loss": 0.5}, {"step": 4, "eval_a_loss": 1.5}, {"step": 4, "eval_b_loss": 2.5, "eval_b_perplexity": 12.2},
+    ]
+    state.global_step, state.best_global_step, state.best_model_checkpoint = 4, 2, str(tmp_path / "checkpoint-2")
+
+    def trainer(load_best: bool):
+        args = SimpleNamespace(load_best_model_at_end=load_best)
+        return SimpleNamespace(state=state, args=args, evaluate=lambda: {"evaluated": True})
+
+    assert _final_eval_metrics(trainer(False)) == {"eval_a_loss": 1.5, "eval_b_loss": 2.5, "eval_b_perplexity": 12.2}
+    assert _final_eval_metrics(trainer(True)) == {"eval_a_loss": 1.0, "eval_b_loss": 2.0}
+    state.global_step = 5  # no evaluation at the last step: one is run
+    assert _final_eval_metrics(trainer(False)) == {"evaluated": True}
