@@ -38,8 +38,7 @@ _CHILD = r"""
 import json, sys
 from tunelab.cli import main
 from tunelab.train import callbacks
-from tunelab.train.estimate import reset_peak_rss, rss_bytes
-import tunelab.train.stages.pt as pt, tunelab.train.stages.sft as sft
+from tunelab.train.memory import reset_peak_rss, rss_bytes
 
 result = {}
 
@@ -52,7 +51,7 @@ class MeasuringLog(callbacks.JsonlLogCallback):
     def on_train_end(self, args, state, control, **kwargs):
         result["peak_increase"] = rss_bytes()["VmHWM"] - result["baseline_rss"]
 
-pt.JsonlLogCallback = sft.JsonlLogCallback = MeasuringLog
+callbacks.JsonlLogCallback = MeasuringLog  # run_callbacks (every stage's list) builds the log callback from here
 assert main(["train", sys.argv[1]]) == 0
 print("RESULT " + json.dumps(result))
 """

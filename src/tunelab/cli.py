@@ -549,10 +549,10 @@ def main(argv: list[str] | None = None) -> int:
     except TunelabError as exc:
         print(f"tunelab: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        from tunelab.train.run import explain_os_error  # noqa: PLC0415
+    except Exception as exc:
+        from tunelab.train.run import explain_error  # noqa: PLC0415
 
-        message = explain_os_error(exc)
+        message = explain_error(exc)  # OS errors with a known fix; anything else keeps its traceback
         if message is None:
             raise
         print(f"tunelab: error: {message}", file=sys.stderr)

@@ -146,8 +146,34 @@ def test_bad_lora_target_names_the_modules(tiny_llama_dir, training_args):
         _load(tiny_llama_dir, training_args, finetuning_type="lora", lora_target=["q_proj", "xyz"])
     assert str(err.value) == (
         "lora_target: 'xyz' matches no module of LlamaForCausalLM; "
-        "modules: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head"
+        "modules: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head; groups: all, attention, mlp"
     )
+
+
+def test_lora_target_groups_expand_per_family_and_say_so(tiny_llama_dir, training_args, caplog):
+    caplog.set_level("INFO", logger="tunelab.model.adapters")
+    model = _load(tiny_llama_dir, training_args, finetuning_type="lora", lora_target=["attention", "down_proj"])
+    assert set(model.targeted_module_names) == (
+        {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ATTN} | {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    )
+    assert "lora_target: attention → q_proj, k_proj, v_proj, o_proj (LlamaForCausalLM)" in caplog.messages
+    model = _load(tiny_llama_dir, training_args, finetuning_type="lora", lora_target=["mlp"])
+    assert {n.rsplit(".", 1)[-1] for n in model.targeted_module_names} == {"gate_proj", "up_proj", "down_proj"}
+    assert "lora_target: mlp → gate_proj, up_proj, down_proj (LlamaForCausalLM)" in caplog.messages
+    _load(tiny_llama_dir, training_args, finetuning_type="lora")
+    assert ("lora_target: all → down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (LlamaForCausalLM, "
+            "every linear layer but the output head)") in caplog.messages
+
+
+def test_lora_target_groups_qualify_names_shared_across_groups(training_args):
+    """GPT-2 has c_proj in both attention and MLP: 'attention' must not put LoRA on mlp.c_proj."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: PLC0415
+
+    from tunelab.model.adapters import lora_target_modules  # noqa: PLC0415
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    assert lora_target_modules(model, ["attention"]) == ["c_attn", "attn.c_proj"]
+    assert lora_target_modules(model, ["mlp"]) == ["c_fc", "mlp.c_proj"]
 
 
 def test_lora_target_all_with_names_fails(tiny_llama_dir, training_args):

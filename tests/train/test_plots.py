@@ -7,12 +7,17 @@ import math
 
 import pytest
 
+from tunelab.infer.metrics import GENERATION_METRIC_NAMES
 from tunelab.train.plots import (
     EVAL_COLORS,
     TRAIN_COLOR,
     debiased_ema,
+    _as_percent,
+    _percent_label,
     eval_loss_keys,
+    eval_metric_keys,
     loss_figure,
+    percent_figure,
     plot_loss,
     series,
     smooth_curve,
@@ -130,3 +135,23 @@ def test_plot_loss_draws_every_eval_set_and_nothing_without_a_log(tmp_path):
     assert [p.name for p in plot_loss(tmp_path)] == ["eval_loss.png"]
     fig = loss_figure({k: series(records, k) for k in eval_loss_keys(records)}, "eval")
     assert sorted(_lines(fig)) == ["eval_a_loss (last 1)", "eval_b_loss (last 2.5)"]
+
+
+def test_generation_and_accuracy_scores_are_drawn_in_percent(tmp_path):
+    records = [
+        {"step": 5, "loss": 2.0},
+        {"step": 5, "eval_loss": 1.5, "eval_exact_match": 0.25, "eval_bleu": 10.0, "eval_rouge_l": 40.0},
+        {"step": 10, "eval_loss": 1.2, "eval_exact_match": 0.5, "eval_bleu": 20.0, "eval_rouge_l": 60.0,
+         "eval_token_accuracy": 0.75},
+    ]
+    (tmp_path / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    written = plot_loss(tmp_path)
+    assert [p.name for p in written] == ["training_loss.png", "eval_loss.png", "eval_generation.png",
+                                         "eval_token_accuracy.png"]
+    assert eval_metric_keys(records, GENERATION_METRIC_NAMES) == ["eval_exact_match", "eval_bleu", "eval_rouge_l"]
+    curves = {key: _as_percent(key, series(records, key)) for key in eval_metric_keys(records, GENERATION_METRIC_NAMES)}
+    assert curves["eval_exact_match"] == ([5, 10], [25.0, 50.0])  # a fraction, drawn as %
+    assert curves["eval_bleu"] == ([5, 10], [10.0, 20.0])  # 0-100 already
+    fig = percent_figure({_percent_label(k): curve for k, curve in curves.items()}, "generated answers", "score")
+    assert sorted(_lines(fig)) == ["eval_bleu (last 20)", "eval_exact_match (%) (last 50)", "eval_rouge_l (last 60)"]
+    assert fig.axes[0].get_ylim() == (-2.0, 102.0)

@@ -10,7 +10,8 @@ import yaml
 
 from tunelab.cli import main
 from tunelab.config.loader import load_config
-from tunelab.train.run import explain_os_error, raise_open_file_limit
+from tunelab.train.open_files import raise_open_file_limit
+from tunelab.train.run import explain_os_error
 
 
 def config(tmp_path, **extra):
@@ -46,7 +47,7 @@ def test_os_errors_become_one_line_fixes(monkeypatch, capsys):
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert explain_os_error(OSError(errno.EMFILE, "Too many open files")) == (
         f"too many open files (limit {soft}): raise it with `ulimit -n 65536` before the run, "
-        "or lower dataloader_num_workers / preprocessing_num_workers"
+        "or lower dataloader_num_workers (0 passes batches without descriptors) / preprocessing_num_workers"
     )
     assert explain_os_error(OSError(errno.EACCES, "denied")) is None
 

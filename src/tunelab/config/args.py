@@ -130,6 +130,11 @@ class DataArguments:
     tokenized_cache_dir: str | None = _help(
         "Folder of the tokenized-dataset cache; default ~/.cache/tunelab/tokenized (or $TUNELAB_CACHE).", default=None
     )
+    ignore_pad_token_for_loss: bool = _help(
+        "LlamaFactory's key, accepted as true: padding is never a training target in tunelab (labels of padding are "
+        "always -100, packed and padding-free rows have no padding to learn); false is refused.",
+        default=True,
+    )
     skip_bad_rows: bool = _help(
         "Leave out lines of JSON-lines files that are not valid JSON or not UTF-8 (counted in the log and "
         "data_report.json) instead of stopping at the first one.",
@@ -228,7 +233,18 @@ class GenerationArguments:
         "Before and after training, generate greedy answers for eval rows and report exact-match accuracy.",
         default=False,
     )
-    eval_generation_samples: int = _help("How many eval rows the generation check uses.", default=200)
+    eval_generation_samples: int = _help(
+        "How many eval rows the generation check uses (eval_generation: of the first eval set; generate_at_eval: of "
+        "each eval set).",
+        default=200,
+    )
+    generate_at_eval: bool = _help(
+        "sft: at each evaluation during training (eval_strategy), also generate greedy answers for the first "
+        "eval_generation_samples rows of each eval set and log eval[_<name>]_exact_match, _bleu and _rouge_l beside "
+        "eval_loss (trainer_log.jsonl, eval_generation.png; usable as metric_for_best_model). Same generation and "
+        "scores as tunelab eval.",
+        default=False,
+    )
     max_new_tokens: int = _help("Tokens generated per answer at most.", default=64)
     temperature: float = _help(
         "Sampling temperature of the completions grpo / ppo generate while training (evaluation stays greedy).",
@@ -241,11 +257,37 @@ class TrainingArguments(transformers.TrainingArguments):
     """transformers.TrainingArguments with its own names, plus what LlamaFactory configs add."""
 
     overwrite_output_dir: bool = _help("Allow training into a non-empty output_dir.", default=False)
-    plot_loss: bool = _help("Save training_loss.png (and eval loss when evaluated) in output_dir.", default=True)
+    plot_loss: bool = _help(
+        "Draw the curves of trainer_log.jsonl at the end of training (as in LlamaFactory): training_loss.png, and when "
+        "the run evaluated eval_loss.png, eval_token_accuracy.png and eval_generation.png.",
+        default=True,
+    )
     compute_token_accuracy: bool = _help(
         "Evaluation also reports eval_token_accuracy: the share of supervised tokens whose argmax prediction is "
         "the label (counted batch by batch; logits are never gathered).",
         default=False,
+    )
+    # Extending and watching the loop (docs/training.md): train/callbacks.py.
+    callbacks: list[str] | None = _help(
+        "Your own transformers TrainerCallback classes, comma separated: path/to/file.py:Class (relative to the "
+        "working directory, then the config file's folder) or package.module:Class. Each is built with its "
+        "callback_kwargs and handed to the Trainer (stages pt, sft, rm, dpo, kto). Nothing is imported unless named here.",
+        default=None,
+    )
+    callback_kwargs: dict[str, dict[str, Any]] | None = _help(
+        "Keyword arguments of the callbacks, by class name (or the full callbacks entry), e.g. "
+        "{SampleGenerations: {every: 50}}. On the command line as JSON.",
+        default=None,
+    )
+    early_stopping_patience: int | None = _help(
+        "Stop training when metric_for_best_model (default eval_loss) has not improved for this many evaluations in a "
+        "row (LlamaFactory's early_stopping_steps). Needs an eval set and eval_strategy. The final model is the one "
+        "at the stop, or the best checkpoint's with load_best_model_at_end: true.",
+        default=None,
+    )
+    early_stopping_threshold: float = _help(
+        "early_stopping_patience: an evaluation counts as an improvement only when it beats the best by more than this.",
+        default=0.0,
     )
     # Reliability (docs/reliability.md): train/checkpoints.py, train/guards.py.
     resume_from_checkpoint: bool | str | None = _help(

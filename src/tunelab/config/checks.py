@@ -59,6 +59,7 @@ def check_training_values(values: dict) -> None:
     if values.get("fp16") and values.get("bf16"):
         raise ConfigError("fp16 and bf16 are both true: keep one (bf16 where the hardware supports it)")
     _check_training_ranges(values)
+    _check_load_best_model_values(values)
     _check_deepspeed_values(values)
 
 
@@ -144,9 +145,11 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         "data": (_check_output_dir,),
         "estimate": (_check_output_dir,),
         "eval": (_check_output_dir,),
-        "export": (_check_template, *without_data),
-        "serve": (_check_template, *without_data, _check_preference, _check_rl),
+        "export": (_check_template, *without_data, *LOOP_CHECKS),
+        "serve": (_check_template, *without_data, _check_preference, _check_rl, *LOOP_CHECKS),
     }.get(purpose, ())
+    if purpose != "train":
+        skipped = (*skipped, _check_callbacks)  # imports the user's code: only for the run that uses it
     for check in (
         _check_finetuning,
         _check_quantization,
@@ -163,6 +166,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_skip_bad_rows,
         _check_label_smoothing,
         _check_distributed,
+        *LOOP_CHECKS,
         _check_output_dir,
     ):
         if check in skipped:
@@ -204,6 +208,10 @@ def _check_predict(config: RunConfig, what: str) -> None:
         raise ConfigError(f"{what} needs an eval set: set eval_dataset (or val_size to use the training split's val part)")
     if config.data.streaming and not config.data.eval_dataset:
         raise ConfigError(f"{what} with streaming: true needs eval_dataset")
+    _check_scoring_packages(what)
+
+
+def _check_scoring_packages(what: str) -> None:
     missing = [name for name, module in (("sacrebleu", "sacrebleu"), ("rouge-score", "rouge_score"))
                if importlib.util.find_spec(module) is None]
     if missing:  # checked now, not after hours of training
@@ -742,3 +750,148 @@ def _check_distributed(config: RunConfig) -> None:
             f"deepspeed cannot train the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
             "remove deepspeed or quantization_bit"
         )
+
+
+# ---- the training loop's extensions: callbacks, early stopping, generation at evaluation (docs/training.md) ----
+
+# Eval metric names (after the eval[_<name>] prefix) each stage logs, for checking metric_for_best_model.
+STAGE_EVAL_METRICS = {
+    "sft": ("loss", "perplexity"), "pt": ("loss", "perplexity"),
+    "rm": ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"),
+    "dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+            "logps/chosen", "logps/rejected", "logps/accuracies"),
+    "kto": ("loss", "rewards/chosen", "rewards/rejected", "kl"),
+}
+
+
+def _strategy(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+def _check_load_best_model_values(values: dict) -> None:
+    """load_best_model_at_end reloads a checkpoint saved at an evaluation: say how before transformers does (its
+    message runs to several lines, of which the CLI shows one)."""
+    if not values.get("load_best_model_at_end"):
+        return
+    evaluation, save = _strategy(values.get("eval_strategy", "no")), _strategy(values.get("save_strategy", "no"))
+    if evaluation == "no":
+        raise ConfigError("load_best_model_at_end: true needs evaluations to pick the best: set eval_strategy (steps or epoch)")
+    if save != "best" and save != evaluation:
+        raise ConfigError(
+            f"load_best_model_at_end: true reloads the best checkpoint, so checkpoints must be saved where evaluations "
+            f"happen: set save_strategy: {evaluation} (got {save}){' with save_steps a multiple of eval_steps' if evaluation == 'steps' else ''}"
+        )
+    if evaluation == "steps" and save == "steps":
+        eval_steps, save_steps = values.get("eval_steps") or values.get("logging_steps"), values.get("save_steps", 500)
+        if eval_steps and save_steps and float(save_steps) % float(eval_steps):
+            raise ConfigError(
+                f"load_best_model_at_end: true needs save_steps ({float(save_steps):g}) to be a multiple of eval_steps "
+                f"({float(eval_steps):g}), "
+                "so that the best evaluation has a checkpoint"
+            )
+
+
+def eval_metric_names(config: RunConfig) -> list[str]:
+    """Every eval metric the run will log (`eval_loss`, `eval_<name>_rouge_l`...), for metric_for_best_model."""
+    from tunelab.data.pipeline import VAL_SPLIT_NAME  # noqa: PLC0415
+
+    data, stage = config.data, config.finetuning.stage
+    sets = ([VAL_SPLIT_NAME] if data.val_size > 0 else []) + list(data.eval_dataset or [])
+    prefixes = ["eval"] if len(sets) <= 1 else [f"eval_{name}" for name in sets]
+    names = list(STAGE_EVAL_METRICS.get(stage, ("loss",)))
+    if stage in ("sft", "pt") and config.training.compute_token_accuracy:
+        names.append("token_accuracy")
+    if stage == "sft" and config.generation.generate_at_eval:
+        from tunelab.infer.metrics import GENERATION_METRIC_NAMES  # noqa: PLC0415
+
+        names.extend(GENERATION_METRIC_NAMES)
+    return [f"{prefix}_{name}" for prefix in prefixes for name in names]
+
+
+def _check_callbacks(config: RunConfig) -> None:
+    """callbacks name TrainerCallback classes (imported now: a missing file or class fails before any model
+    loads); callback_kwargs name entries of callbacks and arguments their classes take."""
+    from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415
+
+    args, stage = config.training, config.finetuning.stage
+    if args.callback_kwargs and not args.callbacks:
+        raise ConfigError("callback_kwargs is set but callbacks is not: name the callback classes in callbacks")
+    if not args.callbacks:
+        return
+    if stage in RL_STAGES:
+        raise ConfigError(
+            f"callbacks: stage {stage} trains in its own loop, where the Trainer's callback events do not fire; "
+            "remove callbacks (trainer_log.jsonl still records every logged step)"
+        )
+    base_dir = Path(config.source).parent if config.source else None
+    resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir)
+
+
+def _check_early_stopping(config: RunConfig) -> None:
+    args, stage = config.training, config.finetuning.stage
+    patience = args.early_stopping_patience
+    if patience is None:
+        if args.early_stopping_threshold != 0.0:
+            raise ConfigError("early_stopping_threshold only applies with early_stopping_patience: set it or remove the threshold")
+        return
+    if patience < 1:
+        raise ConfigError(f"early_stopping_patience must be at least 1 (evaluations without improvement), got {patience}")
+    if args.early_stopping_threshold < 0:
+        raise ConfigError(f"early_stopping_threshold must be >= 0, got {args.early_stopping_threshold}")
+    if stage in RL_STAGES:
+        raise ConfigError(f"early_stopping_patience: stage {stage} has no evaluations to stop on; remove it")
+    if not config.data.eval_dataset and config.data.val_size <= 0:
+        raise ConfigError("early_stopping_patience needs an eval set to watch: set eval_dataset or val_size")
+    if _strategy(args.eval_strategy) == "no":
+        raise ConfigError(
+            "early_stopping_patience counts evaluations, but eval_strategy is 'no': set eval_strategy: steps "
+            "with eval_steps (or epoch)"
+        )
+    _check_metric_for_best_model(config, "early_stopping_patience")
+
+
+def _check_metric_for_best_model(config: RunConfig, why: str) -> None:
+    metric = config.training.metric_for_best_model
+    if metric is None:
+        return
+    metric = metric if metric.startswith("eval_") else f"eval_{metric}"
+    known = eval_metric_names(config)
+    if metric not in known:
+        close = difflib.get_close_matches(metric, known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(
+            f"metric_for_best_model: '{config.training.metric_for_best_model}' is not an eval metric this run logs "
+            f"({why} watches it); {hint}it logs {', '.join(known)}"
+        )
+
+
+def _check_load_best_model(config: RunConfig) -> None:
+    if config.training.load_best_model_at_end and config.finetuning.stage not in RL_STAGES:
+        _check_metric_for_best_model(config, "load_best_model_at_end")
+
+
+def _check_generate_at_eval(config: RunConfig) -> None:
+    if not config.generation.generate_at_eval:
+        return
+    stage = config.finetuning.stage
+    if stage != "sft":
+        raise ConfigError(
+            f"generate_at_eval applies to stage sft (answers to generate and compare), got stage {stage}; remove it"
+        )
+    if _strategy(config.training.eval_strategy) == "no":
+        raise ConfigError("generate_at_eval generates at each evaluation, but eval_strategy is 'no': set eval_strategy: steps with eval_steps")
+    if config.generation.eval_generation_samples < 1:
+        raise ConfigError(f"eval_generation_samples must be at least 1, got {config.generation.eval_generation_samples}")
+    _check_scoring_packages("generate_at_eval")
+
+
+def _check_ignore_pad_token_for_loss(config: RunConfig) -> None:
+    if not config.data.ignore_pad_token_for_loss:
+        raise ConfigError(
+            "ignore_pad_token_for_loss: false would train on padding; tunelab never does (padding labels are always "
+            "-100): remove it"
+        )
+
+
+LOOP_CHECKS = (_check_callbacks, _check_early_stopping, _check_load_best_model, _check_generate_at_eval,
+               _check_ignore_pad_token_for_loss)

@@ -30,7 +30,6 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "preprocessing_batch_size": "remove it (encoding batches are fixed; preprocessing_num_workers sets the processes)",
     "data_shared_file_system": "the tokenized cache is safe on shared file systems (one process builds, the others "
     "wait): remove it",
-    "ignore_pad_token_for_loss": "padding never reaches the loss: remove it",
     "eval_num_beams": "generation-based evaluation is greedy: remove it",
     "media_dir": _TEXT_ONLY,
     # model
@@ -120,7 +119,6 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "hyper_parallel_cp_size": "remove it (use deepspeed or fsdp)",
     "compute_accuracy": "use compute_token_accuracy: true",
     "disable_shuffling": "remove it (training rows are shuffled with seed)",
-    "early_stopping_steps": "early stopping is not supported: remove it",
     "include_effective_tokens_per_second": "trainer_log.jsonl reports tokens per second already: remove it",
     # generation (LlamaFactory's chat / predict sampling)
     "do_sample": "tunelab eval generates greedily; tunelab chat / api take --temperature: remove it",

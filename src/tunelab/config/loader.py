@@ -7,7 +7,8 @@ fail together, in one message that says where each came from (the file or the co
 for each, a close match, or what to do instead of a LlamaFactory option tunelab lacks
 (config/llamafactory.py). A template alias (LlamaFactory's `qwen3_nothink`...) becomes its built-in and
 the template variables it implies. An explicit `save_steps` turns on `save_strategy: steps`, as in
-LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in).
+LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in). Early stopping and
+load_best_model_at_end watch `eval_loss` unless metric_for_best_model says otherwise (perplexity: lower is better).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ COMMAND_LINE = "the command line"
 
 
 # Names that LlamaFactory configs (written for transformers 4) use for options transformers 5 renamed.
-ALIASES = {"warmup_ratio": "warmup_steps", "evaluation_strategy": "eval_strategy"}
+ALIASES = {
+    "warmup_ratio": "warmup_steps", "evaluation_strategy": "eval_strategy",
+    "early_stopping_steps": "early_stopping_patience",  # LlamaFactory's name: a count of evaluations, not steps
+}
 
 
 def _apply_aliases(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
@@ -256,6 +260,11 @@ def load_config(
     if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
         # Re-forking workers every epoch re-opens every file and memory map; keep them alive.
         training_values["dataloader_persistent_workers"] = True
+    if training_values.get("early_stopping_patience") is not None or training_values.get("load_best_model_at_end"):
+        training_values.setdefault("metric_for_best_model", "eval_loss")  # what early stopping watches by default
+    metric = str(training_values.get("metric_for_best_model") or "")
+    if metric.endswith("perplexity") and "greater_is_better" not in raw:
+        training_values["greater_is_better"] = False  # transformers takes only names ending in "loss" as lower-is-better
     if "dataloader_pin_memory" not in raw:
         training_values["dataloader_pin_memory"] = _has_cuda()  # pinning only helps host→GPU copies
 

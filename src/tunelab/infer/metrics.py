@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The scores of generation_metrics a training run logs per eval set (generate_at_eval) and plots.
+GENERATION_METRIC_NAMES = ("exact_match", "bleu", "rouge_l")
+
 
 def exact_match_score(predictions: Sequence[str], references: Sequence[str]) -> float:
     if not predictions:

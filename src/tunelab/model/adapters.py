@@ -13,6 +13,7 @@ non-quantized weight to float32.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -26,6 +27,8 @@ from tunelab.errors import ConfigError, ModelError
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
 LORA_LAYER_TYPES = (nn.Linear, Conv1D)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+logger = logging.getLogger(__name__)
 
 
 def setup_finetuning(
@@ -159,24 +162,64 @@ def _segment_names(param_names: Iterable[str]) -> list[str]:
 # ---- LoRA ---------------------------------------------------------------------------------------------------
 
 
+# lora_target words that name a group of layers whatever a family calls them: the linear layers inside modules
+# whose name contains one of these (self_attn, attention, attn / mlp, feed_forward, ffn).
+LORA_TARGET_GROUPS = {"attention": ("attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
+
+
 def lora_target_modules(model: nn.Module, lora_target: list[str]) -> list[str]:
     """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's
-    (a reward model's `score` head trains in full instead, see build_lora_config)."""
+    (a reward model's `score` head trains in full instead, see build_lora_config); 'attention' / 'mlp' = the
+    linear layers of the attention / MLP blocks of this model's family (Llama: q_proj, k_proj, v_proj, o_proj /
+    gate_proj, up_proj, down_proj; GPT-2: attn.c_attn, attn.c_proj / mlp.c_fc, mlp.c_proj), beside layer names.
+    Each word's expansion is logged."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if is_reward_model(model):
         head = getattr(model, "score", None) or getattr(model, "classifier", None)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_LAYER_TYPES)]
+    family = type(model).__name__
     if "all" in lora_target:
         if len(lora_target) > 1:
             raise ConfigError(f"lora_target: 'all' cannot be combined with other names, got {','.join(lora_target)}")
-        return sorted({name.rsplit(".", 1)[-1] for name, module in linears if module is not head})
+        names = sorted({name.rsplit(".", 1)[-1] for name, module in linears if module is not head})
+        logger.info("lora_target: all → %s (%s, every linear layer but the output head)", ", ".join(names), family)
+        return names
+    targets: list[str] = []
     for target in lora_target:
-        if not any(_ends_with_module(name, target) for name, _ in linears):
+        if any(_ends_with_module(name, target) for name, _ in linears):
+            targets.append(target)
+        elif target in LORA_TARGET_GROUPS:
+            expansion = _group_layers([name for name, module in linears if module is not head], LORA_TARGET_GROUPS[target])
+            if not expansion:
+                raise ConfigError(
+                    f"lora_target: '{target}' finds no linear layer inside a module named like "
+                    f"{' / '.join(LORA_TARGET_GROUPS[target])} in {family}; name the layers instead: "
+                    f"{', '.join(dict.fromkeys(name.rsplit('.', 1)[-1] for name, _ in linears))}"
+                )
+            logger.info("lora_target: %s → %s (%s)", target, ", ".join(expansion), family)
+            targets.extend(expansion)
+        else:
             available = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in linears))
             raise ConfigError(
-                f"lora_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(available)}"
+                f"lora_target: '{target}' matches no module of {family}; modules: {', '.join(available)}; "
+                f"groups: all, {', '.join(LORA_TARGET_GROUPS)}"
             )
-    return list(lora_target)
+    return list(dict.fromkeys(targets))
+
+
+def _group_layers(linear_names: list[str], keywords: tuple[str, ...]) -> list[str]:
+    """Names (peft suffixes) of the linear layers under a module whose name contains a keyword. A layer name that
+    also occurs outside the group (GPT-2's c_proj in attn and mlp) is qualified by its parent (attn.c_proj)."""
+    def in_group(name: str) -> bool:
+        return any(word in segment.lower() for segment in name.split(".")[:-1] for word in keywords)
+
+    inside = [name for name in linear_names if in_group(name)]
+    outside_leaves = {name.rsplit(".", 1)[-1] for name in linear_names if not in_group(name)}
+    out: dict[str, None] = {}
+    for name in inside:
+        parts = name.split(".")
+        out.setdefault(parts[-1] if parts[-1] not in outside_leaves else ".".join(parts[-2:]))
+    return list(out)
 
 
 def build_lora_config(model: nn.Module, finetuning_args: FinetuningArguments) -> LoraConfig:

@@ -1,20 +1,34 @@
-"""Trainer callbacks: the JSON-lines training log (the plots drawn from it are in plots.py).
+"""Trainer callbacks: the JSON-lines training log, early stopping, evaluation metrics of our own, and the user's
+callbacks named in the config (the plots drawn from the log are in plots.py).
 
 trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate,
-grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA.
-Only the main process writes. A resumed run keeps the lines up to its checkpoint's step and goes on
-from there, so the file reads as one run.
+grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA,
+and the process's memory (train/memory.py). Only the main process writes. A resumed run keeps the lines
+up to its checkpoint's step and goes on from there, so the file reads as one run.
+
+The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, EarlyStopping when
+`early_stopping_patience` is set, then the user's `callbacks` in their order. User callbacks are imported
+by the opt-in rule of tunelab/user_code.py: nothing runs unless the config names it.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import transformers
 
+from tunelab.errors import ConfigError
+from tunelab.train.memory import memory_metrics
+from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
+
 LOG_FILE = "trainer_log.jsonl"
+logger = logging.getLogger(__name__)
 
 
 class JsonlLogCallback(transformers.TrainerCallback):
@@ -50,6 +64,7 @@ class JsonlLogCallback(transformers.TrainerCallback):
         record["elapsed_seconds"] = round(elapsed, 2)
         if state.global_step and state.max_steps:
             record["eta_seconds"] = round(elapsed / state.global_step * (state.max_steps - state.global_step), 2)
+        record.update(memory_metrics(getattr(args, "device", None)))
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -60,3 +75,146 @@ def read_log(output_dir: str | Path) -> list[dict]:
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
+
+
+# ---- the user's callbacks -------------------------------------------------------------------------------------
+
+
+def resolve_user_callbacks(
+    specs: Sequence[str], kwargs_by_name: dict[str, dict[str, Any]] | None = None, base_dir: str | Path | None = None
+) -> list[tuple[type, dict[str, Any]]]:
+    """(class, keyword arguments) of each `callbacks` entry, checked without building anything: the module
+    imports, the class exists and is a transformers.TrainerCallback, its constructor takes the arguments."""
+    kwargs_by_name = dict(kwargs_by_name or {})
+    resolved = []
+    for spec in specs:
+        if not is_user_spec(spec):
+            raise ConfigError(
+                f"callbacks: '{spec}' names no class; write path/to/file.py:Class or package.module:Class"
+            )
+        where, name = split_user_spec(spec)
+        module = import_user_module(where, "callbacks", base_dir, fix_name=name)
+        cls = getattr(module, name, None)
+        if cls is None:
+            raise ConfigError(f"callbacks: {where} has no class '{name}'; define class {name}(transformers.TrainerCallback)")
+        if not (inspect.isclass(cls) and issubclass(cls, transformers.TrainerCallback)):
+            what = f"a {type(cls).__name__}" if not inspect.isclass(cls) else "a class that does not subclass it"
+            raise ConfigError(
+                f"callbacks: {where}:{name} is {what}, not a transformers.TrainerCallback; "
+                f"define class {name}(transformers.TrainerCallback)"
+            )
+        kwargs = kwargs_by_name.pop(spec, None)
+        by_class = kwargs_by_name.pop(name, None)
+        if kwargs is not None and by_class is not None:
+            raise ConfigError(f"callback_kwargs: both '{spec}' and '{name}' are set: keep one")
+        kwargs = kwargs if kwargs is not None else (by_class or {})
+        if not isinstance(kwargs, dict):
+            raise ConfigError(f"callback_kwargs: the arguments of {name} must be a mapping, got {kwargs!r}")
+        try:
+            inspect.signature(cls).bind(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"callback_kwargs: {name}({', '.join(f'{k}=...' for k in kwargs)}): {exc}") from None
+        resolved.append((cls, kwargs))
+    if kwargs_by_name:
+        raise ConfigError(
+            f"callback_kwargs: {', '.join(repr(k) for k in kwargs_by_name)} names no entry of callbacks "
+            f"({', '.join(specs)}); key them by class name"
+        )
+    return resolved
+
+
+def build_user_callbacks(config) -> list[transformers.TrainerCallback]:
+    """The user's callbacks of a RunConfig, built (their constructors run here, once per process)."""
+    args = config.training
+    if not args.callbacks:
+        return []
+    base_dir = Path(config.source).parent if config.source else None
+    built = []
+    for cls, kwargs in resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir):
+        try:
+            built.append(cls(**kwargs))
+        except Exception as exc:  # noqa: BLE001  (the user's constructor failed: say which)
+            raise ConfigError(f"callbacks: building {cls.__name__} failed: {type(exc).__name__}: {exc}") from None
+    if built:
+        logger.info("callbacks: %s", ", ".join(type(c).__name__ for c in built))
+    return built
+
+
+# ---- early stopping -------------------------------------------------------------------------------------------
+
+
+class EarlyStopping(transformers.EarlyStoppingCallback):
+    """transformers' EarlyStoppingCallback (should_training_stop after `early_stopping_patience` evaluations
+    without an improvement of more than `early_stopping_threshold` on metric_for_best_model, compared with
+    the best so far), which also records why it stopped: `stopped` holds the step, the metric, its best value
+    and the step of that best, and `reason` says it in words (logged, and written by the trainer into the run
+    summary). With several eval sets each is evaluated on its own; only the one holding the metric counts."""
+
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+        super().__init__(early_stopping_patience, early_stopping_threshold)
+        self.best_step: int | None = None
+        self.stopped: dict[str, Any] | None = None
+
+    @staticmethod
+    def watched_metric(args) -> str:
+        metric = args.metric_for_best_model or "eval_loss"
+        return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+    def on_evaluate(self, args, state, control, metrics, **kwargs):
+        metric = self.watched_metric(args)
+        if metric not in metrics:  # another eval set's evaluation
+            return
+        super().on_evaluate(args, state, control, metrics, **kwargs)
+        if self.early_stopping_patience_counter == 0:
+            self.best_step = state.global_step
+        # should_training_stop alone is also the normal end (max_steps): only the patience running out is ours.
+        if self.early_stopping_patience_counter >= self.early_stopping_patience and self.stopped is None:
+            best = state.best_metric
+            self.stopped = {
+                "step": state.global_step, "metric": metric, "last": float(metrics[metric]),
+                "best": float(best) if best is not None else None, "best_step": self.best_step,
+            }
+            logger.info("%s", self.reason)
+
+    @property
+    def reason(self) -> str | None:
+        if self.stopped is None:
+            return None
+        s = self.stopped
+        threshold = f" by more than {self.early_stopping_threshold:g}" if self.early_stopping_threshold else ""
+        return (
+            f"early stopping at step {s['step']}: {s['metric']} has not improved{threshold} on its best "
+            f"{s['best']:.6g} (step {s['best_step']}) for {self.early_stopping_patience} evaluation"
+            f"{'s' if self.early_stopping_patience != 1 else ''} (last {s['last']:.6g}; early_stopping_patience: "
+            f"{self.early_stopping_patience})"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """What the run summary (the last log line, all_results.json) says about early stopping."""
+        if self.stopped is None:
+            return {}
+        return {"early_stopping_step": self.stopped["step"], "early_stopping_reason": self.reason}
+
+    def state(self) -> dict:
+        state = super().state()
+        state["attributes"]["best_step"] = self.best_step
+        return state
+
+
+class EvalMetricsCallback(transformers.TrainerCallback):
+    """A callback that adds metrics to every evaluation: TunelabTrainer asks each one for
+    `evaluation_metrics(model, metric_key_prefix)` when an eval set has been evaluated, and logs what it
+    returns in the same line as eval_loss (so metric_for_best_model and early stopping can use it)."""
+
+    def evaluation_metrics(self, model, metric_key_prefix: str) -> dict[str, float]:
+        return {}
+
+
+def run_callbacks(config, *extra: transformers.TrainerCallback) -> list[transformers.TrainerCallback]:
+    """The callbacks a stage hands to the Trainer: the jsonl log, `extra` (the stage's own), EarlyStopping
+    when configured, then the user's `callbacks` in their order."""
+    args = config.training
+    callbacks: list[transformers.TrainerCallback] = [JsonlLogCallback(args.output_dir), *extra]
+    if args.early_stopping_patience is not None:
+        callbacks.append(EarlyStopping(args.early_stopping_patience, args.early_stopping_threshold))
+    return callbacks + build_user_callbacks(config)

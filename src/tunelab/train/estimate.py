@@ -53,18 +53,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 import statistics
 import tempfile
 import textwrap
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from tunelab.config.args import RunConfig
+from tunelab.train.memory import reset_peak_rss, rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -388,27 +387,6 @@ def _tokenized_train_set(config: RunConfig):
 
 
 # ---- the probe -----------------------------------------------------------------------------------------
-
-
-def rss_bytes() -> dict[str, int]:
-    """Current (VmRSS) and peak (VmHWM) resident memory of this process: /proc/self/status on Linux; elsewhere
-    both are the peak so far (getrusage), an upper bound for the current size."""
-    status = Path("/proc/self/status")
-    if not status.exists():
-        import resource  # noqa: PLC0415
-        import sys  # noqa: PLC0415
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-        return {"VmRSS": peak, "VmHWM": peak}
-    text = status.read_text()
-    return {key: int(re.search(rf"{key}:\s+(\d+) kB", text).group(1)) * 1024 for key in ("VmRSS", "VmHWM")}
-
-
-def reset_peak_rss() -> None:
-    """Reset VmHWM to the current RSS (Linux: writing 5 to /proc/self/clear_refs; elsewhere nothing to do)."""
-    clear_refs = Path("/proc/self/clear_refs")
-    if clear_refs.exists():
-        clear_refs.write_text("5")
 
 
 class _StepTimes:

@@ -6,7 +6,7 @@
 - generation_config.json whose eos ids are the template's end-of-turn tokens (pt: the tokenizer's
   eos), so plain `model.generate` stops where training taught it to;
 - tunelab_config.yaml (every resolved option), data_report.json (counts), all_results.json
-  (metrics), run_info.json (versions; `hub`: the repo and commit of every model read by Hub id),
+  (metrics, and the process's peak memory: memory_peak_rss_mib, on a GPU gpu_peak_allocated_mib), run_info.json (versions; `hub`: the repo and commit of every model read by Hub id),
   trainer_log.jsonl and the loss plots. A model given by Hub id stays a Hub id in tunelab_config.yaml, with
   model_revision pinned to the commit the run read, so the file reruns the same weights anywhere.
 """
@@ -24,6 +24,7 @@ import yaml
 
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import resolved_dict
+from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 
 
@@ -166,6 +167,7 @@ def finish(trainer, metrics: dict, config: RunConfig) -> None:
     if not trainer.is_world_process_zero():
         return
     out = config.training.output_dir
+    metrics.update(peak_memory_metrics(config.training.device))  # the whole run's, generation after training included
     write_json(out, "all_results.json", metrics)
     if config.training.plot_loss:
         plot_loss(out)

@@ -1,4 +1,6 @@
-"""The loss plots a run leaves in output_dir: training_loss.png and eval_loss.png, from trainer_log.jsonl.
+"""The plots a run leaves in output_dir from trainer_log.jsonl: training_loss.png and eval_loss.png, and when
+the evaluations logged them eval_generation.png (generate_at_eval: exact match, BLEU, ROUGE-L) and
+eval_token_accuracy.png (compute_token_accuracy), both on a 0-100 axis (fractions drawn as %).
 
 What they draw, and why:
 - The raw logged values, always, as faint points joined by a faint line: the smoothed line never hides them.
@@ -27,6 +29,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from tunelab.infer.metrics import GENERATION_METRIC_NAMES
 from tunelab.train.callbacks import read_log
 
 SMOOTH_SPAN_FRACTION = 0.02  # the moving average's span 1 / (1 - weight), as a share of the points
@@ -36,6 +39,7 @@ LOG_SCALE_RATIO = 50.0  # max / min above which the y-axis is logarithmic (> 1.7
 
 TRAIN_COLOR, EVAL_COLORS = "#1f77b4", ("#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 REFERENCE_COLOR = "#999999"
+FRACTION_METRICS = ("exact_match", "token_accuracy")  # logged as 0-1, drawn as %
 
 
 def smoothing_weight(points: int) -> float:
@@ -87,10 +91,15 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def eval_loss_keys(records: list[dict]) -> list[str]:
     """eval_loss (one eval set) or eval_<name>_loss for each of several, in first-seen order."""
+    return eval_metric_keys(records, ("loss",))
+
+
+def eval_metric_keys(records: list[dict], metrics: Sequence[str]) -> list[str]:
+    """eval_<metric> / eval_<name>_<metric> keys of the log for each of `metrics`, in first-seen order."""
     keys: list[str] = []
     for record in records:
         for key in record:
-            if key.startswith("eval_") and key.endswith("loss") and key not in keys:
+            if key.startswith("eval_") and key.endswith(tuple(metrics)) and key not in keys:
                 keys.append(key)
     return keys
 
@@ -146,6 +155,30 @@ def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
     return fig
 
 
+def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str, ylabel: str):
+    """Evaluation scores on a 0-100 axis (fractions such as exact match scaled by 100 before), one line per key."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for (label, (steps, values)), color in zip(curves.items(), list(EVAL_COLORS) * len(curves), strict=False):
+        _draw(ax, steps, values, color, label, log_scale=False)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    last_step = max(step for steps, _ in curves.values() for step in steps)
+    ax.set_xlim(0, last_step * 1.04 + 0.5)
+    ax.set_ylim(-2, 102)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -168,4 +201,23 @@ def plot_loss(output_dir: str | Path) -> list[Path]:
     if evals:
         figure = loss_figure(evals, f"eval loss — {run}", reference=train if train[0] else None)
         written.append(save_figure(figure, output_dir / "eval_loss.png"))
+    for name, metrics, title in (
+        ("eval_generation.png", GENERATION_METRIC_NAMES, "generated answers (greedy)"),
+        ("eval_token_accuracy.png", ("token_accuracy",), "token accuracy"),
+    ):
+        curves = {_percent_label(key): _as_percent(key, series(records, key)) for key in eval_metric_keys(records, metrics)}
+        curves = {key: curve for key, curve in curves.items() if curve[0]}
+        if curves:
+            ylabel = "score (0-100; exact match and accuracy in %)"
+            written.append(save_figure(percent_figure(curves, f"{title} — {run}", ylabel), output_dir / name))
     return written
+
+
+def _percent_label(key: str) -> str:
+    return f"{key} (%)" if key.endswith(FRACTION_METRICS) else key
+
+
+def _as_percent(key: str, curve: tuple[list[int], list[float]]) -> tuple[list[int], list[float]]:
+    """Fractions (exact match, token accuracy: 0-1) as percentages; BLEU and ROUGE-L are 0-100 already."""
+    steps, values = curve
+    return (steps, [100 * v for v in values]) if key.endswith(FRACTION_METRICS) else curve

@@ -1,15 +1,15 @@
-"""Run a configured training job: set up logging and the output folder, dispatch to the stage."""
+"""Run a configured training job: set up logging, the open-file limit and the output folder, dispatch to the stage."""
 
 from __future__ import annotations
 
 import errno
 import logging
-import resource
 
 import transformers
 
 from tunelab.config.args import RunConfig
 from tunelab.train import outputs
+from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
 
@@ -21,28 +21,18 @@ def setup_logging(is_main_process: bool = True) -> None:
     transformers.logging.set_verbosity_warning()
 
 
-def raise_open_file_limit() -> tuple[int, int]:
-    """Lift the soft open-file limit to the hard one (DataLoader workers and Arrow memory maps each
-    hold descriptors; a 1024 soft limit is a classic "Too many open files" crash). Returns (old, new)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if soft == resource.RLIM_INFINITY or soft >= target:
-        return soft, soft
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    except (ValueError, OSError):  # some containers refuse; the error message below still guides the user
-        return soft, soft
-    return soft, target
+def explain_error(exc: BaseException) -> str | None:
+    """A one-line fix for an exception a run ended with, or None: running out of file descriptors however it
+    surfaced (an OSError, torch's DataLoader RuntimeError, a worker's re-raised error), and explain_os_error's."""
+    if is_open_file_exhaustion(exc):
+        return open_file_fix()
+    return explain_os_error(exc) if isinstance(exc, OSError) else None
 
 
 def explain_os_error(exc: OSError) -> str | None:
     """A one-line fix for the OS errors training runs hit, or None."""
     if exc.errno == errno.EMFILE:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return (
-            f"too many open files (limit {soft}): raise it with `ulimit -n 65536` before the run, "
-            "or lower dataloader_num_workers / preprocessing_num_workers"
-        )
+        return open_file_fix()
     if exc.errno == errno.ENOSPC:
         return f"no space left on device while writing {exc.filename or 'outputs'}: free space or change output_dir / TUNELAB_CACHE"
     if exc.errno == errno.EFBIG:
@@ -54,7 +44,9 @@ def explain_os_error(exc: OSError) -> str | None:
 
 
 def run(config: RunConfig) -> dict:
-    raise_open_file_limit()
+    old, new = raise_open_file_limit()
+    if new != old:
+        logger.info("open-file limit raised from %s to %s (the soft limit, up to the hard one)", old, new)
     if config.training.process_index == 0:
         outputs.write_run_start(config)
     stage = config.finetuning.stage

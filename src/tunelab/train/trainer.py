@@ -11,11 +11,16 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
   batch means), `eval[_{name}]_perplexity` its exp, and with `compute_token_accuracy` the share of
   supervised tokens whose argmax prediction is the label (`eval[_{name}]_token_accuracy`);
 - reliability (docs/reliability.md): atomic checkpoints and `resume_from_checkpoint: true`
-  (checkpoints.py), save-and-stop on SIGTERM/SIGINT (signals.py), the NaN/inf guard (guards.py).
+  (checkpoints.py), save-and-stop on SIGTERM/SIGINT (signals.py), the NaN/inf guard (guards.py);
+- what the loop tells a user (docs/training.md): the metrics of EvalMetricsCallback callbacks in each
+  evaluation's line (generate_at_eval), why early stopping stopped (and which checkpoint
+  load_best_model_at_end loads) in the run summary, and a warning before training when the open-file limit
+  is too low for the DataLoader workers (open_files.py).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -25,9 +30,10 @@ import transformers
 
 from tunelab.errors import TrainingError
 from tunelab.train import checkpoints
-from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, JsonlLogCallback
 from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
 from tunelab.train.losses import IGNORE_INDEX, CausalLMLoss, causal_lm_loss_func
+from tunelab.train.open_files import check_open_file_budget
 from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
 
@@ -64,6 +70,7 @@ class TunelabTrainer(transformers.Trainer):
             resume_from_checkpoint = getattr(self.args, "resume_from_checkpoint", None)
         checkpoint = checkpoints.resume_point(self, resume_from_checkpoint)  # raises NothingToTrain when done
         self._run_state_to_restore = checkpoints.read_run_state(checkpoint) if checkpoint else {}
+        check_open_file_budget(self.args.dataloader_num_workers, self.args.dataloader_prefetch_factor)
         self.stop_on_signal.install()
         try:
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
@@ -157,7 +164,24 @@ class TunelabTrainer(transformers.Trainer):
             logs["supervised_tokens_seen"] = int(tokens[1])
             if self.nonfinite.policy == "skip":
                 logs["skipped_nonfinite_steps"] = self.nonfinite.skipped
+        if "train_runtime" in logs:  # the run summary: the Trainer's last line, and the metrics train() returns
+            logs.update(self._stop_summary())
         super().log(logs, start_time)
+
+    def _stop_summary(self) -> dict:
+        """Why training ended early, and which checkpoint load_best_model_at_end is about to load."""
+        summary: dict = {}
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, EarlyStopping):
+                summary.update(callback.summary())
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint is not None:
+            summary["best_model_checkpoint"] = self.state.best_model_checkpoint
+            summary["best_metric"] = self.state.best_metric
+            logging.getLogger(__name__).info(
+                "load_best_model_at_end: the final model is %s (%s %.6g)", self.state.best_model_checkpoint,
+                EarlyStopping.watched_metric(self.args), self.state.best_metric,
+            )
+        return summary
 
     # ---- evaluation: token-level metrics accumulated per batch ----------------------------------------------
 
@@ -185,6 +209,10 @@ class TunelabTrainer(transformers.Trainer):
         if self.args.world_size > 1:
             stats = self.accelerator.reduce(stats, reduction="sum")
         output.metrics.update(token_metrics(stats.tolist(), metric_key_prefix, self._with_token_accuracy))
+        model = self.accelerator.unwrap_model(self.model)
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, EvalMetricsCallback):
+                output.metrics.update(callback.evaluation_metrics(model, metric_key_prefix))
         return output
 
 

@@ -15,7 +15,9 @@ Steps are optimizer steps: max_steps when set, else num_train_epochs passes over
 launch): each process draws its own prompts; gradients are averaged. Dropout stays off (the model is
 in eval mode throughout) so that the policy ratio compares the same function before and after a step.
 
-Logging writes trainer_log.jsonl in the Trainer's format through the same JsonlLogCallback.
+Logging writes trainer_log.jsonl in the Trainer's format through the same JsonlLogCallback (memory included).
+No other TrainerCallback event fires here, so the config refuses `callbacks` and early stopping (which need
+the Trainer's events and evaluations) for grpo and ppo with one line each (config/checks.py).
 """
 
 from __future__ import annotations

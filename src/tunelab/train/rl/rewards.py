@@ -11,24 +11,22 @@ A reward function scores a batch of completions:
 A function that also names a parameter `finished` (or takes **kwargs) receives
 `finished: list[bool]`: whether each completion ended at the end-of-turn token rather than at
 max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`), `path/to/file.py:fn`
-or `package.module:fn`; `reward_weights` weighs them (default 1 each), and a completion's reward is
-the weighted sum.
+or `package.module:fn` (imported by the opt-in rule of tunelab/user_code.py); `reward_weights` weighs
+them (default 1 each), and a completion's reward is the weighted sum.
 
 This module owns naming, loading and calling reward functions; it knows nothing of models or tokens.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import re
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from tunelab.errors import ConfigError
+from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -106,50 +104,21 @@ def _accepts_finished(fn: RewardFn) -> bool:
 
 def resolve_reward_fn(spec: str, base_dir: str | Path | None = None) -> RewardFn:
     """The callable `spec` names: a built-in, `file.py:fn` (relative to the working directory, then
-    to base_dir — the config file's folder), or `package.module:fn`. ConfigError naming the fix otherwise."""
+    to base_dir — the config file's folder), or `package.module:fn` (tunelab/user_code.py).
+    ConfigError naming the fix otherwise."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
+    if not is_user_spec(spec):
         raise ConfigError(
             f"reward_funcs: '{spec}' is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); "
             "name your own as path/to/file.py:function or package.module:function"
         )
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        module = _module_from_file(where, base_dir)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise ConfigError(
-                f"reward_funcs: cannot import module '{where}' ({exc}); check the name or use path/to/file.py:{name}"
-            ) from None
+    where, name = split_user_spec(spec)
+    module = import_user_module(where, "reward_funcs", base_dir, fix_name="fn")
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"reward_funcs: {where} has no function '{name}'; define {name}(prompts, completions, references)")
     return fn
-
-
-def _module_from_file(where: str, base_dir: str | Path | None):
-    candidates = [Path(where)]
-    if base_dir is not None and not Path(where).is_absolute():
-        candidates.append(Path(base_dir) / where)
-    path = next((p for p in candidates if p.is_file()), None)
-    if path is None:
-        tried = " or ".join(str(p) for p in candidates)
-        raise ConfigError(f"reward_funcs: file {tried} does not exist; give a path relative to the working directory or the config file")
-    path = path.resolve()
-    module_name = f"tunelab_user_rewards_{abs(hash(str(path)))}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001  (the user's file failed to run: say where)
-        raise ConfigError(f"reward_funcs: importing {path} failed: {type(exc).__name__}: {exc}") from None
-    sys.modules[module_name] = module
-    return module
 
 
 def load_reward_functions(

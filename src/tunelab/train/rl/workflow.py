@@ -25,6 +25,7 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_tok
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
+from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.rl.loop import RLLoop, build_accelerator
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:
 def finish(loop, metrics: dict, config: RunConfig) -> None:
     if not loop.accelerator.is_main_process:
         return
+    metrics.update(peak_memory_metrics(loop.accelerator.device))
     outputs.write_json(config.training.output_dir, "all_results.json", metrics)
     if config.training.plot_loss:
         outputs.plot_loss(config.training.output_dir)

@@ -18,7 +18,7 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
-from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import (
     KTO_REFERENCE_COLUMNS, PAIR_REFERENCE_COLUMNS, PreferenceTrainer, needs_reference, precompute_reference_log_probs,
 )
@@ -69,7 +69,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     trainer = PreferenceTrainer(
         stage=stage, finetuning=ft, ref_model=ref_model,
         model=model, args=args, train_dataset=train_set, eval_dataset=single_or_named(evals),
-        data_collator=collator, processing_class=tokenizer, callbacks=[JsonlLogCallback(args.output_dir)],
+        data_collator=collator, processing_class=tokenizer, callbacks=run_callbacks(config),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

@@ -15,7 +15,7 @@ from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
-from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import PreferenceTrainer
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def run_rm(config: RunConfig) -> dict:
         stage="rm", finetuning=config.finetuning,
         model=model, args=args, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
         data_collator=PairedCollator(tokenizer.pad_token_id), processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(args.output_dir)],
+        callbacks=run_callbacks(config),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the workflow, top to bottom.
 
-tokenizer + template → datasets → model (+ adapters) → [exact match before] → train → save
+tokenizer + template → datasets → model (+ adapters) → [exact match before] → train (evaluations with
+generate_at_eval: + exact match, BLEU, ROUGE-L; early stopping; the user's callbacks) → save
 → [exact match after] → [do_predict: predictions.jsonl, BLEU/ROUGE-L] → metrics. Everything written lands in output_dir.
 """
 
@@ -18,7 +19,8 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
 from tunelab.train import outputs
-from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.callbacks import run_callbacks
+from tunelab.train.generation_metrics import GenerationMetricsCallback
 from tunelab.train.trainer import TunelabTrainer
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def run_sft(config: RunConfig) -> dict:
         eval_dataset=evals,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(args.output_dir)],
+        callbacks=run_callbacks(config, *_generation_metrics(data.eval_rows, tokenizer, template, config)),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
@@ -83,11 +85,22 @@ def run_sft(config: RunConfig) -> dict:
     return metrics
 
 
+def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list[GenerationMetricsCallback]:
+    """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation."""
+    if not config.generation.generate_at_eval or not eval_rows:
+        return []
+    return [GenerationMetricsCallback.from_config(eval_rows, tokenizer, template, config)]
+
+
 def _final_eval_metrics(trainer) -> dict:
-    """Eval metrics at the last step: reuse the evaluation the schedule just ran, else run one."""
-    step = trainer.state.global_step
-    for record in reversed(trainer.state.log_history):
+    """Eval metrics of the final model: reuse the evaluation the schedule ran at its step, else run one. With
+    load_best_model_at_end the final model is the best checkpoint's, so its step's evaluation, not the last one."""
+    state = trainer.state
+    loaded_best = trainer.args.load_best_model_at_end and state.best_model_checkpoint is not None
+    step = state.best_global_step if loaded_best and state.best_global_step else state.global_step
+    metrics: dict = {}
+    for record in state.log_history:  # with several eval sets, each logged its own line at that step
         if record.get("step") == step and any(k.startswith("eval_") and k.endswith("loss") for k in record):
-            return {k: v for k, v in record.items() if k.startswith("eval_")}
-    return trainer.evaluate()
+            metrics.update({k: v for k, v in record.items() if k.startswith("eval_")})
+    return metrics or trainer.evaluate()
 
