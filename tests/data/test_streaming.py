@@ -184,7 +184,9 @@ def test_pt_stream_holds_at_most_buffer_size_windows(corpus, word_tokenizer, mon
     held = []
     for consumed, _ in enumerate(shuffled(pretrain_stream(args, word_tokenizer, seed=0), 16, seed=0, repeat=False), 1):
         held.append(len(made) - consumed)
-    assert max(held) == 16 + 1 and len(made) > 100  # the buffer, plus the window being swapped in for the one drawn
+    # The buffer, plus at most the window being swapped in for the one drawn (whether that one is made before
+    # the draw depends on how the stream's iterator batches its work, which other tests can change).
+    assert 16 <= max(held) <= 16 + 1 and len(made) > 100
 
 
 def test_sft_packing_holds_at_most_buffer_size_examples(tiny_tokenizer, template, monkeypatch):
