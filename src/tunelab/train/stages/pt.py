@@ -16,6 +16,7 @@ from tunelab.data.collate import build_collator
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.qat import qat_callbacks
 from tunelab.train import outputs
 from tunelab.train.callbacks import JsonlLogCallback
 from tunelab.train.stages.sft import _final_eval_metrics
@@ -54,7 +55,7 @@ def run_pt(config: RunConfig) -> dict:
         # Windows are cutoff_len long except a kept tail, so padding only ever touches that one.
         data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
         processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(args.output_dir)],
+        callbacks=[JsonlLogCallback(args.output_dir), *qat_callbacks(config.finetuning)],
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

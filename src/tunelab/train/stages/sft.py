@@ -17,6 +17,7 @@ from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
 from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.qat import qat_callbacks
 from tunelab.train import outputs
 from tunelab.train.callbacks import JsonlLogCallback
 from tunelab.train.trainer import TunelabTrainer
@@ -53,7 +54,7 @@ def run_sft(config: RunConfig) -> dict:
         eval_dataset=evals,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=[JsonlLogCallback(args.output_dir)],
+        callbacks=[JsonlLogCallback(args.output_dir), *qat_callbacks(config.finetuning)],
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
