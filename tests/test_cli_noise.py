@@ -1,5 +1,6 @@
 """bitsandbytes' and torchao's optional-kernel notes stay off the terminal (every command imports them through
-peft and transformers' quantizers when they are installed), and only those notes."""
+peft and transformers' quantizers when they are installed), and only those notes; light commands import no training
+stack at all."""
 
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
         assert pytree.log.filter(_warning(pytree.log, "some other pytree warning"))
     finally:
         torchao.logger.filters[:], pytree.log.filters[:] = before
+
+
+@pytest.mark.parametrize("argv", [["template", "list"], ["--help"], ["data", "--help"]])
+def test_light_commands_import_no_training_stack(argv: list[str]) -> None:
+    # train's --help lists every TrainingArguments option; building that text imports transformers' training
+    # arguments, and through them peft and bitsandbytes: only `train --help` pays for it.
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = (
+        "import sys\nfrom tunelab.cli import main\n"
+        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('peft', 'bitsandbytes', 'transformers.trainer', 'transformers.training_args') "
+        "if m in sys.modules), file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stderr.strip().splitlines()[-1] == "[]"

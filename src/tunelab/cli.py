@@ -439,11 +439,22 @@ def _cmd_env(_: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """An epilog given as a function is built only when the help is shown: train's lists every option, which
+    imports transformers' TrainingArguments (and through it peft and bitsandbytes) — seconds that `tunelab
+    template list` or `tunelab data --help` should not pay."""
+
+    def format_help(self) -> str:
+        if callable(self.epilog):
+            self.epilog = self.epilog()
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunelab", description="Fine-tune causal language models end to end.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="tunelab", description="Fine-tune causal language models end to end.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser(
-        "train", help="train a model from a YAML config", epilog=_options_help(),
+        "train", help="train a model from a YAML config", epilog=_options_help,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("config", nargs="?", help="YAML file with the run's options (optional: key=value / --key value "

@@ -182,7 +182,7 @@ def test_estimate_command_prints_the_breakdown_and_a_probe(tmp_path, capsys):
     assert " ".join(line.strip() for line in out[9:probe_line]) == f"not counted: {NOT_COUNTED_CPU}"
     assert re.fullmatch(r"measured \(probe, 1 step after a warm-up on the run's first batches\): "
                         r"\d+\.\d{3} s per optimizer step \(median; fastest \d+\.\d{3}\)", out[probe_line])
-    assert re.fullmatch(r"  peak RSS of this process: \d+\.\d\d MiB measured vs \d+\.\d\d MiB predicted", out[probe_line + 1])
+    assert re.fullmatch(r"  peak RSS of this process: \d+\.\d\d [MG]iB measured vs \d+\.\d\d [MG]iB predicted", out[probe_line + 1])
 
 
 # The quickstart's shape (embedded tiny Llama, full fine-tuning, demo_sort, 32 x 64), few rows and steps.

@@ -30,7 +30,7 @@ import datasets
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 2  # 2: empty answers kept, reasoning, pt BOS; report keys per source changed
+CACHE_FORMAT_VERSION = 2  # 2: per-segment ids, truncation by exchanges, empty answers kept, reasoning, pt BOS; new report keys
 DONE_MARKER = "complete.json"
 
 # DataArguments that never change the examples (they only say where/whether to cache or how many
