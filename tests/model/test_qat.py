@@ -148,7 +148,9 @@ def test_quantized_export_round_trips_and_matches_the_fake_quantized_model(tmp_p
     assert not any(p.name.startswith(".merged") for p in out.iterdir())  # the scratch folder is gone
 
     exported = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers (+ torchao)
-    quantized = {name for name, m in exported.named_modules() if isinstance(getattr(m, "weight", None), IntxUnpackedToInt8Tensor)}
+    quantized = {
+        name for name, m in exported.named_modules() if isinstance(getattr(m, "weight", None), IntxUnpackedToInt8Tensor)
+    }
     reference = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32).eval()
     assert quantized == set(quantized_layers(reference))
     prepare_qat(reference, scheme, 32)

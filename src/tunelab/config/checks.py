@@ -273,7 +273,8 @@ def _check_qat_layers(config: RunConfig) -> None:
     if export_scheme and ft.qat_group_size is None:
         trained, trained_group = qat.trained_scheme(model.adapter_name_or_path or model.model_name_or_path)
         ft.qat_group_size = trained_group if trained and trained_group else qat.DEFAULT_GROUP_SIZE
-    qat.check_group_size("qat_group_size", ft.qat_group_size, qat.layer_widths(model.model_name_or_path, model.trust_remote_code))
+    widths = qat.layer_widths(model.model_name_or_path, model.trust_remote_code)
+    qat.check_group_size("qat_group_size", ft.qat_group_size, widths)
 
 
 def _check_model_folder(config: RunConfig) -> None:

@@ -89,7 +89,9 @@ def ptq_config(scheme: str, group_size: int):
 def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
     """The layers a scheme quantizes, by name: every nn.Linear but the output head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head}
+    return {
+        name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head
+    }
 
 
 def kept_layers(model: nn.Module) -> list[str]:
