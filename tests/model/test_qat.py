@@ -9,6 +9,7 @@ quantize/dequantize primitives); the whole converted model is held to 1e-4 of th
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +239,9 @@ def test_training_a_quantized_export_is_refused(tmp_path):
     out = _export(tmp_path, str(TINY_MODEL_DIR), "int8-weight")
     with pytest.raises(ConfigError, match=rf"^model_name_or_path: {out} holds torchao-quantized weights"):
         _train_config(tmp_path, model_name_or_path=out)
+
+
+def test_the_example_config_resolves(tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "qat.yaml"
+    config = load_config(str(example), {"output_dir": str(tmp_path / "out")})
+    assert (config.finetuning.qat, config.finetuning.qat_group_size, config.finetuning.stage) == ("int8-int4", 32, "sft")
