@@ -159,6 +159,9 @@ def test_serving_errors_are_one_line(tmp_path, capsys):
         "tunelab: error: --template-kwargs: expected a JSON object such as '{\"enable_thinking\": false}', "
         "got 'enable_thinking'\n"
     ))
+    for flag in ("--max-request-bytes", "--max-batch-size"):
+        assert run(capsys, ["api", "tiny", flag, "0"])[:3:2] == (
+            2, f"tunelab: error: {flag}: expected an integer >= 1, got 0\n")
 
 
 def test_deepspeed_on_cpu_is_one_line(tmp_path, capsys):

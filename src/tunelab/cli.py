@@ -6,7 +6,8 @@ model_name_or_path, adapter_name_or_path and template (LlamaFactory's inference 
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
 anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
 A training run stopped by SIGTERM / SIGINT saves a checkpoint, prints the command that resumes it
-and exits 128 + the signal number (143 / 130).
+and exits 128 + the signal number (143 / 130); resuming a run that already reached its last step says so
+and exits 0 without changing anything.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.train import launch  # noqa: PLC0415
     from tunelab.train.run import run, setup_logging  # noqa: PLC0415
+    from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
@@ -85,12 +87,28 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     if launch.needs_launch(config.training):
         return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
     setup_logging(config.training.process_index == 0)
+    out_of_memory = None
     try:
         metrics = run(config)
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
         if config.training.process_index == 0:
             print(f"tunelab: {stop}; resume with: {resume_command(path, overrides)}", file=sys.stderr)
         return stop.exit_code
+    except NothingToTrain as done:  # resuming a finished run: nothing changed, and that is not a failure
+        if config.training.process_index == 0:
+            print(f"tunelab: {done}", file=sys.stderr)
+        return 0
+    except Exception as exc:
+        from tunelab.train.oom import is_out_of_memory  # noqa: PLC0415
+
+        if not is_out_of_memory(exc):
+            raise
+        out_of_memory = str(exc)
+    if out_of_memory is not None:  # outside the handler: the failed step's tensors are released by now
+        from tunelab.errors import TrainingError  # noqa: PLC0415
+        from tunelab.train.oom import out_of_memory_message  # noqa: PLC0415
+
+        raise TrainingError(out_of_memory_message(config, out_of_memory))
     if config.training.process_index == 0:
         before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
         if before is not None and after is not None:
@@ -376,11 +394,14 @@ def _cmd_api(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("TUNELAB_API_KEY") or None
     if ns.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size: expected an integer >= 1, got {ns.max_batch_size}")
+    if ns.max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes: expected an integer >= 1, got {ns.max_request_bytes}")
     engine = _load_engine(ns)
     key_note = "an API key is required" if api_key else "no API key"
     print(f"tunelab api: serving '{engine.name}' (template {engine.template.name}, {key_note}, "
           f"up to {ns.max_batch_size} requests per batch)", file=sys.stderr)
-    serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size)
+    serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size,
+          max_request_bytes=ns.max_request_bytes)
     return 0
 
 
@@ -428,6 +449,8 @@ def _add_serving_commands(sub) -> None:
                      "none: no key)")
     api.add_argument("--max-batch-size", type=int, default=8, help="concurrent requests that share one forward "
                      "pass (1: one request at a time)")
+    api.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, help="larger request bodies are "
+                     "refused with 413 before they are read (default 8 MiB)")
     api.set_defaults(func=_cmd_api)
 
 

@@ -337,3 +337,58 @@ def test_llamafactory_pretraining_entries_read_as_documents(tmp_path, word_token
     # a formatting the entry names is kept to: an alpaca set is not a corpus
     (tmp_path / "dataset_info.json").write_text(json.dumps({"corpus": {"file_name": "c4.jsonl", "formatting": "alpaca"}}))
     assert not load_registry(str(tmp_path))["corpus"].reads_documents
+
+
+# ---- bounded memory per document: long documents are tokenised in pieces, exactly -------------------------
+
+
+def _prose(words_count: int) -> str:
+    import random
+
+    rng = random.Random(3)
+    vocabulary = ["alpha", "beta,", "Gamma", "(delta)", "42", "naïve", "東京", "--", "x" * 25]
+    return "".join(rng.choice(vocabulary) + rng.choice([" ", " ", " ", "  ", "\n", "\n\n"]) for _ in range(words_count))
+
+
+def _legacy_sentencepiece_tokenizer():
+    """A tokenizer whose normalizer prepends "▁" to every text (old Llama-2 style): a piece tokenised on its own
+    gets an extra "▁", so cutting changes tokens and the document must be tokenised whole."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.train_from_iterator([_prose(300)], trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("name", ["byte-level BPE (tiny)", "legacy SentencePiece (cuts change tokens)"])
+def test_a_long_document_is_tokenised_in_pieces_exactly(tiny_tokenizer, monkeypatch, name):
+    from tunelab.data.encode import _Tokens
+
+    tokenizer = tiny_tokenizer if "tiny" in name else _legacy_sentencepiece_tokenizer()
+    document = _prose(3000)  # ~22,000 characters
+    monkeypatch.setattr(pretrain, "LONG_DOCUMENT_CHARS", 2048)  # ~10 pieces
+    longest = []
+    raw = _Tokens._raw
+    monkeypatch.setattr(_Tokens, "_raw", lambda self, texts: longest.append(max(map(len, texts))) or raw(self, texts))
+    function = pretrain.DocumentTokenizer(tokenizer, ("text",), 1, "corpus")
+    out = function({"text": [document, "short one"]})
+    whole = tokenizer([document.strip(), "short one"], add_special_tokens=False)["input_ids"]
+    assert [list(ids) for ids in out["input_ids"]] == [ids + [tokenizer.eos_token_id] for ids in whole]
+    pieces = "tiny" in name  # the legacy tokenizer fails the seam check and is tokenised whole
+    assert (max(longest) < 2048 + 4 * pretrain._SEAM_WINDOW) == pieces
+
+
+def test_long_documents_mixed_with_short_and_empty_ones_map_into_one_column(tiny_tokenizer, monkeypatch):
+    """datasets.map writes the batch to arrow: arrays and lists (an empty one reads as float) must not mix."""
+    monkeypatch.setattr(pretrain, "LONG_DOCUMENT_CHARS", 500)
+    long = _prose(400)
+    function = pretrain.DocumentTokenizer(tiny_tokenizer, ("text",), 1, "corpus")
+    rows = {"text": [long, "short one", "", long[:100]]}
+    mapped = datasets.Dataset.from_dict(rows).map(function, batched=True, batch_size=2, remove_columns=["text"])
+    expected = [ids + [tiny_tokenizer.eos_token_id] if ids else [] for ids in tiny_tokenizer(
+        [long.strip(), "short one", "", long[:100].strip()], add_special_tokens=False)["input_ids"]]
+    assert mapped["input_ids"] == expected
+    short_only = datasets.Dataset.from_dict({"text": ["short one"]}).map(function, batched=True, remove_columns=["text"])
+    assert mapped.features == short_only.features  # batches with and without a long document agree

@@ -82,7 +82,7 @@ def test_a_template_without_reasoning_is_an_error_naming_the_row(tmp_path, tiny_
     with pytest.raises(DataError) as info:
         build(folder, tiny_tokenizer, "chatml")
     assert str(info.value) == (
-        "dataset 'r' row 1: answer 1 has reasoning, but chat template 'chatml' has no place for it (it does not read "
+        f"dataset 'r' row 1 ({folder}/data.jsonl:2): answer 1 has reasoning, but chat template 'chatml' has no place for it (it does not read "
         "reasoning_content); use a template that does (deepseek_r1_distill, qwen3) or remove the reasoning; or set "
         "skip_bad_rows: true to skip such rows (counted per reason)"
     )
@@ -103,7 +103,7 @@ def test_reasoning_where_the_template_writes_none_is_an_error(tmp_path, tiny_tok
         {"role": "tool", "content": "1", "tool_call_id": "c1"},
         {"role": "assistant", "content": "It is 1.", "reasoning_content": "the tool said 1"},
     ]
-    with pytest.raises(DataError, match=r"^dataset 'r' row 0: the reasoning of answer 2 is not in what chat template "
+    with pytest.raises(DataError, match=r"^dataset 'r' row 0 \(.*/d/data.jsonl:1\): the reasoning of answer 2 is not in what chat template "
                                         r"'deepseek_r1_distill' trains \(the template writes no reasoning at that point"):
         build(write_dataset(tmp_path / "d", [{"messages": turns}]), r1_tokenizer(), "deepseek_r1_distill")
 

@@ -142,3 +142,82 @@ def test_both_sides_of_a_pair_keep_the_same_prompt(tiny_tokenizer) -> None:
     prompt = next(i for i, label in enumerate(out["chosen_labels"][0]) if label != IGNORE_INDEX)
     assert chosen[:prompt] == rejected[:prompt]
     assert out["rejected_labels"][0][prompt] != IGNORE_INDEX  # the rejected answer starts right there
+
+
+# ---- bounded work per row: a message far longer than cutoff_len is cut before tokenising -------------------
+
+
+def _long_text(words: int, seed: int) -> str:
+    """Varied text: words, digits, punctuation, double spaces and newlines (where tokenizers' pieces meet)."""
+    import random
+
+    rng = random.Random(seed)
+    vocabulary = ["alpha", "beta", "Gamma", "delta,", "(eps)", "42", "3.14", "naïve", "東京", "x" * 30, "--", "é"]
+    separators = [" "] * 8 + ["  ", "\n", "\n\n", "\t"]
+    return "".join(rng.choice(vocabulary) + rng.choice(separators) for _ in range(words))
+
+
+def _metaspace_tokenizer() -> Any:
+    """A SentencePiece-style tokenizer (Metaspace "▁" pre-tokenizer, BPE) trained here, with chatml's tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>", "<|im_start|>", "<|im_end|>"])
+    backend.train_from_iterator([_long_text(400, seed) for seed in range(5)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>", pad_token="<unk>")
+
+
+HUGE = _long_text(6000, seed=7)  # ~40,000 characters: far past any cutoff_len below
+
+
+def _huge_rows() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """(row, encoder options): a huge message in each place truncation treats differently."""
+    return {
+        "answer": (row([("Reverse: abc", HUGE)]), {}),
+        "first user turn": (row([(HUGE, "cba")]), {}),
+        "an early exchange": (row([(HUGE, "cba"), ("Reverse: hello", "olleh")]), {}),
+        "a middle answer": (row([("Reverse: abc", "cba"), ("q", HUGE), ("Reverse: xy", "yx")]), {}),
+        "the system prompt": (row(EXCHANGES, system=HUGE), {}),
+        "history, mask_history": (row([("q", HUGE), ("Reverse: xy", "yx")]), {"mask_history": True}),
+        "train_on_prompt": (row([(HUGE, "cba")]), {"train_on_prompt": True}),
+    }
+
+
+@pytest.mark.parametrize("tokenizer_name", ["byte-level BPE (tiny)", "Metaspace BPE"])
+@pytest.mark.parametrize("case", list(_huge_rows()))
+def test_a_huge_message_encodes_exactly_as_uncut(tiny_tokenizer, monkeypatch, tokenizer_name, case) -> None:
+    import tunelab.data.encode as encode_module
+
+    tokenizer = tiny_tokenizer if tokenizer_name.endswith("(tiny)") else _metaspace_tokenizer()
+    r, options = _huge_rows()[case]
+    cut = encode(tokenizer, r, cutoff_len=48, **options)
+    monkeypatch.setattr(encode_module, "LONG_TEXT_CHARS_PER_TOKEN", 10**9)  # the whole text, as before the bound
+    whole = encode(tokenizer, r, cutoff_len=48, **options)
+
+    def same(e: dict[str, Any]) -> tuple:
+        return e["input_ids"], e["labels"], e["truncated"], e["answers_dropped"], e["num_supervised"]
+
+    assert [same(e) for e in cut] == [same(e) for e in whole]
+    assert sum(e["texts_cut"] for e in cut) == (1 if cut else 0) and all(e["texts_cut"] == 0 for e in whole)
+
+
+def test_a_huge_row_costs_a_few_cutoff_lengths(tiny_tokenizer, monkeypatch) -> None:
+    """Characters handed to the tokenizer for one row with a 4 MB answer: bounded by the cutoff, not the row."""
+    from tunelab.data.encode import LONG_TEXT_CHARS_PER_TOKEN, LONG_TEXT_MARGIN, _Tokens
+
+    seen = []
+    raw = _Tokens._raw
+    monkeypatch.setattr(_Tokens, "_raw", lambda self, texts: seen.append(sum(map(len, texts))) or raw(self, texts))
+    huge = HUGE * 100  # 4 MB
+    (example,) = encode(tiny_tokenizer, row([("Reverse: abc", huge)]), cutoff_len=64)
+    bound = LONG_TEXT_CHARS_PER_TOKEN * (64 + LONG_TEXT_MARGIN)  # the first prefix tried: 1,024 characters
+    assert sum(seen) < 20 * bound < len(huge) / 200
+    assert (len(example["input_ids"]), example["truncated"], example["texts_cut"]) == (64, True, 1)
+
+
+def test_messages_under_the_bound_are_not_touched(tiny_tokenizer) -> None:
+    enc = encoder(tiny_tokenizer, 64)
+    messages = [message("user", "q" * 100), message("assistant", "a b " * 250)]  # 1,000 characters, under 1,024
+    assert enc.bounded(messages) == (messages, 0)

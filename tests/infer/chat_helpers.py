@@ -15,6 +15,13 @@ its result, one that needs no tool.
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,3 +179,23 @@ class Reference:
         if ids and ids[-1] in self.generation_config.eos_token_id:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@contextmanager
+def api_server(arguments: list[str], log: Path) -> Iterator[tuple[str, int, int]]:
+    """`tunelab api ARGUMENTS --port 0` in a subprocess, yielding (host, port, pid) once uvicorn says where it
+    listens; stopped with Ctrl-C (uvicorn's graceful shutdown), which must exit 0."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the test process (one_torch_thread): identical kernels
+    argv = [sys.executable, "-m", "tunelab.cli", "api", *arguments, "--port", "0"]
+    with log.open("w") as sink:
+        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (started := re.search(r"Uvicorn running on http://(127\.0\.0\.1):(\d+)", log.read_text())):
+            assert process.poll() is None, f"the server exited: {log.read_text()}"
+            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
+            time.sleep(0.2)
+        yield started.group(1), int(started.group(2)), process.pid
+    finally:
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == 0, log.read_text()

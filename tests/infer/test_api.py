@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +21,7 @@ from tests.infer.chat_helpers import (
     WEATHER_QUESTION,
     WEATHER_RESULT,
     WEATHER_TOOL,
+    api_server,
     build_tool_model,
     messages,
 )
@@ -46,20 +43,8 @@ class Server:
 def server(chat_model, tmp_path_factory):
     """`tunelab api ADAPTER --port 0 --api-key KEY` in a subprocess; the port is read from uvicorn's start line."""
     log = tmp_path_factory.mktemp("api") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the test process (one_torch_thread): identical kernels
-    argv = [sys.executable, "-m", "tunelab.cli", "api", str(chat_model.adapter), "--port", "0", "--api-key", API_KEY]
-    with log.open("w") as sink:
-        process = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while not (started := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text())):
-            assert process.poll() is None, f"the server exited: {log.read_text()}"
-            assert time.monotonic() < deadline, f"the server did not start: {log.read_text()}"
-            time.sleep(0.2)
-        yield Server(started.group(1) + "/v1")
-    finally:
-        process.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn's graceful shutdown
-        assert process.wait(timeout=60) == 0, log.read_text()
+    with api_server([str(chat_model.adapter), "--api-key", API_KEY], log) as (host, port, _):
+        yield Server(f"http://{host}:{port}/v1")
     assert "Finished server process" in log.read_text()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -105,6 +106,22 @@ def test_prompt_longer_than_the_context(engine):
     chat = messages(None, [("Say hi " * 300, None)])
     with pytest.raises(InferenceError, match=r"^the conversation is \d+ tokens; adapter reads at most 512"):
         engine.generate(chat, GREEDY)
+
+
+def test_a_prompt_too_long_to_fit_is_refused_by_its_length(engine):
+    """10 million characters: no 512 tokens of this vocabulary spell that much, so the prompt is refused by its
+    length, never tokenised (it would hold the tokenizer, shared by every request, for seconds)."""
+    longest = max(map(len, engine.tokenizer.get_vocab()))
+    assert engine.longest_token_chars == longest
+    with pytest.raises(InferenceError) as caught:
+        engine.generate(messages(None, [("x" * 10_000_000, None)]), GREEDY)
+    chars = int(re.fullmatch(r"the conversation is at least \d+ tokens \((\d+) characters\); adapter reads at most 512: "
+                             r"start a new conversation or shorten it", str(caught.value)).group(1))
+    assert str(caught.value).startswith(f"the conversation is at least {-(-chars // longest)} tokens")
+    # just under the bound the prompt is tokenised, and refused by its count
+    under = "x" * (longest * 512 - (chars - 10_000_000) - 1)
+    with pytest.raises(InferenceError, match=r"^the conversation is \d+ tokens; adapter reads at most 512"):
+        engine.generate(messages(None, [(under, None)]), GREEDY)
 
 
 @pytest.mark.parametrize("top_k", [0, 40])

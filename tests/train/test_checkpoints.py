@@ -14,8 +14,10 @@ import pytest
 import torch
 
 from tests.train.reliability_helpers import cli_command, cli_env, losses, train, weights, write_config
+from tunelab.errors import ConfigError
 from tunelab.train.checkpoints import (
-    SLOW_SAVE_ENV, complete_checkpoints, is_complete, latest_checkpoint, publish, rotate,
+    SLOW_SAVE_ENV, checkpoint_problem, complete_checkpoints, is_complete, latest_checkpoint, publish, resolve_resume,
+    rotate, write_manifest,
 )
 
 
@@ -69,6 +71,7 @@ def _fake_checkpoint(folder: Path, step: int, complete: bool = True) -> Path:
     (path / "model.safetensors").write_bytes(b"weights")
     if complete:
         (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        write_manifest(path, step, optimizer_state=False)
     return path
 
 
@@ -77,7 +80,7 @@ def test_rotation_never_deletes_the_newest_complete_checkpoint(tmp_path):
         _fake_checkpoint(tmp_path, step)
     stale = _fake_checkpoint(tmp_path, 9, complete=False)  # a half-written folder with a higher step
     (tmp_path / "checkpoint-8").mkdir()
-    (tmp_path / "checkpoint-8" / "trainer_state.json").write_text('{"global_st')  # truncated write
+    (tmp_path / "checkpoint-8" / "tunelab_manifest.json").write_text('{"form')  # truncated write
 
     assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     rotate(tmp_path, limit=1, keep=[tmp_path / "checkpoint-6"])
@@ -94,6 +97,116 @@ def test_publish_replaces_a_folder_of_the_same_name(tmp_path):
     staging = tmp_path / "tmp-checkpoint-5"
     staging.mkdir()
     (staging / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
+    write_manifest(staging, 5, optimizer_state=False)
     publish(staging, tmp_path / "checkpoint-5")
     assert not staging.exists() and is_complete(tmp_path / "checkpoint-5")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5"]
+
+
+# ---- the manifest: a checkpoint is resumed only when its files are the ones it recorded ---------------------
+
+
+def _checkpoint_with_files(folder: Path, step: int, optimizer: bool = True) -> Path:
+    """A checkpoint of arbitrary bytes with a real manifest (what verification reads is files, not tensors)."""
+    path = folder / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(bytes(range(256)) * 40)
+    if optimizer:
+        (path / "optimizer.pt").write_bytes(b"\x01" * 5000)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    write_manifest(path, step, optimizer_state=optimizer)
+    return path
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# (case, damage done to the newest checkpoint, what verification says about it)
+DAMAGE = [
+    ("truncated weights", lambda c: (c / "model.safetensors").write_bytes(b"x" * 10),
+     "model.safetensors is 10 bytes, the manifest says 10,240"),
+    ("truncated optimizer", lambda c: (c / "optimizer.pt").write_bytes(b"x" * 10),
+     "optimizer.pt is 10 bytes, the manifest says 5,000"),
+    ("a flipped byte", lambda c: _flip_a_byte(c / "model.safetensors"),
+     "model.safetensors does not match its checksum (damaged after it was written)"),
+    ("optimizer removed", lambda c: (c / "optimizer.pt").unlink(), "optimizer.pt is missing"),
+    ("weights removed", lambda c: (c / "model.safetensors").unlink(), "model.safetensors is missing"),
+    ("manifest truncated", lambda c: (c / "tunelab_manifest.json").write_text('{"files": {"mo'),
+     "its tunelab_manifest.json is unreadable"),
+    ("no manifest", lambda c: (c / "tunelab_manifest.json").unlink(),
+     "it has no tunelab_manifest.json (not written completely by this version of tunelab)"),
+]
+
+
+@pytest.mark.parametrize("damage, problem", [case[1:] for case in DAMAGE], ids=[case[0] for case in DAMAGE])
+def test_resume_true_skips_a_damaged_checkpoint_and_says_why(tmp_path, caplog, damage, problem):
+    older = _checkpoint_with_files(tmp_path, 3)
+    damage(_checkpoint_with_files(tmp_path, 6))
+    assert resolve_resume(True, tmp_path) == str(older)
+    assert caplog.messages == [f"resume_from_checkpoint: true skips checkpoint-6: {problem}"]
+
+
+EXPLICIT = [case for case in DAMAGE if case[0] != "no manifest"]  # a folder without one: see below
+OPTIMIZER_FIX = {
+    "truncated optimizer": "; or delete optimizer.pt and set resume_weights_only: true to resume the weights with a "
+                           "fresh optimizer",
+    "optimizer removed": "; or set resume_weights_only: true to resume the weights with a fresh optimizer",
+}
+
+
+@pytest.mark.parametrize("case, damage, problem", EXPLICIT, ids=[case[0] for case in EXPLICIT])
+def test_an_explicit_damaged_checkpoint_is_one_line(tmp_path, case, damage, problem):
+    checkpoint = _checkpoint_with_files(tmp_path, 6)
+    damage(checkpoint)
+    with pytest.raises(ConfigError) as error:
+        resolve_resume(str(checkpoint), tmp_path)
+    assert str(error.value) == (
+        f"resume_from_checkpoint: {checkpoint} is damaged: {problem}; give an older checkpoint-N folder, or true for "
+        f"the newest one that verifies{OPTIMIZER_FIX.get(case, '')}"
+    )
+
+
+def test_without_optimizer_state_resume_needs_resume_weights_only(tmp_path, caplog):
+    checkpoint = _checkpoint_with_files(tmp_path, 6, optimizer=False)  # as save_only_model writes it
+    with pytest.raises(ConfigError) as error:
+        resolve_resume(True, tmp_path)
+    assert str(error.value) == (
+        f"resume_from_checkpoint: {checkpoint} has no optimizer state (saved with save_only_model, or its optimizer "
+        "file was removed): the optimizer would restart from zero and the run would not continue as it was; "
+        "resume_weights_only: true resumes the weights with a fresh optimizer, or give a checkpoint that has it"
+    )
+    assert resolve_resume(True, tmp_path, weights_only=True) == str(checkpoint)
+    assert caplog.messages[-1].startswith(f"resume_weights_only: {checkpoint} has no optimizer state")
+
+    removed = _checkpoint_with_files(tmp_path, 9)
+    (removed / "optimizer.pt").unlink()
+    assert resolve_resume(str(removed), tmp_path, weights_only=True) == str(removed)  # missing is allowed then
+
+
+def test_a_checkpoint_from_before_manifests_loads_only_when_named(tmp_path, caplog):
+    legacy = _fake_checkpoint(tmp_path, 4)
+    (legacy / "tunelab_manifest.json").unlink()
+    (legacy / "optimizer.pt").write_bytes(b"state")
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint \(checkpoint-4: it has no tunelab_manifest"):
+        resolve_resume(True, tmp_path)
+    assert resolve_resume(str(legacy), tmp_path) == str(legacy)
+    assert caplog.messages == [
+        f"resume_from_checkpoint: {legacy} has no tunelab_manifest.json (written by transformers or an older "
+        "tunelab): its files cannot be checked before they load"
+    ]
+
+
+def test_manifest_records_every_file_with_size_and_sha256(tmp_path):
+    checkpoint = _checkpoint_with_files(tmp_path, 2)
+    (checkpoint / "sub").mkdir()
+    (checkpoint / "sub" / "x.bin").write_bytes(b"")
+    manifest = write_manifest(checkpoint, 2, optimizer_state=True)
+    assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.pt", "sub/x.bin", "trainer_state.json"]
+    assert manifest["files"]["sub/x.bin"] == {
+        "size": 0, "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",  # sha256 of b""
+    }
+    assert json.loads((checkpoint / "tunelab_manifest.json").read_text()) == manifest
+    assert checkpoint_problem(checkpoint) is None

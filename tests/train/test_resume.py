@@ -90,3 +90,76 @@ def test_resume_from_a_path_that_is_not_a_checkpoint_fails_early(tmp_path):
     config = write_config(tmp_path, resume_from_checkpoint=str(tmp_path / "nowhere"))
     with pytest.raises(ConfigError, match=r"^resume_from_checkpoint: .*nowhere is not a folder"):
         load_config(config)
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_changes_nothing(tmp_path, uninterrupted, capsys):
+    config, reference = uninterrupted("unpacked")
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix != ".yaml"}
+
+    assert train(write_config(tmp_path, resume_from_checkpoint=True)) == 0
+
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"tunelab: {out}/checkpoint-6 is at step 6 and this run ends at step 6: nothing is left to train and the "
+        "weights in output_dir are unchanged; raise max_steps (or num_train_epochs) to train further"
+    )
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.suffix != ".yaml"}
+    unchanged = {"data_report.json", "run_info.json"}  # rewritten at the start, with the same content
+    assert {k for k in after if before.get(k) != after[k] and str(k) not in unchanged} == set()
+    assert set(after) == set(before)  # no checkpoint-7, no new file
+
+
+@pytest.mark.slow
+def test_overwrite_output_dir_deletes_the_earlier_runs_checkpoints(tmp_path, uninterrupted, caplog):
+    _, reference = uninterrupted("unpacked")
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    config = write_config(tmp_path, overwrite_output_dir=True, max_steps=1, save_strategy="no")
+    del_note = "overwrite_output_dir: deleted 2 checkpoint folder(s) of the earlier run in"
+
+    assert train(config) == 0
+
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == []
+    assert f"{del_note} {out} (checkpoint-3, checkpoint-6)" in caplog.messages
+    with pytest.raises(ConfigError, match="holds no complete checkpoint"):  # so nothing old can be continued
+        load_config(config, ["resume_from_checkpoint=true"])
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path, uninterrupted):
+    _, reference = uninterrupted("unpacked")
+    shutil.copytree(reference / "checkpoint-3", tmp_path / "out" / "checkpoint-3")
+    found = tmp_path / "out" / "checkpoint-3"
+    other = write_config(tmp_path, resume_from_checkpoint=True, learning_rate=1e-3, dataset="demo_sort", lora_rank=4)
+    with pytest.raises(ConfigError) as error:
+        load_config(other)
+    assert str(error.value) == (
+        f"resume_from_checkpoint: {found} comes from a run with other options: dataset (['demo_reverse'] → "
+        "['demo_sort']), lora_rank (8 → 4), learning_rate (0.002 → 0.001); resuming would continue that run, not this "
+        "one. Start a fresh run (another output_dir, or overwrite_output_dir: true without resume_from_checkpoint), "
+        "restore those values, or set resume_config_mismatch: allow"
+    )
+    allowed = load_config(other, ["resume_config_mismatch=allow"])  # the expert's override
+    assert allowed.training.resume_from_checkpoint == str(found)
+    # what does not change the trajectory may change: more steps, other logging and saving
+    same = load_config(write_config(tmp_path, resume_from_checkpoint=True, max_steps=9, logging_steps=2, save_steps=4))
+    assert same.training.resume_from_checkpoint == str(found)
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_skipped_and_the_run_continues_exactly(tmp_path, uninterrupted, caplog):
+    _, reference = uninterrupted("unpacked")
+    out = tmp_path / "out"
+    for name in ("checkpoint-3", "checkpoint-6"):
+        shutil.copytree(reference / name, out / name)
+    (out / "checkpoint-6" / "adapter_model.safetensors").write_bytes(b"truncated")
+    (out / "checkpoint-6" / "trainer_state.json").write_text("{}")  # no longer the run's step 6 either
+
+    assert train(write_config(tmp_path, resume_from_checkpoint=True)) == 0
+
+    assert any(m.startswith("resume_from_checkpoint: true skips checkpoint-6: adapter_model.safetensors is 9 bytes")
+               for m in caplog.messages)
+    expected = losses(reference)
+    assert losses(out) == {step: loss for step, loss in expected.items() if step > 3}
+    assert_same_weights(weights(out), weights(reference))

@@ -266,8 +266,19 @@ class TrainingArguments(transformers.TrainingArguments):
     # Reliability (docs/reliability.md): train/checkpoints.py, train/guards.py.
     resume_from_checkpoint: bool | str | None = _help(
         "Resume from a checkpoint: true for the newest complete checkpoint-N in output_dir, or a checkpoint folder. "
-        "Restores weights, optimizer, scheduler, RNG states and the exact data position.",
+        "Restores weights, optimizer, scheduler, RNG states and the exact data position. The checkpoint's files "
+        "must match its manifest (sizes and checksums); true skips damaged ones (logged).",
         default=None,
+    )
+    resume_config_mismatch: Literal["refuse", "allow"] = _help(
+        "A checkpoint whose run had other values of options that change training (data, model, method, optimizer, "
+        "schedule, batch, seed) is refused, naming them; allow resumes it anyway (logged).",
+        default="refuse",
+    )
+    resume_weights_only: bool = _help(
+        "Resume a checkpoint that has no optimizer state (save_only_model, or its optimizer file removed): the "
+        "weights and step count continue, the optimizer starts from zero (warned). Refused otherwise.",
+        default=False,
     )
     nan_policy: Literal["stop", "skip"] = _help(
         "On a NaN/inf loss or gradient norm: stop (with a message naming the step), or skip that optimizer step "

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -57,7 +58,51 @@ def check_training_values(values: dict) -> None:
     """Checks on raw TrainingArguments values, run before transformers validates them its own way."""
     if values.get("fp16") and values.get("bf16"):
         raise ConfigError("fp16 and bf16 are both true: keep one (bf16 where the hardware supports it)")
+    _check_training_ranges(values)
     _check_deepspeed_values(values)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# Numeric TrainingArguments values transformers takes as they are and torch trips over later (ZeroDivisionError,
+# "Invalid learning rate") or trains nonsense with (lr 0 steps): key -> (valid, what it must be, the fix).
+TRAINING_RANGES = {
+    "learning_rate": (lambda v: _finite(v) and v > 0, "a number > 0",
+                      "typical values: 1e-4 to 2e-4 for LoRA, 1e-5 for full fine-tuning"),
+    "per_device_train_batch_size": (lambda v: v >= 1, "at least 1", "it is the rows per device in a micro-batch; to use less memory raise gradient_accumulation_steps instead"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, "at least 1", "it is the rows per device in an evaluation batch"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, "at least 1", "1 takes one micro-batch per optimizer step"),
+    "max_steps": (lambda v: v >= 1 or v == -1, "at least 1, or -1",
+                  "set the number of optimizer steps, or -1 to train num_train_epochs"),
+    "num_train_epochs": (lambda v: _finite(v) and v >= 0, "a number >= 0", "it is the number of passes over the training set"),
+    "warmup_steps": (lambda v: _finite(v) and v >= 0, "a number >= 0", "it is a number of steps, or a ratio of the total below 1"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, "a number >= 0", "0 turns it off"),
+    "max_grad_norm": (lambda v: _finite(v) and v >= 0, "a number >= 0", "0 turns gradient clipping off"),
+    "adam_beta1": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "the default is 0.9"),
+    "adam_beta2": (lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)", "the default is 0.999"),
+    "adam_epsilon": (lambda v: _finite(v) and v >= 0, "a number >= 0", "the default is 1e-8"),
+    "logging_steps": (lambda v: _finite(v) and v > 0, "a number > 0", "it is the steps between log lines, or a ratio of the total below 1"),
+    "eval_steps": (lambda v: _finite(v) and v > 0, "a number > 0", "it is the steps between evaluations, or a ratio of the total below 1"),
+    "save_steps": (lambda v: _finite(v) and v > 0, "a number > 0", "it is the steps between checkpoints, or a ratio of the total below 1"),
+    "dataloader_num_workers": (lambda v: v >= 0, "at least 0", "0 loads batches in the training process"),
+}
+
+
+def _check_training_ranges(values: dict) -> None:
+    """Each numeric training value in its range, named with the fix, before transformers or torch sees it."""
+    for key, (valid, must, fix) in TRAINING_RANGES.items():
+        value = values.get(key)
+        if value is not None and not valid(value):
+            shown = int(value) if isinstance(value, float) and value.is_integer() else value
+            raise ConfigError(f"{key} must be {must}, got {shown}; {fix}")
+    max_steps = values.get("max_steps", -1)
+    if max_steps is not None and max_steps <= 0 and values.get("num_train_epochs", 3.0) == 0:
+        raise ConfigError(
+            "num_train_epochs: 0 trains nothing (max_steps is -1, so the epochs decide the length); set "
+            "num_train_epochs > 0 or max_steps"
+        )
 
 
 def _check_deepspeed_values(values: dict) -> None:
@@ -197,6 +242,8 @@ def _check_finetuning(config: RunConfig) -> None:
             )
     if ft.lora_rank < 1:
         raise ConfigError(f"lora_rank must be at least 1, got {ft.lora_rank}")
+    if ft.lora_alpha is not None and ft.lora_alpha <= 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {ft.lora_alpha} (or remove it: 2 * lora_rank)")
     if not 0.0 <= ft.lora_dropout < 1.0:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {ft.lora_dropout}")
 
@@ -388,6 +435,13 @@ def _check_data(config: RunConfig) -> None:
         raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
     if data.val_size < 0:
         raise ConfigError(f"val_size must be >= 0, got {data.val_size}")
+    for key in ("max_samples", "preprocessing_num_workers"):
+        if getattr(data, key) is not None and getattr(data, key) < 1:
+            raise ConfigError(f"{key} must be at least 1, got {getattr(data, key)} (or remove it)")
+    generation = config.generation
+    for key in ("max_new_tokens", "eval_generation_samples"):
+        if getattr(generation, key) < 1:
+            raise ConfigError(f"{key} must be at least 1, got {getattr(generation, key)}")
     registry = load_registry(data.dataset_dir)
     for key in ("dataset", "eval_dataset"):
         for name in getattr(data, key) or []:
@@ -667,10 +721,36 @@ def _check_output_dir(config: RunConfig) -> None:
 
 
 def _check_resume(config: RunConfig) -> None:
-    """resume_from_checkpoint names a complete checkpoint (true: output_dir has one), before any model loads."""
-    from tunelab.train.checkpoints import resolve_resume  # noqa: PLC0415
+    """resume_from_checkpoint names a checkpoint that verifies (true: the newest of output_dir that does), holds
+    optimizer state (or resume_weights_only), and was written by a run with the same trajectory options
+    (or resume_config_mismatch: allow) — before any model loads. The resolved folder replaces true."""
+    from tunelab.train import checkpoints  # noqa: PLC0415
+    from tunelab.train.outputs import run_options  # noqa: PLC0415
 
-    resolve_resume(config.training.resume_from_checkpoint, config.training.output_dir)
+    args = config.training
+    found = checkpoints.resolve_resume(args.resume_from_checkpoint, args.output_dir, args.resume_weights_only)
+    if found is None:
+        return
+    args.resume_from_checkpoint = found
+    recorded = checkpoints.recorded_config(found)
+    if recorded is None:
+        logger.warning(
+            "resume_from_checkpoint: %s has no %s, so it cannot be checked to come from a run with the same "
+            "options", found, checkpoints.RUN_CONFIG,
+        )
+        return
+    differences = checkpoints.config_differences(recorded, run_options(config))
+    if not differences:
+        return
+    listed = ", ".join(differences)
+    if args.resume_config_mismatch == "allow":
+        logger.warning("resume_config_mismatch: allow: resuming %s although its run had %s", found, listed)
+        return
+    raise ConfigError(
+        f"resume_from_checkpoint: {found} comes from a run with other options: {listed}; resuming would continue "
+        "that run, not this one. Start a fresh run (another output_dir, or overwrite_output_dir: true without "
+        "resume_from_checkpoint), restore those values, or set resume_config_mismatch: allow"
+    )
 
 
 def _check_nan_policy(config: RunConfig) -> None:

@@ -30,7 +30,9 @@ import datasets
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 2  # 2: per-segment ids, truncation by exchanges, empty answers kept, reasoning, pt BOS; new report keys
+# 2: per-segment ids, truncation by exchanges, empty answers kept, reasoning, pt BOS; new report keys;
+# 3: non-text values refused, numbers_as_text and texts_cut counted, long texts cut before tokenising
+CACHE_FORMAT_VERSION = 3
 DONE_MARKER = "complete.json"
 
 # DataArguments that never change the examples (they only say where/whether to cache or how many

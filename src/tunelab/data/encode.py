@@ -35,6 +35,19 @@ Truncation keeps answers, not the oldest turns. An example longer than cutoff_le
   3. when the answer alone is too long, keeps the prompt and the start of the answer (a row never ends
      inside a prompt: trailing untrained tokens are removed).
 An example left with no supervised token is dropped and counted, never trained on as zero loss.
+
+Bounded work per row. The rule above keeps at most cutoff_len tokens, and of each message only a prefix of its
+tokens (an exchange is dropped whole, a prompt or answer loses its end). So a message's text past its first
+cutoff_len + LONG_TEXT_MARGIN tokens can never reach an example, while the message still cannot fit whole —
+every decision above comes out the same. Before rendering, a message (content or reasoning) longer than
+LONG_TEXT_CHARS_PER_TOKEN x (cutoff_len + margin) characters is cut there, at a word start (before " x"), if that
+prefix alone already tokenises to at least cutoff_len + margin tokens (else the prefix doubles, up to the whole
+text). The count comes from the tokenizer itself, not from a characters-per-token assumption: a token can cover
+many characters (runs of spaces or punctuation) and one character several tokens (byte fallback, emoji), so no
+fixed ratio is safe for every tokenizer. Cutting before " x" keeps the pre-tokens before the cut as the whole text
+has them (regex pre-tokenizers of byte-level BPE and SentencePiece's "▁" both split there). Rows whose messages
+are under the bound — every normal row — are encoded exactly as before; a cut message is counted in
+``texts_cut``. One 50 MB row so costs a few cutoff lengths of tokenising, not the whole text.
 """
 
 from __future__ import annotations
@@ -52,11 +65,16 @@ if TYPE_CHECKING:
     from tunelab.data.templates import Template
 
 IGNORE_INDEX = -100
+# Bounded work per row (module docstring): tokens a cut message keeps beyond cutoff_len, and the characters per
+# token the first prefix tried assumes (generous: a few per token for prose, the count decides anyway).
+LONG_TEXT_MARGIN = 64
+LONG_TEXT_CHARS_PER_TOKEN = 8
+_WORD_START = re.compile(r"(?<=\S) (?=\S)")
 
 Message = dict[str, Any]
 Span = tuple[int, int]
 # Columns an encoded example carries besides input_ids/labels, for the pipeline to sum and remove.
-COUNTER_COLUMNS = ("truncated", "num_supervised", "expanded", "answers_dropped", "split_at_seams")
+COUNTER_COLUMNS = ("truncated", "num_supervised", "expanded", "answers_dropped", "split_at_seams", "texts_cut")
 
 
 @dataclass
@@ -71,6 +89,7 @@ class EncodeStats:
     supervised_tokens: int = 0
     expanded_conversations: int = 0  # conversations encoded as one example per answer
     split_at_seams: int = 0  # ... of which because an earlier answer's seam tokenised differently
+    texts_cut: int = 0  # messages cut before tokenising: far longer than cutoff_len (bounded work per row)
 
     def merge(self, other: EncodeStats) -> None:
         for name in self.__dataclass_fields__:
@@ -86,6 +105,7 @@ class _Unit:
     fixed_prompt: bool = False  # pairs: the prompt is settled, only the end may be cut
     truncated: bool = False
     answers_dropped: int = 0
+    texts_cut: int = 0  # messages cut before tokenising (bounded work per row)
     split: bool = False  # one answer of a conversation split at a seam
     order: tuple[int, ...] = ()  # place among its conversation's examples
 
@@ -152,6 +172,18 @@ class _Tokens:
         encoded = self._raw([text if at_start else self.sentinel + text for text, at_start in pieces])
         return [ids if at_start else ids[1:] for ids, (_, at_start) in zip(encoded, pieces)]
 
+    def prefix_of(self, text: str, tokens: int, chars: int) -> str:
+        """The start of `text` that tokenises (alone) to at least `tokens` tokens, cut before a word start at or
+        after `chars` characters; the prefix doubles until it does, so the work is about twice that prefix's.
+        `text` itself when no shorter prefix has that many tokens."""
+        while chars < len(text):
+            match = _WORD_START.search(text, chars)
+            end = match.start() if match else chars  # one huge "word": cut where we are
+            if len(self._raw([text[:end]])[0]) >= tokens:
+                return text[:end]
+            chars *= 2
+        return text
+
     def offsets(self, text: str) -> list[tuple[int, int]]:
         """Character offsets of the tokens of a text on its own."""
         if self.backend is not None:
@@ -203,7 +235,7 @@ class SupervisedEncoder:
 
     def examples(self, row: dict) -> list[tuple[str, list[Span]]]:
         """The (text, trained character spans) examples one canonical row renders as (before tokenising)."""
-        messages, options = template_messages(row, self.template), self.options(row)
+        messages, options = self.bounded(template_messages(row, self.template))[0], self.options(row)
         if self.train_on_prompt:  # every token trains, so one render of the whole conversation is all it takes
             return [(self.template.render(messages, **options), [])]
         return self.template.training_examples(messages, last_only=self.mask_history, **options)
@@ -320,10 +352,27 @@ class SupervisedEncoder:
     def _example(self, unit: _Unit, result: _Result) -> dict[str, Any]:
         labels = result.labels
         return {
-            "input_ids": result.ids, "labels": labels, "truncated": unit.truncated,
+            "input_ids": result.ids, "labels": labels, "truncated": unit.truncated or unit.texts_cut > 0,
             "num_supervised": len(labels) - 1 - labels[1:].count(IGNORE_INDEX),
-            "answers_dropped": unit.answers_dropped, "_messages": unit.messages, "_split": unit.split,
+            "answers_dropped": unit.answers_dropped, "texts_cut": unit.texts_cut, "_messages": unit.messages,
+            "_split": unit.split,
         }
+
+    def bounded(self, messages: list[Message]) -> tuple[list[Message], int]:
+        """The messages with every text far longer than any example can hold cut before tokenising (module
+        docstring, "Bounded work per row"), and how many were cut. Normal rows come back as they are."""
+        keep = self.cutoff_len + LONG_TEXT_MARGIN
+        chars = LONG_TEXT_CHARS_PER_TOKEN * keep
+        out, cut = [], 0
+        for message in messages:
+            for key in ("content", "reasoning_content"):
+                text = message.get(key)
+                if isinstance(text, str) and len(text) > chars:
+                    shorter = self._tokens.prefix_of(text, keep, chars)
+                    if len(shorter) < len(text):
+                        message, cut = {**message, key: shorter}, cut + 1
+            out.append(message)
+        return (out, cut) if cut else (messages, 0)
 
     def _fit(
         self, prepared: _Prepared, result: _Result, options: dict[str, Any]
@@ -408,8 +457,10 @@ class SupervisedEncoder:
 
         ``fixed_prompt``: the prompt is settled (the other side of a pair): only the end may be cut.
         """
-        units = [(_Unit(messages, last_only=self.mask_history, fixed_prompt=fixed_prompt), options)
-                 for messages, options in conversations]
+        units = []
+        for messages, options in conversations:
+            messages, cut = self.bounded(messages)
+            units.append((_Unit(messages, last_only=self.mask_history, fixed_prompt=fixed_prompt, texts_cut=cut), options))
         out = []
         for examples in self._encode(units):
             kept = [e for e in examples if e["num_supervised"] > 0]
@@ -417,7 +468,7 @@ class SupervisedEncoder:
                 kept[0]["expanded"] = len(examples) - 1
                 kept[0]["split_at_seams"] = int(any(e["_split"] for e in examples))
                 for e in kept[1:]:
-                    e["expanded"] = e["split_at_seams"] = 0
+                    e["expanded"] = e["split_at_seams"] = e["texts_cut"] = 0  # a conversation's cuts count once
                 if len(examples) > 1:  # each per-answer example carries what its conversation lost once
                     kept[0]["answers_dropped"] = sum(e["answers_dropped"] for e in examples)
                     for e in kept[1:]:
@@ -586,7 +637,7 @@ def encoded_row_problem(encoder: SupervisedEncoder, row: dict) -> str | None:
                 text = encoder.tokenizer.decode(example["input_ids"][start:end])
                 if text.endswith(marker) and example["input_ids"][end - 1] != marker_ids[0]:
                     return f"{where}: an answer ends with the text of {marker!r} but not with its token"
-    answers = [m for m in template_messages(row, encoder.template) if m.get("role") == "assistant"]
+    answers = [m for m in encoder.bounded(template_messages(row, encoder.template))[0] if m.get("role") == "assistant"]
     if examples and answers and examples[-1]["_messages"][-1] != answers[-1]:
         return "the conversation's last answer is not the last example's last answer"
     return None

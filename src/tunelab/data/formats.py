@@ -25,8 +25,10 @@ turns; openai rows keep their assistant tool_calls and tool messages. ``template
 canonical row back into the message dicts a chat template reads, in the shapes that template handles
 (``message_conventions``: None content and JSON-text arguments for DeepSeek-R1).
 
-This module owns the column and role mapping; it knows nothing of tokens. Rows that are structurally
-wrong raise a RowError naming the dataset, row and why; with skip_bad_rows they are left out instead,
+This module owns the column and role mapping; it knows nothing of tokens. Text fields must hold text: a
+list, object or boolean there is a structural fault (it would train as its JSON); a number is taken as its
+text and counted (`numbers_as_text`); a null user/tool/system turn is a fault (a null answer always was).
+Rows that are structurally wrong raise a RowError naming the dataset, row, file and line, and why; with skip_bad_rows they are left out instead,
 counted per reason (``ConversionStats``). Ranking rows whose two answers are identical teach nothing
 (every pair loss is constant) and are always dropped and counted.
 """
@@ -37,13 +39,14 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tunelab.data.registry import MEDIA_COLUMNS, DatasetSpec
+from tunelab.data.registry import MEDIA_COLUMNS, DatasetSpec, RowLocator, describe_files, resolve_files
 from tunelab.errors import DataError, TemplateError
 
 if TYPE_CHECKING:
@@ -59,8 +62,9 @@ CANONICAL_FEATURES = datasets.Features({
     }],
     "system": _STRING, "tools": _STRING, "chosen": _STRING, "rejected": _STRING,
 })
-# Per converted row while converting: why it was left out ("" when kept) and the one-line message.
-_DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING}
+# Per converted row while converting: why it was left out ("" when kept), the one-line message, and how many of
+# its text values were numbers (taken as their text, counted).
+_DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING, "numbers_as_text": datasets.Value("int32")}
 
 ALPACA_COLUMNS = {
     "prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
@@ -101,6 +105,7 @@ class ConversionStats:
     first: dict[str, str] = field(default_factory=dict)  # the first left-out row's message, per reason
     empty_answers: int = 0  # kept rows with an empty answer (they train the end-of-turn only)
     with_reasoning: int = 0  # kept rows where some assistant turn carries reasoning
+    numbers_as_text: int = 0  # values of text fields that were numbers, trained as their text (kept rows)
 
     @property
     def total_dropped(self) -> int:
@@ -108,11 +113,37 @@ class ConversionStats:
 
 
 def _text(value: Any) -> str:
+    """JSON fields kept as text (tools): a list or object becomes its JSON."""
     if value is None:
         return ""
     if isinstance(value, str):
         return value
     return json.dumps(value, ensure_ascii=False)
+
+
+_KINDS = {list: "a list", dict: "a JSON object", bool: "a boolean"}
+
+
+class _Where:
+    """Where a row is, for messages: "dataset 'name' row i (file:line)", the file part looked up only when a
+    message is written (formats the first time an error names a row, never for rows that convert)."""
+
+    def __init__(self, converter: _Converter, index: int, suffix: str = ""):
+        self.converter, self.index, self.suffix = converter, index, suffix
+
+    def turn(self, number: int) -> _Where:
+        return _Where(self.converter, self.index, f"{self.suffix} turn {number}")
+
+    def part(self, name: str) -> _Where:
+        return _Where(self.converter, self.index, f"{self.suffix} {name}")
+
+    def __str__(self) -> str:
+        location = self.converter.locate(self.index)
+        place = f" ({location})" if location else ""
+        return f"dataset '{self.converter.spec.name}' row {self.index}{place}{self.suffix}"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def _message(
@@ -273,15 +304,17 @@ class _Converter:
     """Row converter for one dataset spec (a class so datasets.map can pickle it).
 
     `skip_bad_rows`: a structurally wrong row is left out (its reason and message in the drop columns)
-    instead of raising. `row_check`: a further check of each converted row (picklable), returning None or
+    instead of raising. `files`: where the rows come from, for messages that name a row's file and line
+    (a stream of some of the spec's files). `row_check`: a further check of each converted row (picklable), returning None or
     (reason, why) for a row to treat as structurally wrong (the pipeline checks that reasoning is trained).
     """
 
     def __init__(
         self, spec: DatasetSpec, column_names: list[str], skip_bad_rows: bool = False,
-        row_check: Callable[[dict], tuple[str, str] | None] | None = None,
+        row_check: Callable[[dict], tuple[str, str] | None] | None = None, files: list[Path] | None = None,
     ):
         self.spec = spec
+        self.files = files  # the files the rows come from, in order (default: all of the spec's)
         self.skip_bad_rows = skip_bad_rows
         self.row_check = row_check
         defaults = ALPACA_COLUMNS if spec.formatting == "alpaca" else (
@@ -306,13 +339,39 @@ class _Converter:
         for key in required:
             column = self.columns.get(key)
             if column not in column_names:
+                files = describe_files(spec)
                 raise DataError(
-                    f"dataset '{spec.name}': column '{column}' (mapped as {key}) is missing; "
-                    f"the file has {', '.join(column_names)} — set columns.{key} in dataset_info.json"
+                    f"dataset '{spec.name}'{f' ({files})' if files else ''}: column '{column}' (mapped as {key}) is "
+                    f"missing; the file has {', '.join(column_names)} — set columns.{key} in dataset_info.json"
                 )
         # Optional columns that are mapped by default but absent simply stay empty.
         self.present = {k: v for k, v in self.columns.items() if v in column_names}
         self.output_columns = [*CANONICAL_COLUMNS, *(["kto_tag"] if "kto_tag" in self.present else [])]
+        self._locator: RowLocator | None = None
+        self._numbers = 0  # values of the row being converted that were numbers taken as text
+
+    def locate(self, index: int) -> str | None:
+        """Where row `index` is in its file(s) ("file:line"), or None for generated rows."""
+        if not (self.files or self.spec.file_name or self.spec.hf_hub_url):  # generated (or in-memory) rows
+            return None
+        if self._locator is None:
+            self._locator = RowLocator(self.files or resolve_files(self.spec))
+        return self._locator(index)
+
+    def _as_text(self, value: Any, where: _Where | str, what: str) -> str:
+        """A text field's value: text as it is, null as "", a number as its text (counted); a list, object or
+        boolean is refused (it would train as its JSON)."""
+        if value is None:
+            return ""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            self._numbers += 1
+            return json.dumps(value)
+        shown = json.dumps(value, ensure_ascii=False, default=str)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        kind = _KINDS.get(type(value), f"a {type(value).__name__}")
+        raise RowError(f"{where}: {what} holds {kind}, not text ({shown}); write the text itself", "not_text")
 
     def _get(self, row: dict, key: str) -> Any:
         column = self.present.get(key)
@@ -320,10 +379,11 @@ class _Converter:
 
     def __call__(self, row: dict, index: int) -> dict:
         """One row converted (raises RowError when it is structurally wrong)."""
-        where = f"dataset '{self.spec.name}' row {index}"
+        where = _Where(self, index)
+        self._numbers = 0
         if self.spec.formatting == "alpaca":
             messages = self._alpaca_messages(row, where)
-            system = _text(self._get(row, "system"))
+            system = self._as_text(self._get(row, "system"), where, f"column '{self.columns['system']}'")
         else:
             messages, system = self._sharegpt_messages(row, where)
         out = {"messages": messages, "system": system, "tools": _text(self._get(row, "tools")),
@@ -348,11 +408,12 @@ class _Converter:
             if not self.skip_bad_rows:
                 raise DataError(f"{exc}; or set skip_bad_rows: true to skip such rows (counted per reason)") from None
             return {**_EMPTY_ROW, **({"kto_tag": False} if "kto_tag" in self.present else {}),
-                    "drop_reason": exc.reason, "drop_message": str(exc)}
+                    "drop_reason": exc.reason, "drop_message": str(exc), "numbers_as_text": 0}
+        numbers = {"numbers_as_text": self._numbers}
         if self.spec.ranking and out["chosen"] == out["rejected"]:
-            message = f"dataset '{self.spec.name}' row {index}: chosen and rejected are the same answer"
-            return {**out, "drop_reason": IDENTICAL_PAIR, "drop_message": message}
-        return {**out, "drop_reason": "", "drop_message": ""}
+            message = f"{_Where(self, index)}: chosen and rejected are the same answer"
+            return {**out, "drop_reason": IDENTICAL_PAIR, "drop_message": message, **numbers}
+        return {**out, "drop_reason": "", "drop_message": "", **numbers}
 
     def convert_batch(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         """Batched datasets.map function: the converted rows with their drop columns. One pass over plain
@@ -362,19 +423,21 @@ class _Converter:
         rows = [self._converted(dict(zip(columns, row)), index) for row, index in zip(values, indices)]
         return {key: [row[key] for row in rows] for key in [*self.output_columns, *_DROP_COLUMNS]}
 
-    def _answer(self, value: Any, where: str) -> str:
+    def _answer(self, value: Any, where: _Where, what: str) -> str:
         if value is None:
             raise RowError(f"{where}: the answer is missing (null); write \"\" for an empty answer", "missing_answer")
-        return _text(value)
+        return self._as_text(value, where, what)
 
-    def _alpaca_messages(self, row: dict, where: str) -> list[dict]:
+    def _alpaca_messages(self, row: dict, where: _Where) -> list[dict]:
         messages = []
-        for turn in self._get(row, "history") or []:
+        history = self.columns["history"]
+        for number, turn in enumerate(self._get(row, "history") or []):
             if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
                 raise RowError(f"{where}: history must be a list of [query, response] pairs", "bad_history")
-            messages += [_message("user", _text(turn[0])), _message("assistant", _text(turn[1]))]
-        prompt = _text(self._get(row, "prompt"))
-        query = _text(self._get(row, "query"))
+            messages += [_message("user", self._as_text(turn[0], where, f"column '{history}' pair {number} query")),
+                         _message("assistant", self._as_text(turn[1], where, f"column '{history}' pair {number} response"))]
+        prompt = self._as_text(self._get(row, "prompt"), where, f"column '{self.columns['prompt']}'")
+        query = self._as_text(self._get(row, "query"), where, f"column '{self.columns['query']}'")
         content = f"{prompt}\n{query}" if prompt and query else (prompt or query)
         if not content:
             raise RowError(
@@ -386,11 +449,12 @@ class _Converter:
             if reasoning is not None and not isinstance(reasoning, str):
                 raise RowError(f"{where}: the reasoning column holds {type(reasoning).__name__}, not text",
                                "bad_reasoning")
-            messages.append(_message("assistant", self._answer(self._get(row, "response"), where),
+            messages.append(_message("assistant", self._answer(self._get(row, "response"), where,
+                                                               f"column '{self.columns['response']}'"),
                                      reasoning=reasoning or ""))
         return messages
 
-    def _sharegpt_messages(self, row: dict, where: str) -> tuple[list[dict], str]:
+    def _sharegpt_messages(self, row: dict, where: _Where) -> tuple[list[dict], str]:
         tags = self.tags
         role_map = {
             tags["user_tag"]: "user", tags["assistant_tag"]: "assistant", tags["observation_tag"]: "tool",
@@ -399,8 +463,9 @@ class _Converter:
         raw = self._get(row, "messages")
         if not isinstance(raw, list) or not raw:
             raise RowError(f"{where}: '{self.columns['messages']}' must be a non-empty list of turns", "no_turns")
-        system = _text(self._get(row, "system"))
+        system = self._as_text(self._get(row, "system"), where, f"column '{self.columns['system']}'")
         messages: list[dict] = []
+        content_tag = tags["content_tag"]
         for turn_index, turn in enumerate(raw):
             role = role_map.get(turn.get(tags["role_tag"])) if isinstance(turn, dict) else None
             if role is None:
@@ -408,12 +473,16 @@ class _Converter:
                     f"{where} turn {turn_index}: role {turn.get(tags['role_tag']) if isinstance(turn, dict) else turn!r} "
                     f"is not one of {', '.join(role_map)} (set tags in dataset_info.json)", "unknown_role",
                 )
-            content = turn.get(tags["content_tag"])
-            turn_where = f"{where} turn {turn_index}"
+            content = turn.get(content_tag)
+            turn_where = where.turn(turn_index)
+            if content is None and role in ("user", "tool", "system"):
+                raise RowError(
+                    f"{turn_where}: '{content_tag}' is missing (null); write the {role} turn's text", "missing_content"
+                )
             if role == "system":
                 if turn_index != 0:
                     raise RowError(f"{turn_where}: a system turn may only come first", "misplaced_system")
-                system = _text(content)
+                system = self._as_text(content, turn_where, f"'{content_tag}'")
                 if not system:  # explicitly empty: kept as a turn, templates render it unlike none
                     messages.append(_message("system", ""))
                 continue
@@ -425,17 +494,19 @@ class _Converter:
             if role == "function":  # sharegpt: the turn's content is the call itself, the answer has no text
                 messages.append(_message("assistant", None, _tool_calls(content, turn_where), reasoning=reasoning))
             elif role == "assistant" and turn.get("tool_calls"):  # openai: content (maybe null) plus calls
-                text = content if content is None else _text(content)
+                text = content if content is None else self._as_text(content, turn_where, f"'{content_tag}'")
                 messages.append(_message("assistant", text, _tool_calls(turn["tool_calls"], turn_where),
                                          reasoning=reasoning))
             elif role == "assistant":
-                messages.append(_message("assistant", self._answer(content, turn_where), reasoning=reasoning))
+                messages.append(_message("assistant", self._answer(content, turn_where, f"'{content_tag}'"),
+                                         reasoning=reasoning))
             else:
-                messages.append(_message(role, _text(content), tool_call_id=_text(turn.get("tool_call_id"))))
+                messages.append(_message(role, self._as_text(content, turn_where, f"'{content_tag}'"),
+                                         tool_call_id=_text(turn.get("tool_call_id"))))
         _check_order(messages, where, ends_with_answer=not self.spec.ranking)
         return messages, system
 
-    def _pair(self, row: dict, where: str) -> tuple[str, str]:
+    def _pair(self, row: dict, where: _Where) -> tuple[str, str]:
         pair = []
         for key in ("chosen", "rejected"):
             value = self._get(row, key)
@@ -447,7 +518,7 @@ class _Converter:
                         f"remove {extra[0]} from chosen/rejected", "unsupported_ranking_answer",
                     )
                 value = value.get(self.tags["content_tag"])
-            pair.append(self._answer(value, f"{where} {key}"))
+            pair.append(self._answer(value, where.part(key), f"the {key} answer"))
         return pair[0], pair[1]
 
 
@@ -480,8 +551,9 @@ def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec) -> None:
         if column in dataset.column_names:
             used = sum(1 for value in dataset[column] if value)
             if used:
+                files = describe_files(spec)
                 raise DataError(
-                    f"dataset '{spec.name}': {used} rows have {column}, but tunelab trains text-only models and "
+                    f"dataset '{spec.name}'{f' ({files})' if files else ''}: {used} rows have {column}, but tunelab trains text-only models and "
                     f"would ignore them: remove the '{column}' field from the rows (or use a multimodal trainer)"
                 )
 
@@ -519,7 +591,9 @@ def to_canonical(
             first = pc.index(reasons, entry["values"]).as_py()
             stats.first[entry["values"]] = table["drop_message"][first].as_py()
     kept_mask = pc.equal(reasons, "")
-    stats.empty_answers, stats.with_reasoning = _answer_counts(table.filter(kept_mask))
+    kept = table.filter(kept_mask)
+    stats.empty_answers, stats.with_reasoning = _answer_counts(kept)
+    stats.numbers_as_text = int(pc.sum(kept["numbers_as_text"]).as_py() or 0)
     if stats.total_dropped:
         converted = converted.filter(
             _keep, input_columns="drop_reason", batched=True, num_proc=num_proc, desc=f"Leaving out rows of {spec.name}"

@@ -26,7 +26,7 @@ from tunelab.data.dedup import deduplicate_training_rows
 from tunelab.data.encode import COUNTER_COLUMNS, EncodeStats, SupervisedEncoder
 from tunelab.data.formats import IDENTICAL_PAIR, is_ranking_row, renders_reasoning, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
-from tunelab.data.registry import describe, load_registry, load_rows
+from tunelab.data.registry import describe, describe_files, load_registry, load_rows
 from tunelab.data.templates import Template
 from tunelab.errors import DataError
 
@@ -112,8 +112,11 @@ def _load_canonical(
         conversion.first.pop(IDENTICAL_PAIR, None)
         source = {
             **describe(spec), "rows": len(rows), "empty_answers": conversion.empty_answers,
-            "rows_with_reasoning": conversion.with_reasoning,
+            "rows_with_reasoning": conversion.with_reasoning, "numbers_as_text": conversion.numbers_as_text,
         }
+        if conversion.numbers_as_text:
+            logger.warning("dataset %s: %d values of text fields are numbers; they train as their text (42 → \"42\")",
+                           name, conversion.numbers_as_text)
         if spec.ranking:
             source["dropped_identical_pairs"] = identical
         if skipped is not None:
@@ -134,7 +137,9 @@ def _load_canonical(
             logger.info("dataset %s: %d rows have an empty answer; they train the end-of-turn only",
                         name, conversion.empty_answers)
         if len(canonical) == 0:
-            raise DataError(f"dataset '{name}': no usable rows (all {len(rows)} were skipped or dropped)")
+            files = describe_files(spec)
+            raise DataError(f"dataset '{name}'{f' ({files})' if files else ''}: no usable rows (all {len(rows)} were "
+                            "skipped or dropped)")
         loaded.append(canonical)
     return loaded
 
@@ -184,6 +189,7 @@ def encode_dataset(
         supervised_tokens=_sum(table["num_supervised"]),
         expanded_conversations=_sum(pc.not_equal(added, 0)),
         split_at_seams=_sum(table["split_at_seams"]) if "split_at_seams" in present else 0,
+        texts_cut=_sum(table["texts_cut"]) if "texts_cut" in present else 0,
     )
     encoded = encoded.remove_columns([c for c in (*COUNTER_COLUMNS, "num_tokens") if c in present])
     log_encode_stats(name, stats, encoder.cutoff_len)
@@ -201,6 +207,11 @@ def log_encode_stats(name: str, stats: EncodeStats, cutoff_len: int) -> None:
         logger.warning(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
             name, stats.dropped_no_supervised, cutoff_len,
+        )
+    if stats.texts_cut:
+        logger.warning(
+            "%s: %d messages far longer than cutoff_len=%d were cut before tokenising (the examples are the same: "
+            "truncation keeps at most cutoff_len tokens of them)", name, stats.texts_cut, cutoff_len,
         )
     if stats.split_at_seams:
         logger.info(

@@ -11,7 +11,9 @@ parallel with preprocessing_num_workers):
    registry's `columns.text` or `columns.prompt`, else `text` and `content`; with several candidates
    each row takes the first one it has a value in (a JSONL may mix `text` and `content` rows), and
    the documents per column are counted (`documents_by_column`).
-2. Clean and tokenise. Strip; tokenise without truncation or padding and without special tokens;
+2. Clean and tokenise. Strip; tokenise without truncation or padding and without special tokens (a
+   document longer than LONG_DOCUMENT_CHARS in pieces of about that size, so one huge document needs memory
+   for a piece, not for the whole: see `DocumentTokenizer`);
    drop empty documents and those under `min_length` tokens (BOS/EOS not counted). Both drops are
    counted per source in data_report.json and logged. Every kept document gets EOS appended, and
    starts with BOS when the tokenizer declares one and adds it itself (`tokenizer("x")` starts with
@@ -52,6 +54,7 @@ equal training on every chunk as a row of its own (tested), with a fraction of t
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +64,7 @@ import numpy as np
 from datasets.fingerprint import Hasher
 
 from tunelab.config.args import DataArguments
-from tunelab.data.encode import IGNORE_INDEX
+from tunelab.data.encode import IGNORE_INDEX, _Tokens
 from tunelab.data.pipeline import VAL_SPLIT_NAME, DatasetBundle, _mix, split_validation
 from tunelab.data.registry import DatasetSpec, describe, load_registry, load_rows
 from tunelab.errors import ConfigError, DataError
@@ -69,6 +72,10 @@ from tunelab.errors import ConfigError, DataError
 logger = logging.getLogger(__name__)
 
 DEFAULT_TEXT_COLUMNS = ("text", "content")
+# Documents longer than this many characters are tokenised piece by piece (bounded memory; every token is kept).
+LONG_DOCUMENT_CHARS = 1 << 20
+_WORD_START = re.compile(r"(?<=\S) (?=\S)")
+_SEAM_WINDOW = 2000  # characters each side of a cut, tokenised whole and cut to check the cut changes no token
 TOKENIZE_BATCH = 1000  # documents per tokeniser call
 WINDOW_BATCH = 256  # windows cut per map batch: bounds the tokens read back at once to ~256 * stride + W
 
@@ -177,6 +184,12 @@ class DocumentTokenizer:
     (text tokens, for min_length) and text_column (which candidate column the text came from; -1 for none).
 
     Picklable, so datasets.map can run it in worker processes.
+
+    A document longer than LONG_DOCUMENT_CHARS is cut before word starts (" x") into pieces of about that size,
+    each tokenised as the text that follows the previous one (encode.py's `_Tokens`); the ids are the whole
+    document's when every cut changes nothing, which is checked: the text around each cut is tokenised whole and
+    cut, and on any difference the document is tokenised whole after all (exact first, bounded where it can be).
+    A piece's encoding (ids, offsets, token strings: tens of bytes a token) is freed before the next one.
     """
 
     tokenizer: Any
@@ -184,6 +197,33 @@ class DocumentTokenizer:
     min_length: int
     source: str
     bos_token_id: int | None = None
+    _tokens: _Tokens = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_tokens", _Tokens(self.tokenizer))
+
+    def _long_ids(self, text: str) -> np.ndarray:
+        """A long document's ids (an int64 array, 8 bytes a token instead of a Python int's 28 + 8), tokenised in
+        pieces when cutting changes no token (else whole)."""
+        cuts, at = [], LONG_DOCUMENT_CHARS
+        while at < len(text):
+            match = _WORD_START.search(text, at)
+            if match is None:
+                break
+            cuts.append(match.start())
+            at = match.start() + LONG_DOCUMENT_CHARS
+        for cut in cuts:  # the pieces must meet as the whole text's tokens do
+            start = _WORD_START.search(text, max(cut - _SEAM_WINDOW, 0))
+            start = start.start() if start is not None and start.start() < cut else cut
+            end = _WORD_START.search(text, min(cut + _SEAM_WINDOW, len(text)))
+            end = end.start() if end is not None else len(text)
+            whole = self._tokens([(text[start:end], True)])[0]
+            parts = self._tokens([(text[start:cut], True), (text[cut:end], False)])
+            if start == cut or whole != parts[0] + parts[1]:
+                return np.asarray(self._tokens([(text, True)])[0], dtype=np.int64)
+        pieces = [np.asarray(self._tokens([(text[begin:finish], begin == 0)])[0], dtype=np.int64)
+                  for begin, finish in zip([0, *cuts], [*cuts, len(text)])]
+        return np.concatenate(pieces)
 
     @property
     def special_tokens(self) -> int:
@@ -205,16 +245,26 @@ class DocumentTokenizer:
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         picked = [self._pick(values) for values in zip(*(batch[column] for column in self.text_columns))]
-        present = [text for text, _ in picked if text]
+        present = [text for text, _ in picked if text and len(text) <= LONG_DOCUMENT_CHARS]
         # verbose=False: documents longer than model_max_length are expected here, not a warning.
         encoded = iter(self.tokenizer(present, add_special_tokens=False, verbose=False)["input_ids"] if present else [])
         eos = self.tokenizer.eos_token_id
         bos = [] if self.bos_token_id is None else [self.bos_token_id]
+        # A batch with a long document gives arrays for every row: arrow refuses a column that mixes arrays and
+        # lists (an empty list reads as float), and int64 is the lists' own type, so batches agree.
+        arrays = any(len(text) > LONG_DOCUMENT_CHARS for text, _ in picked)
         input_ids, num_tokens = [], []
         for text, _ in picked:
-            ids = list(next(encoded)) if text else []
+            if len(text) > LONG_DOCUMENT_CHARS:
+                ids = self._long_ids(text)
+            else:
+                ids = list(next(encoded)) if text else []
             keep = len(ids) >= max(self.min_length, 1)
-            input_ids.append(bos + ids + [eos] if keep else [])
+            if arrays:
+                row = np.concatenate([np.asarray(bos, np.int64), np.asarray(ids, np.int64), [eos]]) if keep else []
+                input_ids.append(np.asarray(row, dtype=np.int64))
+            else:
+                input_ids.append(bos + ids + [eos] if keep else [])
             num_tokens.append(len(ids))
         return {
             "input_ids": input_ids, "length": [len(ids) for ids in input_ids], "num_tokens": num_tokens,

@@ -19,6 +19,7 @@ import functools
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,9 +94,24 @@ def _read_registry(path: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: dataset_info.json is not valid JSON ({exc.msg})") from None
-    if not isinstance(raw, dict) or not all(isinstance(entry, dict) for entry in raw.values()):
-        raise ConfigError(f"{path}: dataset_info.json must map each dataset name to an object of its settings")
+    example = '{"my_data": {"file_name": "data.jsonl"}}'
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path}: dataset_info.json holds {_json_kind(raw)}; it must map each dataset name to an object of its "
+            f"settings, e.g. {example}"
+        )
+    for name, entry in raw.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"{path}: dataset '{name}' is {_json_kind(entry)}, not an object of settings; write it as "
+                f"{{\"file_name\": ...}}, e.g. {example}"
+            )
     return {name: (path, entry) for name, entry in raw.items()}
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "a JSON array", str: "a string", bool: "a boolean", type(None): "null", dict: "an object"}
+    return kinds.get(type(value), "a number")
 
 
 def _spec(path: Path, name: str, entry: dict[str, Any]) -> DatasetSpec:
@@ -256,16 +272,18 @@ def _literal_prefix(pattern: str) -> str:
 
 
 def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
-    """Locate the first line of a .json/.jsonl file that does not parse (for a message that names it)."""
-    with open(path, "rb") as handle:
-        head = handle.read(1).lstrip()
-    if path.suffix == ".json" and head == b"[":
+    """Locate the first line of a .json/.jsonl file that does not parse or is not a row object (for a message
+    that names it)."""
+    if not is_json_lines(path):
         try:
-            json.loads(path.read_text(encoding="utf-8"))
+            rows = json.loads(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError as exc:
             return 0, f"not UTF-8 ({exc.reason} at byte {exc.start})"
         except json.JSONDecodeError as exc:
             return exc.lineno, exc.msg
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if bad is not None:
+            return 1, f"element {bad} of the array is {_json_kind(rows[bad])}, not a row object"
         return None
     with open(path, "rb") as handle:
         for lineno, raw in enumerate(handle, start=1):
@@ -275,10 +293,37 @@ def _first_bad_json_line(path: Path) -> tuple[int, str] | None:
                 return lineno, f"not UTF-8 ({exc.reason} at byte {exc.start})"
             if line.strip():
                 try:
-                    json.loads(line)
+                    row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     return lineno, exc.msg
+                if not isinstance(row, dict):
+                    return lineno, f"{_json_kind(row)}, not a row object ({{\"column\": value, ...}})"
     return None
+
+
+def _check_file_shape(path: Path, kind: str) -> None:
+    """Files the readers would take wrongly or fail on deep inside: an empty file (no rows), a .json file that is
+    one JSON object (read as a single row, or as columns)."""
+    with open(path, "rb") as handle:
+        head = handle.read(1 << 16)
+    if not head.strip():
+        raise DataError(f"{path}: the file is empty; add rows or remove it from the dataset")
+    if kind != "json" or not head.lstrip().startswith(b"{"):
+        return
+    first, _, rest = head.lstrip().partition(b"\n")
+    try:
+        json.loads(first)  # one object on the first line: JSON lines, when more lines follow
+        single = not rest.strip() and path.suffix == ".json"
+    except ValueError:
+        try:
+            single = isinstance(json.loads(path.read_bytes()), dict)  # a pretty-printed object
+        except ValueError:
+            single = False  # the reader names the bad line
+    if single:
+        raise DataError(
+            f"{path}: the file is one JSON object, not rows; write a JSON array of row objects ([{{...}}, {{...}}]) "
+            "or one object per line (.jsonl)"
+        )
 
 
 def _read_json_lines_skipping(path: Path, skipped: list[str]) -> list[dict]:
@@ -302,6 +347,71 @@ def _read_json_lines_skipping(path: Path, skipped: list[str]) -> list[dict]:
                 continue
             rows.append(row)
     return rows
+
+
+def is_json_lines(path: Path) -> bool:
+    """A .jsonl file, or a .json file that is not one JSON array."""
+    if path.suffix == ".jsonl":
+        return True
+    with open(path, "rb") as handle:
+        return path.suffix == ".json" and not handle.read(4096).lstrip().startswith(b"[")
+
+
+class RowLocator:
+    """A file-backed dataset's row index → where that row is: "file:line" in JSON-lines files (a row is a
+    non-blank line holding a JSON object, as the readers count them), "file row k" (k from 0) in the others.
+    Built on first use by reading the files again: only messages about bad rows ask."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self._rows: list[tuple[Path, int, list[int] | None]] | None = None  # (file, rows, line of each row)
+
+    def _count(self) -> list[tuple[Path, int, list[int] | None]]:
+        rows = []
+        for path in self.files:
+            kind = FILE_TYPES.get(path.suffix)
+            if kind == "json" and is_json_lines(path):
+                lines = [number for number, raw in enumerate(open(path, "rb"), start=1) if _holds_object(raw)]
+                rows.append((path, len(lines), lines))
+            elif kind == "json":
+                rows.append((path, len(json.loads(path.read_text(encoding="utf-8"))), None))
+            else:
+                count = datasets.load_dataset(kind, data_files=[str(path)], split="train").num_rows
+                rows.append((path, count, None))
+        return rows
+
+    def __call__(self, index: int) -> str:
+        if self._rows is None:
+            try:
+                self._rows = self._count()
+            except Exception:  # noqa: BLE001 - a message about a row must not fail over its location
+                self._rows = []
+        total = sum(count for _, count, _ in self._rows)
+        if not total:
+            return ", ".join(map(str, self.files))
+        index %= total  # num_samples repeats the rows
+        for path, count, lines in self._rows:
+            if index < count:
+                return f"{path}:{lines[index]}" if lines is not None else f"{path} row {index}"
+            index -= count
+        raise AssertionError("unreachable")
+
+
+def _holds_object(raw: bytes) -> bool:
+    if not raw.strip():
+        return False
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
+def describe_files(spec: DatasetSpec) -> str:
+    """The file(s) a file-backed dataset reads, for messages ("" for generators)."""
+    if not (spec.file_name or spec.hf_hub_url):
+        return ""
+    files = resolve_files(spec)
+    return str(files[0]) if len(files) == 1 else f"{files[0]} and {len(files) - 1} more files"
 
 
 def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
@@ -351,9 +461,10 @@ def load_rows(
     kind = FILE_TYPES[files[0].suffix]
     if skipped is not None and kind == "json" and any(_first_bad_json_line(p) for p in files):
         return _rows_skipping_bad_lines(spec, files, skipped)
-    if kind in ("json", "csv", "text"):
-        for path in files:
+    for path in files:
+        if kind in ("json", "csv", "text"):
             check_utf8(path)
+        _check_file_shape(path, kind)
     reader_options = {"sample_by": txt_sample_by} if kind == "text" else {}
     try:
         dataset = datasets.load_dataset(
@@ -367,12 +478,30 @@ def load_rows(
                 if bad:
                     lineno, why = bad
                     raise DataError(f"{path}:{lineno}: {why}; fix or remove that line") from None
-        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        raise DataError(f"dataset '{spec.name}': cannot read {files[0]}: {reason}") from None
+        raise DataError(_read_failure(spec, files, exc)) from None
     if spec.num_samples is not None and spec.num_samples != len(dataset):
         indices = [i % len(dataset) for i in range(spec.num_samples)]
         dataset = dataset.select(indices)
     return dataset
+
+
+def _read_failure(spec: DatasetSpec, files: list[Path], exc: BaseException) -> str:
+    """One line for a reader failure: the file (from the reader's own message when it names one) and the root
+    cause, not datasets' "An error occurred while generating the dataset"."""
+    causes = [exc]
+    while causes[-1].__cause__ is not None or causes[-1].__context__ is not None:
+        causes.append(causes[-1].__cause__ or causes[-1].__context__)
+        if len(causes) > 20:
+            break
+    root = causes[-1]
+    text = " ".join(str(root).split()) or type(root).__name__
+    where = next((str(p) for p in files if any(str(p) in str(c) for c in causes)), str(files[0]))
+    ragged = re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", text)
+    if ragged:
+        fields, line, saw = ragged.groups()
+        return (f"{where}:{line}: {saw} fields where the header has {fields}; give every row the header's columns "
+                "(quote values that contain commas)")
+    return f"dataset '{spec.name}': cannot read {where}: {text}"
 
 
 def _rows_skipping_bad_lines(spec: DatasetSpec, files: list[Path], skipped: list[str]) -> datasets.Dataset:

@@ -426,7 +426,8 @@ class SupervisedStream:
         rows = stream_rows(spec, part.files, self.data_args)
         # As map-style: a structurally wrong row is an error naming it (skip_bad_rows is not for streams),
         # an empty answer trains the end-of-turn, and reasoning must reach the loss.
-        converter = _Converter(spec, columns, row_check=TrainedReasoning(self.encoder))
+        files = [Path(f) for f in part.files] or None
+        converter = _Converter(spec, columns, row_check=TrainedReasoning(self.encoder), files=files)
         return rows.map(converter, with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES)
 
     def examples(self, shards: list[Shard], counter: _CountingEncoder) -> Iterator[dict[str, np.ndarray]]:

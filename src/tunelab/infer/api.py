@@ -8,6 +8,10 @@ rows). Generation runs in the scheduler's thread, so the event loop keeps accept
 noticing disconnects; a client that goes away mid-stream cancels its generation. Errors use OpenAI's body:
 {"error": {message, type, param, code}}.
 
+Limits that keep one request from holding the server: a body over `max_request_bytes` is 413 before it is read,
+and a prompt with more characters than the context's tokens can spell is 400 (context_length_exceeded) before it
+is tokenised (engine.py); other requests are served meanwhile.
+
 Honoured: temperature (0: greedy; default 1 as OpenAI's), top_p, max_tokens / max_completion_tokens,
 stop, seed, stream_options.include_usage, tools / tool_choice / parallel_tool_calls (the template renders
 the tools; tool_calls.py parses the answer with the template's own call syntax), and the extensions top_k
@@ -26,19 +30,23 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tunelab.data.templates.builtin import BUILTIN_NAMES
-from tunelab.errors import InferenceError, TemplateError
+from tunelab.errors import ConfigError, InferenceError, TemplateError
 from tunelab.infer.engine import ChatEngine, Generation, SamplingOptions
 from tunelab.infer.tool_calls import BUILTIN_FAMILIES, ToolCall, ToolCallStream, ToolSyntax
 
 DEFAULT_MAX_BATCH_SIZE = 8
+# Request bodies larger than this are refused (413) before they are read: ~2M tokens of text, far above the
+# context of the models tunelab serves, yet small enough that parsing one costs well under a second.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
@@ -221,12 +229,19 @@ class ToolUse:
     parallel: bool = True  # False: at most one call (the first) is returned
 
 
-def create_app(engine: ChatEngine, api_key: str | None = None, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> FastAPI:
+def create_app(
+    engine: ChatEngine, api_key: str | None = None, max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The ASGI app serving `engine` under the model id `engine.name`; `api_key` required as a Bearer token if set.
 
-    Up to `max_batch_size` concurrent requests share each forward pass of the model.
+    Up to `max_batch_size` concurrent requests share each forward pass of the model. A body over
+    `max_request_bytes` is answered 413 (_BodyLimit).
     """
+    if max_request_bytes < 1:
+        raise ConfigError(f"--max-request-bytes: expected an integer >= 1, got {max_request_bytes}")
     app = FastAPI(title="tunelab api", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     engine.max_batch_size = max_batch_size
     created = int(time.time())
 
@@ -242,6 +257,8 @@ def create_app(engine: ChatEngine, api_key: str | None = None, max_batch_size: i
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 413:
+            return _too_large(max_request_bytes)
         return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -358,6 +375,43 @@ def create_app(engine: ChatEngine, api_key: str | None = None, max_batch_size: i
     return app
 
 
+def _too_large(max_bytes: int) -> JSONResponse:
+    error = ApiError(413, f"the request body is larger than this server's limit of {max_bytes} bytes (tunelab api "
+                     "--max-request-bytes); shorten the conversation", code="request_too_large")
+    return JSONResponse(error.body(), status_code=413)
+
+
+class _BodyLimit:
+    """Refuses request bodies over `max_bytes` with 413 in OpenAI's error shape.
+
+    A Content-Length over the limit is answered before the app runs, with nothing of the body read; a chunked
+    body is counted as the route reads it and refused once it passes the limit (an HTTPException the route
+    lets through to the handler above). Starlette's own limit (FastAPI's max_body_size) answers in plain text.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _too_large(self.max_bytes)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413)
+            return message
+
+        await self.app(scope, counted, send)
+
+
 class _EventStream(StreamingResponse):
     """Closes its event generator as soon as the response ends, also when the client went away mid-stream.
 
@@ -403,11 +457,12 @@ def _usage(generation: Generation) -> dict[str, int]:
 
 def serve(
     engine: ChatEngine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Run the server until Ctrl-C / SIGTERM (uvicorn shuts down gracefully, finishing open requests)."""
     import uvicorn  # noqa: PLC0415
 
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("Serving on %s without an API key: anyone who can reach this port can use the model.", host)
-    uvicorn.run(create_app(engine, api_key, max_batch_size), host=host, port=port, log_level="info")
+    app = create_app(engine, api_key, max_batch_size, max_request_bytes)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -349,14 +349,34 @@ class ChatEngine:
         """How this model's template writes tool calls (None: it has no tool-call format), from a probe render."""
         return tool_syntax(self.template, self.tokenizer.bos_token or "", self.tokenizer.eos_token or "")
 
+    @cached_property
+    def longest_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): an upper bound on the characters one
+        token stands for (byte-level entries spell one byte a character, SentencePiece ones spell the text itself;
+        it assumes no normalizer that deletes characters)."""
+        with self.tokenizer_lock:
+            return max(map(len, self.tokenizer.get_vocab()), default=1) or 1
+
     def prompt_ids(
         self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = ""
     ) -> list[int]:
-        """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it."""
+        """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it.
+
+        InferenceError, without tokenising, when the text has more characters than `context_length` tokens can
+        spell (see longest_token_chars)."""
         tok = self.tokenizer
         prompt = self.template.prompt(
             messages, tools, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
         )
+        text = prompt + prefill
+        if self.context_length and len(text) > self.longest_token_chars * self.context_length:
+            # No token covers more characters than its vocabulary string has, so this many characters are more
+            # tokens than the context holds: refused without tokenising (a huge prompt would hold the lock).
+            at_least = -(-len(text) // self.longest_token_chars)
+            raise InferenceError(
+                f"the conversation is at least {at_least} tokens ({len(text)} characters); {self.name} reads at "
+                f"most {self.context_length}: start a new conversation or shorten it"
+            )
         with self.tokenizer_lock:
             # The prompt alone, then what the answer starts with: the ids training gave this prompt (data/encode.py).
             ids = tok(prompt, add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, finding the newest complete one, and what tunelab adds to them.
+"""Checkpoints: atomic writes checked by a manifest, finding the newest sound one, what tunelab adds to them.
 
 transformers.Trainer (5.x) writes a checkpoint straight into `output_dir/checkpoint-N`: a kill during
 the save leaves a half-written folder with the newest step number, which `get_last_checkpoint` then
@@ -6,20 +6,26 @@ picks. TunelabTrainer._save_checkpoint calls `save_checkpoint` below instead, wh
 files with the same Trainer methods, but
 
     output_dir/tmp-checkpoint-N/   every file written (model or adapter, optimizer, scheduler, scaler,
-                                   RNG states, trainer_state.json, tunelab_state.json), then fsynced
+                                   RNG states, trainer_state.json, tunelab_state.json, the run's
+                                   tunelab_config.yaml), then tunelab_manifest.json last: the size and
+                                   SHA-256 of every other file; then everything fsynced
          │ rename (atomic on one filesystem), then the parent folder fsynced
          ▼
     output_dir/checkpoint-N/       exists only complete
 
 so a crash at any moment leaves every `checkpoint-N` loadable; a leftover `tmp-checkpoint-N` is
-deleted when the next run starts. Old checkpoints are rotated (`save_total_limit`) only after the
-rename, counting complete checkpoints only, and never the one just written.
+deleted when the next run starts. A save that fails (a full disk) removes its staging folder and
+raises the OSError it is. Old checkpoints are rotated (`save_total_limit`) only after the rename,
+counting complete checkpoints only, and never the one just written.
 
-`resume_from_checkpoint: true` resolves to the complete checkpoint with the highest step
-(`latest_checkpoint`); a folder counts as complete when its trainer_state.json (the Trainer writes
-it last) parses. tunelab_state.json carries what the Trainer does not save: our token counters,
-the non-finite-step counters (guards.py) and the loss summed since the last log line, so the log
-continues as if the run had never stopped.
+`resume_from_checkpoint: true` resolves to the newest checkpoint whose manifest verifies (every file
+there, of its size and checksum), logging each newer one it skipped and why; an explicit folder that
+does not verify is an error. A checkpoint without optimizer state (save_only_model, or its optimizer
+file removed) is refused unless `resume_weights_only: true`. tunelab_state.json carries what the
+Trainer does not save: our token counters, the non-finite-step counters (guards.py) and the loss
+summed since the last log line, so the log continues as if the run had never stopped; the copy of
+tunelab_config.yaml lets config/checks.py refuse to continue a checkpoint of another run
+(`config_differences`).
 
 What this module does not own: the data position (the Trainer fast-forwards its DataLoader, see
 docs/reliability.md), the signal handling (signals.py) and the NaN guard (guards.py).
@@ -27,12 +33,14 @@ docs/reliability.md), the signal handling (signals.py) and the NaN guard (guards
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +54,99 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 STAGING_PREFIX = "tmp-checkpoint"
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 RUN_STATE = "tunelab_state.json"
+RUN_CONFIG = "tunelab_config.yaml"  # the run's resolved options (train/outputs.py), copied into each checkpoint
+MANIFEST = "tunelab_manifest.json"
+MANIFEST_FORMAT = 1
+# Files a weights-only resume may lack (the Trainer then starts them fresh): optimizer, LR scheduler,
+# gradient scaler, RNG states; DeepSpeed keeps its optimizer shards in global_stepN/.
+OPTIMIZER_STATE_PREFIXES = ("optimizer", "scheduler", "scaler", "rng_state", "global_step")
 # Test hook: seconds to sleep after the weights are written into the staging folder, so a test can
 # kill the process mid-save. Read only here; unset in normal runs.
 SLOW_SAVE_ENV = "TUNELAB_TEST_SLOW_CHECKPOINT_SAVE"
 
 _CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
+_HASH_CHUNK = 1 << 24
+
+
+# --- the manifest: what a complete checkpoint holds ----------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
+    """SHA-256 of each file, several files at once (hashlib releases the GIL on large buffers)."""
+    with ThreadPoolExecutor(max_workers=min(8, max(len(names), 1))) as pool:
+        return dict(zip(names, pool.map(lambda name: file_sha256(folder / name), names)))
+
+
+def write_manifest(folder: Path, step: int, optimizer_state: bool) -> dict[str, Any]:
+    """Record the size and SHA-256 of every file under folder in tunelab_manifest.json (written last)."""
+    names = sorted(
+        str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST
+    )
+    sums = _checksums(folder, names)
+    manifest = {
+        "format": MANIFEST_FORMAT, "global_step": step, "optimizer_state": optimizer_state,
+        "files": {name: {"size": (folder / name).stat().st_size, "sha256": sums[name]} for name in names},
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return manifest
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any] | None:
+    """The manifest of a checkpoint folder, or None when it has none that parses."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
+
+
+def _is_optimizer_state(name: str) -> bool:
+    return name.split("/", 1)[0].startswith(OPTIMIZER_STATE_PREFIXES)
+
+
+def checkpoint_problem(folder: str | Path, weights_only: bool = False, checksums: bool = True) -> str | None:
+    """Why a checkpoint folder cannot be resumed from, or None: its manifest must list files that are all
+    there with their size (and, with `checksums`, their SHA-256). `weights_only`: optimizer-state files
+    may be absent (the Trainer then starts them fresh); present, they must still be intact."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        if (folder / MANIFEST).exists():
+            return f"its {MANIFEST} is unreadable"
+        return f"it has no {MANIFEST} (not written completely by this version of tunelab)"
+    files = manifest["files"]
+    for name, entry in files.items():
+        path = folder / name
+        if not path.is_file():
+            if weights_only and _is_optimizer_state(name):
+                continue
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != entry.get("size"):
+            return f"{name} is {size:,} bytes, the manifest says {entry.get('size'):,}"
+    if checksums:
+        present = [name for name in files if (folder / name).is_file()]
+        for name, digest in _checksums(folder, present).items():
+            if digest != files[name].get("sha256"):
+                return f"{name} does not match its checksum (damaged after it was written)"
+    return None
+
+
+def has_optimizer_state(folder: str | Path) -> bool:
+    """Whether resuming from folder restores the optimizer (its manifest says so and the file is there)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is not None and not manifest.get("optimizer_state", True):
+        return False
+    return any(p.name.startswith(("optimizer", "global_step")) for p in folder.iterdir())
 
 
 # --- finding checkpoints ----------------------------------------------------------------------
@@ -62,22 +158,22 @@ def checkpoint_step(path: str | Path) -> int | None:
 
 
 def is_complete(path: str | Path) -> bool:
-    """A checkpoint folder whose trainer_state.json (written last) exists and parses."""
-    state = Path(path) / TRAINER_STATE
-    try:
-        json.loads(state.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return True
+    """A checkpoint folder whose manifest (written last) exists and parses; `checkpoint_problem` checks the files."""
+    return read_manifest(path) is not None
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete `checkpoint-N` folders of output_dir, oldest step first."""
+def checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Every `checkpoint-N` folder of output_dir, complete or not, oldest step first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
     found = [(checkpoint_step(p), p) for p in out.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    return [p for _, p in sorted(found) if is_complete(p)]
+    return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete `checkpoint-N` folders of output_dir, oldest step first."""
+    return [p for p in checkpoint_folders(output_dir) if is_complete(p)]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -85,32 +181,149 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def resolve_resume(value: Any, output_dir: str | Path) -> str | None:
+_WEIGHTS_ONLY_HINT = "resume_weights_only: true resumes the weights with a fresh optimizer"
+
+
+def resolve_resume(
+    value: Any, output_dir: str | Path, weights_only: bool = False, checksums: bool = True
+) -> str | None:
     """`resume_from_checkpoint` → the checkpoint folder to resume from, or None for a fresh start.
 
-    true (or "true"/"last") means the newest complete checkpoint of output_dir; a path must be a
-    complete checkpoint. Fails with a ConfigError naming the key and the fix.
+    true (or "true"/"last") means the newest checkpoint of output_dir that verifies (`checkpoint_problem`;
+    each newer one skipped is logged with why); a path must verify itself, except a folder without a manifest
+    (written by transformers or an older tunelab), which is taken with a warning that it cannot be checked.
+    Either way the checkpoint must hold optimizer state unless `weights_only`. Fails with a ConfigError
+    naming the key, the checkpoint and the fix.
     """
     if value is None or value is False or (isinstance(value, str) and value.lower() in ("", "false", "no", "none")):
         return None
     if value is True or (isinstance(value, str) and value.lower() in ("true", "yes", "last")):
-        found = latest_checkpoint(output_dir)
-        if found is None:
-            raise ConfigError(
-                f"resume_from_checkpoint: true, but output_dir {output_dir} holds no complete checkpoint "
-                "(checkpoint-N with trainer_state.json); save some with save_strategy: steps and save_steps, "
-                "point resume_from_checkpoint at a checkpoint folder, or remove it"
-            )
-        return str(found)
+        skipped = []
+        for folder in reversed(checkpoint_folders(output_dir)):
+            problem = checkpoint_problem(folder, weights_only, checksums)
+            if problem is None:
+                for line in skipped:
+                    logger.warning("resume_from_checkpoint: true skips %s", line)
+                _check_optimizer_state(folder, weights_only)
+                return str(folder)
+            skipped.append(f"{folder.name}: {problem}")
+        found = f" ({'; '.join(skipped)})" if skipped else ""
+        raise ConfigError(
+            f"resume_from_checkpoint: true, but output_dir {output_dir} holds no complete checkpoint{found}; save "
+            "some with save_strategy: steps and save_steps, point resume_from_checkpoint at a checkpoint folder, "
+            "or remove it"
+        )
     path = Path(value)
     if not path.is_dir():
         raise ConfigError(f"resume_from_checkpoint: {path} is not a folder; give a checkpoint-N folder or true")
-    if not is_complete(path):
-        raise ConfigError(
-            f"resume_from_checkpoint: {path} is not a complete checkpoint (no readable {TRAINER_STATE}); "
-            "give another checkpoint-N folder, or true for the newest complete one"
+    if read_manifest(path) is None and not (path / MANIFEST).exists():
+        try:
+            json.loads((path / TRAINER_STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise ConfigError(
+                f"resume_from_checkpoint: {path} is not a complete checkpoint (no {MANIFEST}, no readable "
+                f"{TRAINER_STATE}); give another checkpoint-N folder, or true for the newest complete one"
+            ) from None
+        logger.warning(
+            "resume_from_checkpoint: %s has no %s (written by transformers or an older tunelab): its files cannot "
+            "be checked before they load", path, MANIFEST,
         )
+    else:
+        problem = checkpoint_problem(path, weights_only, checksums)
+        if problem is not None:
+            fix = "give an older checkpoint-N folder, or true for the newest one that verifies"
+            name = problem.split(" ", 1)[0]
+            if _is_optimizer_state(name) and not weights_only:
+                remove = "" if problem.endswith("is missing") else f"delete {name} and "
+                fix += f"; or {remove}set resume_weights_only: true to resume the weights with a fresh optimizer"
+            raise ConfigError(f"resume_from_checkpoint: {path} is damaged: {problem}; {fix}")
+    _check_optimizer_state(path, weights_only)
     return str(path)
+
+
+def _check_optimizer_state(folder: Path, weights_only: bool) -> None:
+    if has_optimizer_state(folder):
+        return
+    if not weights_only:
+        raise ConfigError(
+            f"resume_from_checkpoint: {folder} has no optimizer state (saved with save_only_model, or its optimizer "
+            "file was removed): the optimizer would restart from zero and the run would not continue as it was; "
+            f"{_WEIGHTS_ONLY_HINT}, or give a checkpoint that has it"
+        )
+    logger.warning(
+        "resume_weights_only: %s has no optimizer state: the weights and the step count resume, the optimizer "
+        "starts from zero (its moments rebuilt over the next steps); this run will not match an uninterrupted one",
+        folder,
+    )
+
+
+def recorded_config(checkpoint: str | Path) -> dict[str, Any] | None:
+    """The options of the run that wrote a checkpoint (its copy of tunelab_config.yaml), or None."""
+    import yaml  # noqa: PLC0415
+
+    path = Path(checkpoint) / RUN_CONFIG
+    try:
+        options = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+    return options if isinstance(options, dict) else None
+
+
+# Options that change the training trajectory: resuming a checkpoint written with other values would
+# continue another run. Left out on purpose: max_steps / num_train_epochs (raised to continue a finished run),
+# where and how often to log, save and evaluate, and what changes speed or memory but not the numbers
+# (gradient_checkpointing, padding_free, dataloader workers, attention implementation).
+TRAJECTORY_KEYS = (
+    # model
+    "model_name_or_path", "model_revision", "adapter_name_or_path", "compute_dtype", "add_special_tokens",
+    "quantization_bit", "quantization_type", "double_quantization",
+    # data
+    "template", "template_kwargs", "dataset", "dataset_dir", "cutoff_len", "train_on_prompt", "mask_history",
+    "mix_strategy", "interleave_probs", "max_samples", "val_size", "packing", "dedup", "dedup_threshold", "stride",
+    "min_length", "tail", "text_column", "txt_sample_by", "streaming", "buffer_size", "skip_bad_rows",
+    # method
+    "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target",
+    "use_dora", "use_rslora", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules",
+    "pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "kto_desirable_weight",
+    "kto_undesirable_weight", "label_smoothing_factor", "neftune_noise_alpha",
+    # optimizer and schedule
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim",
+    "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+    # batch and randomness
+    "per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes", "seed", "data_seed",
+    "bf16", "fp16",
+)
+
+
+def config_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """`key (recorded → current)` for each trajectory option that differs. A key absent from one side holds its
+    default there (tunelab_config.yaml leaves out training options at transformers' defaults)."""
+    missing = object()
+    differences = []
+    for key in TRAJECTORY_KEYS:
+        before, after = recorded.get(key, missing), current.get(key, missing)
+        if before == after:
+            continue
+        show = [("default" if value is missing else repr(value)) for value in (before, after)]
+        differences.append(f"{key} ({show[0]} → {show[1]})")
+    return differences
+
+
+def clear_previous_run(output_dir: str | Path) -> list[Path]:
+    """overwrite_output_dir without resuming: delete the checkpoints (and staging folders) an earlier run left,
+    so that a later `resume_from_checkpoint: true` can only continue this run."""
+    old = [p for p in checkpoint_folders(output_dir)]
+    out = Path(output_dir)
+    if out.is_dir():
+        old += [p for p in out.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX + "-")]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    if old:
+        logger.warning(
+            "overwrite_output_dir: deleted %d checkpoint folder(s) of the earlier run in %s (%s)",
+            len(old), output_dir, ", ".join(p.name for p in old),
+        )
+    return old
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -196,15 +409,32 @@ def save_checkpoint(trainer, trial=None) -> Path:
     """What Trainer._save_checkpoint writes, through a staging folder renamed when complete.
 
     Every process writes its part (weights, sharded optimizer, its RNG state) into the staging
-    folder; the saving process(es) then fsync and rename it, and rotate old checkpoints.
+    folder; the saving process then copies the run's options, writes the manifest, fsyncs and renames
+    it, and rotates old checkpoints. A failed save removes the staging folder and raises the OSError it
+    is (a full disk surfaces from torch.save as a RuntimeError without an errno).
     """
+    args = trainer.args
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    staging = run_dir / f"{STAGING_PREFIX}-{trainer.state.global_step}"
+    try:
+        return _save_checkpoint(trainer, trial, run_dir, staging)
+    except Exception as exc:
+        from tunelab.train.outputs import as_os_error  # noqa: PLC0415 - outputs imports the config modules
+
+        error = as_os_error(exc, str(run_dir))  # before the staging folder goes: a full disk is still full
+        if args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _save_checkpoint(trainer, trial, run_dir: Path, staging: Path) -> Path:
     from transformers.trainer_callback import ExportableState  # noqa: PLC0415
     from transformers.trainer_utils import SaveStrategy  # noqa: PLC0415
 
     args, state = trainer.args, trainer.state
-    run_dir = Path(trainer._get_output_dir(trial=trial))
     final = run_dir / f"{CHECKPOINT_PREFIX}-{state.global_step}"
-    staging = run_dir / f"{STAGING_PREFIX}-{state.global_step}"
     if args.should_save and staging.exists():
         shutil.rmtree(staging)
     trainer.accelerator.wait_for_everyone()
@@ -232,10 +462,13 @@ def save_checkpoint(trainer, trial=None) -> Path:
             else:
                 state.stateful_callbacks[name] = callback.state()
         (staging / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n", encoding="utf-8")
-        state.save_to_json(str(staging / TRAINER_STATE))  # last: its presence marks a complete checkpoint
+        if (run_dir / RUN_CONFIG).is_file():  # what config/checks.py compares a resume against
+            shutil.copyfile(run_dir / RUN_CONFIG, staging / RUN_CONFIG)
+        state.save_to_json(str(staging / TRAINER_STATE))
     trainer.accelerator.wait_for_everyone()
 
     if args.should_save:
+        write_manifest(staging, state.global_step, optimizer_state=not args.save_only_model)  # last: marks it complete
         publish(staging, final)
         best = [Path(state.best_model_checkpoint)] if state.best_model_checkpoint else []
         rotate(run_dir, args.save_total_limit, keep=[final, *best])
@@ -260,6 +493,51 @@ def read_run_state(checkpoint: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+class NothingToTrain(Exception):
+    """Resuming a checkpoint at or past the run's last step. Not an error: the CLI says so and exits 0, and
+    nothing in output_dir changes (no step, no checkpoint, no final save)."""
+
+    def __init__(self, checkpoint: str, step: int, max_steps: int):
+        self.checkpoint, self.step, self.max_steps = checkpoint, step, max_steps
+        super().__init__(
+            f"{checkpoint} is at step {step} and this run ends at step {max_steps}: nothing is left to train "
+            "and the weights in output_dir are unchanged; raise max_steps (or num_train_epochs) to train further"
+        )
+
+
+def checkpoint_global_step(checkpoint: str | Path) -> int:
+    return int(json.loads((Path(checkpoint) / TRAINER_STATE).read_text(encoding="utf-8")).get("global_step", 0))
+
+
+def resume_point(trainer, value: Any) -> str | None:
+    """The checkpoint TunelabTrainer.train resumes from (None: a fresh start), the same on every process.
+
+    The main process resolves `value` (config/checks.py verified the checksums before anything loaded; here
+    the files are checked again by size) and tells the others. Raises NothingToTrain when the checkpoint
+    already reached the run's last step.
+    """
+    args = trainer.args
+    checkpoint = None
+    if args.process_index == 0:
+        checkpoint = resolve_resume(
+            value, args.output_dir, weights_only=getattr(args, "resume_weights_only", False), checksums=False
+        )
+    if args.world_size > 1:
+        from accelerate.utils import broadcast_object_list  # noqa: PLC0415
+
+        checkpoint = broadcast_object_list([checkpoint], from_process=0)[0]
+    if args.should_save:
+        remove_staging_leftovers(args.output_dir)
+    if checkpoint is not None:
+        done = checkpoint_global_step(checkpoint)
+        total = args.max_steps if args.max_steps > 0 else trainer.set_initial_training_values(
+            args, trainer.get_train_dataloader()
+        )[-1]
+        if done >= total:
+            raise NothingToTrain(checkpoint, done, total)
+    return checkpoint
+
+
 class RestoreRunState(transformers.TrainerCallback):
     """At train begin, after the Trainer reset its counters, put back what tunelab_state.json saved."""
 
@@ -268,8 +546,3 @@ class RestoreRunState(transformers.TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.restore_run_state()
-        if state.global_step and state.global_step >= state.max_steps:
-            logger.warning(
-                "resumed at step %d, which is max_steps: nothing is left to train; raise max_steps (or "
-                "num_train_epochs) to continue", state.global_step,
-            )

@@ -38,17 +38,29 @@ def write_json(output_dir: str, name: str, data: Any) -> Path:
     return path
 
 
-def write_run_start(config: RunConfig) -> None:
-    out = Path(config.training.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def run_options(config: RunConfig) -> dict[str, Any]:
+    """Every resolved option as tunelab_config.yaml records it (YAML values): a model read by Hub id stays its
+    Hub id, with model_revision pinned to the commit the run read, so the file reruns the same weights anywhere."""
     options, sources = resolved_dict(config), hub_sources(config)
     for key, source in sources.items():  # the Hub id, not this machine's cache folder
         options[key] = source["repo_id"]
     if "model_name_or_path" in sources:
         options["model_revision"] = sources["model_name_or_path"]["commit"]
-    (out / "tunelab_config.yaml").write_text(
-        yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8"
-    )
+    return yaml.safe_load(yaml.safe_dump(options, sort_keys=False))
+
+
+def write_run_start(config: RunConfig) -> None:
+    """The run's options and versions. A fresh run into output_dir (overwrite_output_dir, no resume) first
+    deletes the checkpoints an earlier run left there, so no later resume can continue that run."""
+    from tunelab.train.checkpoints import RUN_CONFIG, clear_previous_run  # noqa: PLC0415
+
+    out = Path(config.training.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if config.training.overwrite_output_dir and not config.training.resume_from_checkpoint:
+        clear_previous_run(out)
+    options = run_options(config)
+    (out / RUN_CONFIG).write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8")
+    sources = hub_sources(config)
     write_json(str(out), "run_info.json", versions() | ({"hub": sources} if sources else {}))
 
 
@@ -90,7 +102,7 @@ def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
     try:
         trainer.save_model(out)
     except Exception as exc:  # safetensors reports a full disk as SafetensorError("... (os error 28)")
-        error = _as_os_error(exc, out)
+        error = as_os_error(exc, out)
         if error is exc:
             raise
         raise error from exc
@@ -117,16 +129,37 @@ def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -
         generation_config.save_pretrained(out)
 
 
-def _as_os_error(exc: Exception, where: str) -> Exception:
-    """An I/O failure that surfaced as another type (safetensors' Rust errors) as the OSError it is."""
+# torch.save reports a failed write (a full disk, a file-size limit) without an errno: "[enforce fail at
+# inline_container.cc:...] . unexpected pos N vs M" or "PytorchStreamWriter failed writing file ...".
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+_NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
+
+
+def as_os_error(exc: Exception, where: str) -> Exception:
+    """An I/O failure that surfaced as another type as the OSError it is (so the CLI explains it in one line),
+    or `exc` unchanged. safetensors' Rust errors carry "(os error N)"; torch.save's carry no errno, so a disk
+    with (almost) no space left under `where` makes it ENOSPC, a file-size limit (ulimit -f) EFBIG."""
     import errno  # noqa: PLC0415
     import re  # noqa: PLC0415
+    import resource  # noqa: PLC0415
 
-    match = re.search(r"os error (\d+)\)", str(exc))
-    if isinstance(exc, OSError) or not match or int(match.group(1)) not in errno.errorcode:
+    if isinstance(exc, OSError):
         return exc
-    code = int(match.group(1))
-    return OSError(code, os.strerror(code), where)
+    match = re.search(r"os error (\d+)\)", str(exc))
+    if match and int(match.group(1)) in errno.errorcode:
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code), where)
+    if not (isinstance(exc, RuntimeError) and any(text in str(exc) for text in _TORCH_WRITE_FAILED)):
+        return exc
+    try:
+        stats = os.statvfs(where)
+    except OSError:
+        return exc
+    if stats.f_bavail * stats.f_frsize < _NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), where)
+    return exc
 
 
 def finish(trainer, metrics: dict, config: RunConfig) -> None:

@@ -16,7 +16,6 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 
@@ -58,20 +57,13 @@ class TunelabTrainer(transformers.Trainer):
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """Trainer.train, resuming from `resume_from_checkpoint` (argument, else the training argument):
-        true → the newest complete checkpoint of output_dir. Raises TrainingError when the non-finite
-        guard stopped the run, TrainingInterrupted after a signal (a checkpoint is saved first)."""
+        true → the newest checkpoint of output_dir that verifies. Raises NothingToTrain when that checkpoint
+        already reached the last step, TrainingError when the non-finite guard stopped the run,
+        TrainingInterrupted after a signal (a checkpoint is saved first)."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = getattr(self.args, "resume_from_checkpoint", None)
-        checkpoint = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        checkpoint = checkpoints.resume_point(self, resume_from_checkpoint)  # raises NothingToTrain when done
         self._run_state_to_restore = checkpoints.read_run_state(checkpoint) if checkpoint else {}
-        if self.args.should_save:
-            checkpoints.remove_staging_leftovers(self.args.output_dir)
-            if checkpoint is None and checkpoints.latest_checkpoint(self.args.output_dir) is not None:
-                logging.getLogger(__name__).warning(
-                    "output_dir %s holds %s from an earlier run; a later resume_from_checkpoint: true picks the "
-                    "highest step, so remove old checkpoints when starting over", self.args.output_dir,
-                    checkpoints.latest_checkpoint(self.args.output_dir).name,
-                )
         self.stop_on_signal.install()
         try:
             output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
