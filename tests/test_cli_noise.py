@@ -1,4 +1,6 @@
-"""bitsandbytes' optional-kernel note stays off the terminal (it is imported by every command through peft)."""
+"""bitsandbytes' and torchao's optional-kernel notes stay off the terminal (every command imports them through
+peft and transformers' quantizers when they are installed), and only those notes; light commands import no training
+stack at all."""
 
 from __future__ import annotations
 
@@ -22,6 +24,35 @@ def test_the_note_comes_from_the_logger_tunelab_quiets() -> None:
         assert ops.logger.isEnabledFor(logging.ERROR)
     finally:
         ops.logger.setLevel(before)
+
+
+def _warning(logger: logging.Logger, message: str) -> logging.LogRecord:
+    return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
+
+
+def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
+    torchao = pytest.importorskip("torchao", reason="torchao is not installed (pip install 'tunelab[qat]')")
+    import torch.utils._pytree as pytree
+
+    # Both notes come from these loggers; an upgrade that moves them fails here, not on a user's terminal.
+    assert 'logger.warning(f"Failed to load {file}: {e}")' in inspect.getsource(torchao)
+    assert torchao.logger.name == "torchao"
+    assert "is an Enum subclass and is now natively supported" in inspect.getsource(pytree)
+    assert pytree.log.name == "torch.utils._pytree"
+    before = (list(torchao.logger.filters), list(pytree.log.filters))
+    try:
+        quiet_optional_kernel_notes()
+        quiet_optional_kernel_notes()  # every command calls it; each filter is added once
+        assert [type(f).__name__ for f in torchao.logger.filters].count("_DropMessage") == 1
+        assert [type(f).__name__ for f in pytree.log.filters].count("_DropMessage") == 1
+        so = "Failed to load /x/torchao/_C_cutlass_90a.abi3.so: Could not load this library"
+        assert not torchao.logger.filter(_warning(torchao.logger, so))
+        assert torchao.logger.filter(_warning(torchao.logger, "Skipping import of cpp extensions"))
+        enum_note = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile"
+        assert not pytree.log.filter(_warning(pytree.log, enum_note))
+        assert pytree.log.filter(_warning(pytree.log, "some other pytree warning"))
+    finally:
+        torchao.logger.filters[:], pytree.log.filters[:] = before
 
 
 @pytest.mark.parametrize("argv", [["template", "list"], ["--help"], ["data", "--help"]])

@@ -298,7 +298,7 @@ def _add_model_commands(sub) -> None:
     export = sub.add_parser(
         "export", help="merge a LoRA adapter into its base and save a plain Hugging Face model",
         description="Needs model_name_or_path, export_dir and optionally adapter_name_or_path, export_dtype, "
-        "export_size (in a YAML file and/or as key=value).",
+        "export_size, export_quantization (in a YAML file and/or as key=value).",
     )
     export.add_argument("config", nargs="?", help="YAML file (optional: key=value options alone work too)")
     export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
@@ -507,17 +507,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DropMessage:
+    """A logging filter that drops the records of one logger whose message contains `fragment`."""
+
+    def __init__(self, fragment: str):
+        self.fragment = fragment
+
+    def filter(self, record) -> bool:
+        return self.fragment not in record.getMessage()
+
+
+# logger name -> the one note of it that stays off the terminal (module-level, so adding them again is a no-op).
+_DROPPED_NOTES = {
+    "torchao": _DropMessage("Failed to load "),
+    "torch.utils._pytree": _DropMessage("is an Enum subclass and is now natively supported"),
+}
+
+
 def quiet_optional_kernel_notes() -> None:
-    """Keep bitsandbytes' import-time note about an optional hub kernel off the terminal.
+    """Keep bitsandbytes' and torchao's import-time notes about optional kernels off the terminal.
 
     transformers' TrainingArguments imports peft, and peft imports bitsandbytes whenever it is installed, so
     every command imports it; on CPUs with AVX512-BF16 it then logs "Failed to load CPU gemm_4bit_forward from
     kernels-community" (a faster 4-bit CPU inference kernel that is not installed). It is not an error and
     concerns only quantized models, so it goes below the warning level.
+    transformers' quantizers likewise import torchao (tunelab[qat]) whenever it is installed: on a CPU build of
+    torch it logs "Failed to load .../torchao/_C_*.so" for each of its CUDA kernel libraries, and torch warns
+    about a deprecated call inside torchao ("... is an Enum subclass and is now natively supported ..."). Only
+    those two messages are dropped; torchao's other warnings still show.
     """
     import logging  # noqa: PLC0415
 
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    for name, note in _DROPPED_NOTES.items():
+        logging.getLogger(name).addFilter(note)
 
 
 # Where the config file goes in each command that takes one, and the options the command itself declares.

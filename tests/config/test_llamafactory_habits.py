@@ -104,6 +104,10 @@ def test_llamafactory_options_say_what_to_do_instead_of_a_distant_guess(tmp_path
     )
     for key in ("image_max_pixels", "vllm_maxlen", "galore_rank", "export_quantization_bit"):  # families by prefix
         assert "LlamaFactory option: " in error_of(tmp_path, base, [f"{key}=1"])
+    assert error_of(tmp_path, base, ["export_quantization_bit=4"]).endswith(
+        "tunelab export quantizes with torchao, without calibration data: use export_quantization: int8-int4, "
+        "int4-weight or int8-weight (docs/quantization.md)"
+    )
     assert error_of(tmp_path, base, ["gradient_accumulation=4"]) == (
         "unknown key 'gradient_accumulation' on the command line; did you mean 'gradient_accumulation_steps'?"
     )

@@ -225,6 +225,22 @@ class FinetuningArguments:
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95)
+    # Quantization-aware training (model/qat.py, docs/quantization.md).
+    qat: str | None = _help(
+        "Quantization-aware training with torchao (stages pt / sft): the linear layers train through the rounding "
+        "of a quantization scheme, so the model keeps its accuracy once exported with export_quantization. "
+        "int8-int4 (int8 dynamic activations + int4 weights per group), int4-weight or int8-weight (weights per "
+        "group). The saved weights stay full precision. pip install 'tunelab[qat]'.",
+        default=None,
+    )
+    qat_group_size: int | None = _help(
+        "qat / export_quantization: input columns that share one weight scale; must divide every linear layer's "
+        "input width. Default 32; tunelab export: the group size the model trained with.",
+        default=None,
+    )
+    qat_start_step: int = _help(
+        "qat: optimizer steps trained in full precision before fake quantisation switches on.", default=0
+    )
 
 
 @dataclass
@@ -342,6 +358,11 @@ class ExportArguments:
         "tunelab export: largest safetensors shard, in GB (e.g. 2) or as a size string (e.g. 500MB); bigger "
         "models are split and indexed by model.safetensors.index.json.",
         default=5,
+    )
+    export_quantization: str | None = _help(
+        "tunelab export: quantize the exported model with torchao using a qat scheme (int8-int4, int4-weight, "
+        "int8-weight), with or without QAT before it; the folder loads with plain transformers + torchao.",
+        default=None,
     )
 
 

@@ -142,18 +142,20 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     YAML) the model and adapter (the engine checks the template it serves with, which may be the adapter's)."""
     without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval, _check_output_dir)
     skipped = {
-        "data": (_check_output_dir,),
+        "data": (_check_output_dir, _check_qat_layers),
         "estimate": (_check_output_dir,),
-        "eval": (_check_output_dir,),
+        "eval": (_check_output_dir, _check_qat_layers),  # may evaluate the quantized export of a qat run
         "export": (_check_template, *without_data, *LOOP_CHECKS),
-        "serve": (_check_template, *without_data, _check_preference, _check_rl, *LOOP_CHECKS),
+        "serve": (_check_template, *without_data, _check_preference, _check_rl, *LOOP_CHECKS, _check_qat_layers),
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)  # imports the user's code: only for the run that uses it
     for check in (
         _check_finetuning,
         _check_quantization,
+        _check_qat,
         _check_model_folder,
+        _check_qat_layers,
         _check_template,
         _check_data,
         _check_stage_data,
@@ -264,6 +266,70 @@ def _check_quantization(config: RunConfig) -> None:
         raise ConfigError(
             f"quantization_bit: {bits} needs finetuning_type: lora (QLoRA), got '{config.finetuning.finetuning_type}'"
         )
+
+
+def _check_qat(config: RunConfig) -> None:
+    """qat (training) and export_quantization (export) name a torchao scheme (model/qat.py)."""
+    from tunelab.model import qat  # noqa: PLC0415
+
+    ft, scheme, export_scheme = config.finetuning, config.finetuning.qat, config.export.export_quantization
+    if not scheme:
+        if ft.qat_start_step:
+            raise ConfigError("qat_start_step only applies with qat: set qat (e.g. qat: int8-int4) or remove it")
+        if ft.qat_group_size is not None and not export_scheme:
+            raise ConfigError("qat_group_size only applies with qat or export_quantization: remove it")
+    for key, name in (("qat", scheme), ("export_quantization", export_scheme)):
+        if name:
+            qat.check_scheme(key, name)
+            qat.require_torchao(key)
+    if export_scheme and not (Path(config.model.model_name_or_path) / "config.json").is_file() and (
+        Path(config.model.model_name_or_path) / "adapter_config.json"
+    ).is_file():
+        raise ConfigError(
+            f"export_quantization: model_name_or_path {config.model.model_name_or_path} is a LoRA adapter without its "
+            "base; set model_name_or_path to the base model and adapter_name_or_path to the adapter (they are merged, "
+            "then quantized)"
+        )
+    if not scheme:
+        return
+    if config.model.quantization_bit is not None:
+        raise ConfigError(
+            f"qat and quantization_bit ({config.model.quantization_bit}-bit QLoRA) cannot train together: QAT "
+            "fake-quantizes full-precision weights; remove quantization_bit (qat with finetuning_type: lora trains "
+            "LoRA on a fake-quantized base)"
+        )
+    if config.finetuning.stage not in ("pt", "sft"):
+        raise ConfigError(f"qat applies to stages pt and sft (got stage: {config.finetuning.stage}): remove qat")
+    if ft.qat_start_step < 0:
+        raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
+    if ft.qat_group_size is None:
+        ft.qat_group_size = qat.DEFAULT_GROUP_SIZE  # the resolved config records the group size trained with
+
+
+def _check_qat_layers(config: RunConfig) -> None:
+    """The group size fits every quantized layer (read from config.json); no QAT on already-quantized weights."""
+    from tunelab.model import qat  # noqa: PLC0415
+
+    ft, export_scheme, model = config.finetuning, config.export.export_quantization, config.model
+    if qat.is_torchao_quantized(model.model_name_or_path):  # (tunelab eval / chat / api load it: not checked there)
+        raise ConfigError(
+            f"model_name_or_path: {model.model_name_or_path} holds torchao-quantized weights (a quantized export) "
+            "that cannot train or export again; use the full-precision model it was exported from"
+        )
+    if not (ft.qat or export_scheme):
+        return
+    if export_scheme:
+        from tunelab.model.export import is_sequence_classification  # noqa: PLC0415
+
+        if is_sequence_classification(model):
+            raise ConfigError(
+                "export_quantization: reward models (sequence classification) export in full precision; remove it"
+            )
+    if export_scheme and ft.qat_group_size is None:
+        trained, trained_group = qat.trained_scheme(model.adapter_name_or_path or model.model_name_or_path)
+        ft.qat_group_size = trained_group if trained and trained_group else qat.DEFAULT_GROUP_SIZE
+    widths = qat.layer_widths(model.model_name_or_path, model.trust_remote_code)
+    qat.check_group_size("qat_group_size", ft.qat_group_size, widths)
 
 
 def _check_model_folder(config: RunConfig) -> None:

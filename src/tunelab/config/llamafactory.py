@@ -161,8 +161,8 @@ LLAMAFACTORY_PREFIXES: dict[str, str] = {
     "kt_": _KTRANSFORMERS,
     "use_kt": _KTRANSFORMERS,
     "profiler_": _NO_PROFILER,
-    "export_quantization_": "tunelab export does not quantize: export the merged model, then quantize it with the "
-    "tool that serves it",
+    "export_quantization_": "tunelab export quantizes with torchao, without calibration data: use "
+    "export_quantization: int8-int4, int4-weight or int8-weight (docs/quantization.md)",
     "image_": _TEXT_ONLY,
     "video_": _TEXT_ONLY,
     "audio_": _TEXT_ONLY,

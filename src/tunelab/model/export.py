@@ -11,14 +11,19 @@ in float32 so rounding happens once, when casting to export_dtype. A reward mode
 task_type SEQ_CLS, or a base whose architecture is *ForSequenceClassification) is loaded and saved as
 AutoModelForSequenceClassification, so its `score` head (saved by PEFT as a module to save) is kept.
 
-It does not quantize (export a merged model, then quantize it with the tool that serves it), and does
-not merge into a 4-bit base (the config check refuses quantization_bit).
+export_quantization (int8-int4, int4-weight, int8-weight; model/qat.py) quantizes the merged model with
+torchao through transformers' TorchAoConfig: the merged weights go to a scratch folder inside export_dir,
+transformers reloads them quantizing each linear layer but the output head, and saves the torchao tensors with
+the quantization_config in config.json, so plain `from_pretrained` (with torchao installed) loads the quantized
+model. The same scheme applies whether or not the model trained with `qat` (post-training quantization). It does
+not merge into a 4-bit bitsandbytes base (the config check refuses quantization_bit).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +33,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.errors import ConfigError, ModelError
-from tunelab.model import hub
+from tunelab.model import hub, qat
 from tunelab.model.adapters import first_line, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -110,7 +115,12 @@ def export_model(config: RunConfig) -> Path:
 
     model = merged_model(config, tokenizer.pad_token_id).to(dtype)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
+    scheme = config.export.export_quantization
+    _warn_scheme_mismatch(config)
+    if scheme:
+        model = save_quantized(model, scheme, config.finetuning.qat_group_size, dtype, out, max_shard_size)
+    else:
+        model.save_pretrained(out, max_shard_size=max_shard_size)
     if template is not None:
         tokenizer.chat_template = template.jinja
     if model.can_generate():
@@ -124,5 +134,38 @@ def export_model(config: RunConfig) -> Path:
         if generation_config.pad_token_id is None:
             generation_config.pad_token_id = tokenizer.pad_token_id
         generation_config.save_pretrained(out)
-    logger.info("exported %s (%s) to %s", type(model).__name__, str(dtype).removeprefix("torch."), out)
+    quantized = f", linear layers {scheme} in groups of {config.finetuning.qat_group_size}" if scheme else ""
+    logger.info("exported %s (%s%s) to %s", type(model).__name__, str(dtype).removeprefix("torch."), quantized, out)
     return out
+
+
+def save_quantized(
+    model: torch.nn.Module, scheme: str, group_size: int, dtype: torch.dtype, out: Path, max_shard_size: int
+) -> torch.nn.Module:
+    """Save `model` quantized with `scheme` into `out`; returns the quantized model.
+
+    transformers quantizes with torchao while loading (and only a model it loaded that way saves torchao tensors),
+    so the full-precision model goes through a scratch folder inside `out`, removed afterwards.
+    """
+    quantization_config = qat.torchao_config(scheme, group_size, model)
+    with tempfile.TemporaryDirectory(prefix=".merged-", dir=out) as scratch:
+        model.save_pretrained(scratch)
+        quantized = AutoModelForCausalLM.from_pretrained(scratch, dtype=dtype, quantization_config=quantization_config)
+        quantized.save_pretrained(out, max_shard_size=max_shard_size)
+    return quantized.eval()
+
+
+def _warn_scheme_mismatch(config: RunConfig) -> None:
+    """A model trained with qat exported without its scheme (or with another one) is allowed, but said."""
+    from tunelab.infer.predict import trained_folder  # noqa: PLC0415
+
+    trained, trained_group = qat.trained_scheme(trained_folder(config.model))
+    scheme, group = config.export.export_quantization, config.finetuning.qat_group_size
+    if not trained:
+        return
+    if not scheme:
+        logger.warning("the model trained with qat: %s; this export stays full precision: add "
+                       "export_quantization=%s to quantize it as it trained", trained, trained)
+    elif (scheme, group) != (trained, trained_group):
+        logger.warning("export_quantization: %s in groups of %s differs from what the model trained with (qat: %s, "
+                       "qat_group_size: %s)", scheme, group, trained, trained_group)

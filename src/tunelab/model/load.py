@@ -1,9 +1,9 @@
 """Loading a local model folder: the tokenizer, the causal LM (dtype, attention, quantization) and the parameter count.
 
-The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's; a Hub id is
-already a folder of the Hugging Face cache when it gets here (hub.py, at config time), whose weights are fetched
-just before they load. Every loading failure becomes a one-line ModelError naming model_name_or_path (or
-adapter_name_or_path).
+The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's, QAT's (the
+fake-quantized layers, before adapters) qat.py's; a Hub id is already a folder of the Hugging Face cache when it
+gets here (hub.py, at config time), whose weights are fetched just before they load. Every loading failure
+becomes a one-line ModelError naming model_name_or_path (or adapter_name_or_path).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ModelError
-from tunelab.model import hub, quantization
+from tunelab.model import hub, qat, quantization
 from tunelab.model.adapters import first_line, load_adapter, setup_finetuning
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,9 @@ def load_model(
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
     quantization.keep_4bit_trainable_on_cpu(model)
+    if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
+        group_size = finetuning_args.qat_group_size or qat.DEFAULT_GROUP_SIZE
+        qat.prepare_qat(model, finetuning_args.qat, group_size, enabled=finetuning_args.qat_start_step == 0)
     model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
     if snapshot is not None:
         for peft_config in (getattr(model, "peft_config", None) or {}).values():

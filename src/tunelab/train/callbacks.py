@@ -24,6 +24,7 @@ from typing import Any
 import transformers
 
 from tunelab.errors import ConfigError
+from tunelab.model.qat import qat_callbacks
 from tunelab.train.memory import memory_metrics
 from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
 
@@ -211,10 +212,12 @@ class EvalMetricsCallback(transformers.TrainerCallback):
 
 
 def run_callbacks(config, *extra: transformers.TrainerCallback) -> list[transformers.TrainerCallback]:
-    """The callbacks a stage hands to the Trainer: the jsonl log, `extra` (the stage's own), EarlyStopping
-    when configured, then the user's `callbacks` in their order."""
+    """The callbacks a stage hands to the Trainer: the jsonl log, QAT's start switch (qat_start_step), `extra`
+    (the stage's own), EarlyStopping when configured, then the user's `callbacks` in their order."""
     args = config.training
-    callbacks: list[transformers.TrainerCallback] = [JsonlLogCallback(args.output_dir), *extra]
+    callbacks: list[transformers.TrainerCallback] = [
+        JsonlLogCallback(args.output_dir), *qat_callbacks(config.finetuning), *extra,
+    ]
     if args.early_stopping_patience is not None:
         callbacks.append(EarlyStopping(args.early_stopping_patience, args.early_stopping_threshold))
     return callbacks + build_user_callbacks(config)

@@ -1,0 +1,225 @@
+"""Quantization-aware training (QAT) and quantized export, built on torchao.
+
+One scheme name stands for one torchao post-training quantization (PTQ) config, used twice:
+
+    training (qat: <scheme>)          every quantized layer becomes torchao's FakeQuantizedLinear: the forward
+                                      rounds its weights (and, for int8-int4, its input activations) to the
+                                      scheme's grid and back, the backward passes gradients straight through,
+                                      the weights themselves stay in full precision and are saved as usual
+    export (export_quantization: ...)  transformers' TorchAoConfig with the same PTQ config quantizes the merged
+                                      full-precision weights; the folder loads with plain from_pretrained
+
+    scheme       torchao PTQ config                                         activations           weights
+    int8-int4    Int8DynamicActivationIntxWeightConfig(int4, PerGroup(g))  int8 per token, asym  int4 per group, sym
+    int4-weight  IntxWeightOnlyConfig(int4, PerGroup(g))                   full precision        int4 per group, sym
+    int8-weight  IntxWeightOnlyConfig(int8, PerGroup(g))                   full precision        int8 per group, sym
+
+Prepare and convert cover the same layers: every nn.Linear but the output head (its weight is usually the tied
+input embedding, which stays in full precision too); `quantized_layers` decides, and export passes the rest to
+TorchAoConfig as modules_to_not_convert. The three configs store weights as torchao's IntxUnpackedToInt8Tensor
+(one int8 per value, int4 values included, plus one scale per group): it runs on CPU and is what torchao's
+safetensors support round-trips in transformers 5. With LoRA the fake quantizers sit in the base layers, under
+the adapters (as torchtune's QAT + LoRA does): the base path sees quantized inputs and weights, the low-rank
+path full-precision ones.
+
+This module does not own bitsandbytes (quantization.py) nor the export folder (export.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from tunelab.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Scheme name -> what it does (help text, docs/quantization.md).
+SCHEMES = {
+    "int8-int4": "int8 dynamic per-token activations + int4 weights per group",
+    "int4-weight": "int4 weights per group, full-precision activations",
+    "int8-weight": "int8 weights per group, full-precision activations",
+}
+DEFAULT_GROUP_SIZE = 32
+# Names peers use for the same schemes (torchtune / torchao / LlamaFactory), for the did-you-mean.
+PEER_NAMES = {
+    "8da4w": "int8-int4", "int8_dynamic_activation_int4_weight": "int8-int4", "int8da_int4w": "int8-int4",
+    "4w": "int4-weight", "int4_weight_only": "int4-weight", "int4": "int4-weight",
+    "int8_weight_only": "int8-weight", "int8": "int8-weight",
+}
+
+
+def check_scheme(key: str, name: str) -> None:
+    """ConfigError naming `key` when `name` is not a scheme, with the closest one."""
+    if name in SCHEMES:
+        return
+    close = PEER_NAMES.get(name.lower()) or next(iter(difflib.get_close_matches(name, SCHEMES, n=1)), None)
+    hint = f"did you mean '{close}'? " if close else ""
+    raise ConfigError(f"{key}: '{name}' is not a quantization scheme; {hint}schemes: {', '.join(SCHEMES)}")
+
+
+def require_torchao(key: str) -> None:
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"{key} needs torchao: pip install 'tunelab[qat]'")
+
+
+def ptq_config(scheme: str, group_size: int):
+    """The torchao PTQ config (an AOBaseConfig) of `scheme`; QAT derives its fake quantizers from it."""
+    from torchao.quantization import (  # noqa: PLC0415  (optional dependency)
+        Int8DynamicActivationIntxWeightConfig,
+        IntxWeightOnlyConfig,
+        PerGroup,
+    )
+
+    if scheme == "int8-int4":
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
+    if scheme in ("int4-weight", "int8-weight"):
+        dtype = torch.int4 if scheme == "int4-weight" else torch.int8
+        return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(group_size))
+    check_scheme("qat", scheme)
+    raise AssertionError(scheme)
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The layers a scheme quantizes, by name: every nn.Linear but the output head."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {
+        name: module for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head
+    }
+
+
+def kept_layers(model: nn.Module) -> list[str]:
+    """Names of the nn.Linear layers left in full precision (TorchAoConfig's modules_to_not_convert)."""
+    quantized = quantized_layers(model)
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name not in quantized]
+
+
+def check_group_size(key: str, group_size: int, widths: dict[str, int]) -> None:
+    """Every quantized layer's input width (name -> in_features) splits into whole groups of `group_size`."""
+    if group_size < 1:
+        raise ConfigError(f"{key}: the group size must be at least 1, got {group_size}")
+    for name, width in widths.items():
+        if width % group_size:
+            divisors = [d for d in (16, 32, 64, 128, 256) if all(w % d == 0 for w in widths.values())]
+            fix = f"; use one that divides every layer's input width: {', '.join(map(str, divisors))}" if divisors else ""
+            raise ConfigError(
+                f"{key}: {group_size} does not divide the input width {width} of layer {name}{fix}"
+            )
+
+
+def layer_widths(model_folder: str, trust_remote_code: bool = False) -> dict[str, int]:
+    """name -> in_features of the quantized layers of the model in `model_folder`, read from config.json alone
+    (the model is built on the meta device: no weights are read or allocated)."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return {name: layer.in_features for name, layer in quantized_layers(model).items()}
+
+
+def prepare_qat(model: nn.Module, scheme: str, group_size: int, enabled: bool = True) -> int:
+    """Swap every quantized layer for torchao's FakeQuantizedLinear (same weight Parameter, same state_dict
+    keys); returns how many. `enabled`: fake quantisation on from the first forward (see QATStartCallback)."""
+    from torchao.quantization import quantize_  # noqa: PLC0415
+    from torchao.quantization.qat import QATConfig  # noqa: PLC0415
+
+    layers = quantized_layers(model)
+    check_group_size("qat_group_size", group_size, {name: layer.in_features for name, layer in layers.items()})
+    chosen = {id(layer) for layer in layers.values()}
+    # Each new FakeQuantizedLinear initialises a weight of its own (then replaced by the layer's): keep the random
+    # state as it was, so LoRA starts from the same weights as without qat (the model is still on the CPU here).
+    with torch.random.fork_rng(devices=[]):
+        quantize_(model, QATConfig(ptq_config(scheme, group_size), step="prepare"),
+                  filter_fn=lambda module, _name: id(module) in chosen)
+    set_fake_quant(model, enabled)
+    logger.info("qat: %s (%s), group size %d, on %d linear layers%s", scheme, SCHEMES[scheme], group_size,
+                len(layers), "" if enabled else " (switched on later)")
+    return len(layers)
+
+
+def fake_quantized_layers(model: nn.Module) -> list[nn.Module]:
+    from torchao.quantization.qat import FakeQuantizedLinear  # noqa: PLC0415
+
+    return [module for module in model.modules() if isinstance(module, FakeQuantizedLinear)]
+
+
+def set_fake_quant(model: nn.Module, enabled: bool) -> None:
+    """Switch the fake quantizers of every FakeQuantizedLinear on or off (off: a plain full-precision linear)."""
+    from torchao.quantization.qat.linear import enable_linear_fake_quant  # noqa: PLC0415
+
+    for module in fake_quantized_layers(model):
+        enable_linear_fake_quant(module, enabled)
+
+
+class QATStartCallback(TrainerCallback):
+    """qat_start_step: the first `start_step` optimizer steps train in full precision, then fake quantisation
+    switches on for good. Decided from the step count alone, so a resumed run switches exactly where the
+    uninterrupted one did."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.on: bool | None = None
+
+    def _sync(self, state, model) -> None:
+        on = state.global_step >= self.start_step
+        if on != self.on and model is not None:
+            set_fake_quant(model, on)
+            if on:
+                logger.info("qat: fake quantisation on from step %d", state.global_step + 1)
+            self.on = on
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.max_steps and self.start_step >= state.max_steps:
+            logger.warning("qat_start_step: %d is not before the run's last step (%d): fake quantisation never "
+                           "switches on; lower qat_start_step", self.start_step, state.max_steps)
+        self._sync(state, model)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._sync(state, model)
+
+
+def qat_callbacks(finetuning_args) -> list[TrainerCallback]:
+    """The callbacks a training stage adds for `qat` (none without qat_start_step)."""
+    if finetuning_args.qat and finetuning_args.qat_start_step > 0:
+        return [QATStartCallback(finetuning_args.qat_start_step)]
+    return []
+
+
+def torchao_config(scheme: str, group_size: int, model: nn.Module):
+    """transformers' TorchAoConfig quantizing exactly `quantized_layers(model)` with the scheme's PTQ config."""
+    from transformers import TorchAoConfig  # noqa: PLC0415
+
+    return TorchAoConfig(ptq_config(scheme, group_size), modules_to_not_convert=kept_layers(model))
+
+
+def trained_scheme(folder: str | Path | None) -> tuple[str | None, int | None]:
+    """(qat, qat_group_size) a tunelab run recorded in folder/tunelab_config.yaml, (None, None) otherwise."""
+    import yaml  # noqa: PLC0415
+
+    record = Path(folder) / "tunelab_config.yaml" if folder else None
+    if record is None or not record.is_file():
+        return None, None
+    try:
+        options = yaml.safe_load(record.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None, None
+    return options.get("qat"), options.get("qat_group_size")
+
+
+def is_torchao_quantized(model_folder: str | Path) -> bool:
+    """True when model_folder's config.json holds a torchao quantization_config (a quantized export)."""
+    import json  # noqa: PLC0415
+
+    try:
+        config = json.loads((Path(model_folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "torchao"
