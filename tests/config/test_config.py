@@ -6,22 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
+from tests.config.configs import error_of, write
 from tunelab.config.loader import load_config, parse_overrides, resolved_dict
 from tunelab.errors import ConfigError
-
-
-def write(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def error_of(tmp_path: Path, data: dict, overrides=None) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, data), overrides)
-    return str(info.value)
 
 
 def test_yaml_and_overrides_are_typed(tmp_path, base):

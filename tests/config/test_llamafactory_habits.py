@@ -8,25 +8,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import pytest
-import yaml
-
+from tests.config.configs import error_of, write
 from tunelab.config.loader import load_config
-from tunelab.errors import ConfigError
 
 DS_Z2 = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z2_config.json"
-
-
-def write(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def error_of(tmp_path: Path, data: dict, overrides=None) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, data), overrides)
-    return str(info.value)
 
 
 def warnings_of(caplog, tmp_path: Path, data: dict, overrides=None) -> list[str]:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.config.configs import error_of, write
 from tunelab.config.checks import eval_metric_names
 from tunelab.config.loader import load_config
-from tunelab.errors import ConfigError
 
 CALLBACKS = """\
 import transformers
@@ -25,18 +25,6 @@ class NotACallback:
 recorder = Recorder("x")
 """
 EVALUATING = {"eval_dataset": ["demo_reverse_test"], "eval_strategy": "steps", "eval_steps": 5}
-
-
-def write(tmp_path: Path, data: dict) -> Path:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def error_of(tmp_path: Path, data: dict, overrides=None) -> str:
-    with pytest.raises(ConfigError) as info:
-        load_config(write(tmp_path, data), overrides)
-    return str(info.value)
 
 
 @pytest.fixture
