@@ -6,8 +6,9 @@ grad norm, tokens per second (all and supervised) since the previous line, elaps
 and the process's memory (train/memory.py). Only the main process writes. A resumed run keeps the lines
 up to its checkpoint's step and goes on from there, so the file reads as one run.
 
-The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, EarlyStopping when
-`early_stopping_patience` is set, then the user's `callbacks` in their order. User callbacks are imported
+The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, QAT's start switch
+(`qat_start_step`, model/qat.py), the stage's own, EarlyStopping when `early_stopping_patience` is set, then the
+user's `callbacks` in their order. User callbacks are imported
 by the opt-in rule of tunelab/user_code.py: nothing runs unless the config names it.
 """
 
