@@ -459,7 +459,8 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
 # ---- the table ---------------------------------------------------------------------------------------------
 
 
-def _size(n: int) -> str:
+def format_size(n: int) -> str:
+    """Bytes in the largest binary unit they reach (the estimate's figures, out-of-memory messages)."""
     for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -493,11 +494,11 @@ def format_estimate(result: Estimate) -> str:
         lines = ["predicted peak memory (CPU: the whole process's resident memory):"]
         rows.insert(0, baseline)
     width = max(len(name) for name, _, _ in rows) + 2
-    lines += [f"  {name:<{width}}{_size(value):>12}  {detail}".rstrip() for name, value, detail in rows]
-    lines.append(f"  {'total':<{width}}{_size(result.predicted_peak):>12}  "
+    lines += [f"  {name:<{width}}{format_size(value):>12}  {detail}".rstrip() for name, value, detail in rows]
+    lines.append(f"  {'total':<{width}}{format_size(result.predicted_peak):>12}  "
                  + ("peak of the device's tensors" if result.on_gpu else "peak RSS of the run"))
     if result.on_gpu:
-        lines.append(f"host process: {_size(result.process_baseline)} resident before the model (libraries + tokenized data)")
+        lines.append(f"host process: {format_size(result.process_baseline)} resident before the model (libraries + tokenized data)")
     lines.append(f"row lengths: {result.lengths.source}")
     not_counted = "not counted: " + (NOT_COUNTED_GPU if result.on_gpu else NOT_COUNTED_CPU)
     lines += textwrap.wrap(not_counted, width=110, subsequent_indent="  ")
@@ -509,8 +510,8 @@ def format_estimate(result: Estimate) -> str:
         lines.append(f"measured (probe, {steps} after a warm-up on {probe.batches}): "
                      f"{probe.seconds_per_step:.3f} s per optimizer step (median; fastest {probe.fastest_step:.3f})")
         if probe.reserved is None:
-            lines.append(f"  peak RSS of this process: {_size(probe.peak)} measured vs {_size(result.predicted_peak)} predicted")
+            lines.append(f"  peak RSS of this process: {format_size(probe.peak)} measured vs {format_size(result.predicted_peak)} predicted")
         else:
-            lines.append(f"  peak on the device: {_size(probe.peak)} allocated, {_size(probe.reserved)} reserved, "
-                         f"vs {_size(result.predicted_peak)} predicted")
+            lines.append(f"  peak on the device: {format_size(probe.peak)} allocated, {format_size(probe.reserved)} reserved, "
+                         f"vs {format_size(result.predicted_peak)} predicted")
     return "\n".join(lines)

@@ -27,18 +27,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def _asked(error: str) -> str:
     """What the failed allocation asked for, from the allocator's message ("" when it does not say)."""
-    from tunelab.train.estimate import _size  # noqa: PLC0415
+    from tunelab.train.estimate import format_size  # noqa: PLC0415
 
     match = re.search(r"allocate (\d+) bytes", error)  # CPU: "you tried to allocate 100663296 bytes"
     if match:
-        return f" (an allocation of {_size(int(match.group(1)))} failed)"
+        return f" (an allocation of {format_size(int(match.group(1)))} failed)"
     match = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", error)  # CUDA
     return f" (an allocation of {match.group(1)} failed)" if match else ""
 
 
 def out_of_memory_message(config: RunConfig, error: str) -> str:
     """One line: where it ran out, the estimate for this config, and what to lower."""
-    from tunelab.train.estimate import _size, estimate  # noqa: PLC0415
+    from tunelab.train.estimate import estimate, format_size  # noqa: PLC0415
 
     args, data = config.training, config.data
     device = "GPU" if args.device.type == "cuda" else "CPU"
@@ -50,9 +50,9 @@ def out_of_memory_message(config: RunConfig, error: str) -> str:
         memory = figures.memory
         figure = (
             f"`tunelab estimate` puts a step of {args.per_device_train_batch_size} x {data.cutoff_len} tokens at "
-            f"{_size(memory.total)} of tensors (activations {_size(memory.activations)}, loss workspace "
-            f"{_size(memory.loss_workspace)}, weights + gradients + optimizer "
-            f"{_size(memory.weights + memory.gradients + memory.optimizer_states)}); "
+            f"{format_size(memory.total)} of tensors (activations {format_size(memory.activations)}, loss workspace "
+            f"{format_size(memory.loss_workspace)}, weights + gradients + optimizer "
+            f"{format_size(memory.weights + memory.gradients + memory.optimizer_states)}); "
         )
     else:
         figure = ""
