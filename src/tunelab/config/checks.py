@@ -732,6 +732,7 @@ def _check_resume(config: RunConfig) -> None:
     """resume_from_checkpoint names a checkpoint that verifies (true: the newest of output_dir that does), holds
     optimizer state (or resume_weights_only), and was written by a run with the same trajectory options
     (or resume_config_mismatch: allow) — before any model loads. The resolved folder replaces true."""
+    from tunelab.config.loader import RUN_RECORD, read_run_record  # noqa: PLC0415 - loader imports checks
     from tunelab.train import checkpoints  # noqa: PLC0415
     from tunelab.train.outputs import run_options  # noqa: PLC0415
 
@@ -740,11 +741,11 @@ def _check_resume(config: RunConfig) -> None:
     if found is None:
         return
     args.resume_from_checkpoint = found
-    recorded = checkpoints.recorded_config(found)
+    recorded = read_run_record(found)
     if recorded is None:
         logger.warning(
             "resume_from_checkpoint: %s has no %s, so it cannot be checked to come from a run with the same "
-            "options", found, checkpoints.RUN_CONFIG,
+            "options", found, RUN_RECORD,
         )
         return
     differences = checkpoints.config_differences(recorded, run_options(config))

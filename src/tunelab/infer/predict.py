@@ -24,9 +24,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.config.loader import RUN_RECORD, read_run_record
 from tunelab.data.templates import TEMPLATE_NAMES, Template, check_template_kwargs, get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
@@ -37,7 +36,6 @@ logger = logging.getLogger(__name__)
 
 PREDICTIONS_FILE = "predictions.jsonl"
 RESULTS_FILE = "predict_results.json"
-RUN_MARKER = "tunelab_config.yaml"  # every tunelab training run writes it into its output folder
 
 
 def trained_folder(model_args: ModelArguments) -> Path:
@@ -58,7 +56,7 @@ def load_inference_tokenizer(model_args: ModelArguments):
 def inference_template(template_name: str | None, tokenizer, folder: Path) -> Template:
     """The chat template a trained folder saved (a tunelab run), else the configured one (see module doc)."""
     saved = tokenizer_source(tokenizer)
-    if saved is None or not (folder / RUN_MARKER).is_file():
+    if saved is None or not (folder / RUN_RECORD).is_file():
         return get_template(template_name, tokenizer)
     builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == saved), None)
     template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
@@ -72,14 +70,8 @@ def inference_template(template_name: str | None, tokenizer, folder: Path) -> Te
 
 def recorded_template_kwargs(folder: Path) -> dict[str, Any] | None:
     """The template_kwargs a tunelab run recorded in folder/tunelab_config.yaml; None without such a record."""
-    path = folder / RUN_MARKER
-    if not path.is_file():
-        return None
-    try:
-        recorded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None  # the chat template saved beside it still applies; its variables are then unknown
-    value = recorded.get("template_kwargs") if isinstance(recorded, dict) else None
+    recorded = read_run_record(folder)  # None: the chat template saved beside it still applies, its variables unknown
+    value = recorded.get("template_kwargs") if recorded is not None else None
     return value if isinstance(value, dict) else None
 
 

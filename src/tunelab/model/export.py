@@ -99,9 +99,9 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
 def export_model(config: RunConfig) -> Path:
     """Write the merged model, tokenizer, chat template and generation config to export_dir."""
     from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
-    from tunelab.config.loader import resolved_dict  # noqa: PLC0415
+    from tunelab.config.loader import RUN_RECORD, resolved_dict  # noqa: PLC0415
     from tunelab.infer.predict import (  # noqa: PLC0415
-        RUN_MARKER, inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder,
+        inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder,
     )
 
     out = Path(config.export.export_dir)
@@ -127,7 +127,7 @@ def export_model(config: RunConfig) -> Path:
         tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
     tokenizer.save_pretrained(out)
     record = {**resolved_dict(config), "template_kwargs": template_vars or None}
-    (out / RUN_MARKER).write_text(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), encoding="utf-8")
+    (out / RUN_RECORD).write_text(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), encoding="utf-8")
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         generation_config.eos_token_id = stop_token_ids(tokenizer, template) if template else tokenizer.eos_token_id

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from tunelab.config.loader import read_run_record
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -201,14 +202,8 @@ def torchao_config(scheme: str, group_size: int, model: nn.Module):
 
 def trained_scheme(folder: str | Path | None) -> tuple[str | None, int | None]:
     """(qat, qat_group_size) a tunelab run recorded in folder/tunelab_config.yaml, (None, None) otherwise."""
-    import yaml  # noqa: PLC0415
-
-    record = Path(folder) / "tunelab_config.yaml" if folder else None
-    if record is None or not record.is_file():
-        return None, None
-    try:
-        options = yaml.safe_load(record.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError):
+    options = read_run_record(folder) if folder else None
+    if options is None:
         return None, None
     return options.get("qat"), options.get("qat_group_size")
 

@@ -46,6 +46,7 @@ from typing import Any
 
 import transformers
 
+from tunelab.config.loader import RUN_RECORD
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 STAGING_PREFIX = "tmp-checkpoint"
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 RUN_STATE = "tunelab_state.json"
-RUN_CONFIG = "tunelab_config.yaml"  # the run's resolved options (train/outputs.py), copied into each checkpoint
 MANIFEST = "tunelab_manifest.json"
 MANIFEST_FORMAT = 1
 # Files a weights-only resume may lack (the Trainer then starts them fresh): optimizer, LR scheduler,
@@ -257,18 +257,6 @@ def _check_optimizer_state(folder: Path, weights_only: bool) -> None:
     )
 
 
-def recorded_config(checkpoint: str | Path) -> dict[str, Any] | None:
-    """The options of the run that wrote a checkpoint (its copy of tunelab_config.yaml), or None."""
-    import yaml  # noqa: PLC0415
-
-    path = Path(checkpoint) / RUN_CONFIG
-    try:
-        options = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return None
-    return options if isinstance(options, dict) else None
-
-
 # Options that change the training trajectory: resuming a checkpoint written with other values would
 # continue another run. Left out on purpose: max_steps / num_train_epochs (raised to continue a finished run),
 # where and how often to log, save and evaluate, and what changes speed or memory but not the numbers
@@ -462,8 +450,8 @@ def _save_checkpoint(trainer, trial, run_dir: Path, staging: Path) -> Path:
             else:
                 state.stateful_callbacks[name] = callback.state()
         (staging / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n", encoding="utf-8")
-        if (run_dir / RUN_CONFIG).is_file():  # what config/checks.py compares a resume against
-            shutil.copyfile(run_dir / RUN_CONFIG, staging / RUN_CONFIG)
+        if (run_dir / RUN_RECORD).is_file():  # what config/checks.py compares a resume against
+            shutil.copyfile(run_dir / RUN_RECORD, staging / RUN_RECORD)
         state.save_to_json(str(staging / TRAINER_STATE))
     trainer.accelerator.wait_for_everyone()
 

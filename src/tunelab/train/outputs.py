@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from tunelab.config.args import RunConfig
-from tunelab.config.loader import resolved_dict
+from tunelab.config.loader import RUN_RECORD, resolved_dict
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 
@@ -53,14 +53,14 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 def write_run_start(config: RunConfig) -> None:
     """The run's options and versions. A fresh run into output_dir (overwrite_output_dir, no resume) first
     deletes the checkpoints an earlier run left there, so no later resume can continue that run."""
-    from tunelab.train.checkpoints import RUN_CONFIG, clear_previous_run  # noqa: PLC0415
+    from tunelab.train.checkpoints import clear_previous_run  # noqa: PLC0415
 
     out = Path(config.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if config.training.overwrite_output_dir and not config.training.resume_from_checkpoint:
         clear_previous_run(out)
     options = run_options(config)
-    (out / RUN_CONFIG).write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8")
+    (out / RUN_RECORD).write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8")
     sources = hub_sources(config)
     write_json(str(out), "run_info.json", versions() | ({"hub": sources} if sources else {}))
 
