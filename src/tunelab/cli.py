@@ -1,4 +1,4 @@
-"""The `tunelab` command: train | data | template | eval | export | estimate | chat | api | env.
+"""The `tunelab` command: train | data | template | eval | export | estimate | chat | api | webui | env.
 
 train, data, eval, export and estimate take a YAML file and/or key=value / --key value options (options
 alone work too, TRL-style); chat and api take a model or adapter folder, or a YAML file naming
@@ -454,6 +454,40 @@ def _add_serving_commands(sub) -> None:
     api.set_defaults(func=_cmd_api)
 
 
+def _cmd_webui(ns: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+    from tunelab.webui.security import Access, Roots, check_listen  # noqa: PLC0415
+
+    access = Access(user_password=ns.auth, token=ns.token or None)
+    check_listen(ns.host, access)  # before anything heavy is imported
+    roots = Roots.of(Path.cwd(), ns.root)
+    try:
+        from tunelab.webui.app import serve  # noqa: PLC0415
+    except ImportError as exc:
+        raise ConfigError(f"tunelab webui needs FastAPI and uvicorn ({exc}); pip install 'tunelab[webui]'") from None
+    serve(ns.host, ns.port, roots, access)
+    return 0
+
+
+def _add_webui_command(sub) -> None:
+    webui = sub.add_parser(
+        "webui", help="a web UI to configure, launch, watch and try runs (binds 127.0.0.1; see docs/webui.md)",
+        description="Serves a page on which to fill a run's config (checked as tunelab train checks it), preview "
+        "its data, start and stop `tunelab train` processes, watch their curves and chat with, evaluate or export "
+        "the result. Paths must lie in the current folder or a --root. Ctrl-C stops the UI, not the runs.",
+    )
+    webui.add_argument("--host", default="127.0.0.1", help="address to listen on; any but loopback needs --auth "
+                       "or --token")
+    webui.add_argument("--port", type=int, default=7860, help="port (0: any free port, printed at start)")
+    webui.add_argument("--root", action="append", default=[], metavar="FOLDER", help="another folder whose models, "
+                       "datasets and runs the UI may read and write (repeatable; the current folder always is one)")
+    webui.add_argument("--auth", metavar="USER:PASSWORD", help="require HTTP Basic credentials")
+    webui.add_argument("--token", help="require this token (Authorization: Bearer TOKEN, or ?token=TOKEN once)")
+    webui.set_defaults(func=_cmd_webui)
+
+
 def _cmd_env(_: argparse.Namespace) -> int:
     from tunelab.train.outputs import versions  # noqa: PLC0415
 
@@ -502,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     template.set_defaults(func=_cmd_template)
     _add_model_commands(sub)
     _add_serving_commands(sub)
+    _add_webui_command(sub)
     env = sub.add_parser("env", help="print versions of tunelab and the libraries it runs on")
     env.set_defaults(func=_cmd_env)
     return parser

@@ -1,0 +1,108 @@
+"""`tunelab webui` over real HTTP on 127.0.0.1: who may connect, which paths, a second launch, a crashed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.webui.server import QUICK_FORM, basic, call, run_cli, wait_for, webui_server
+
+pytest.importorskip("fastapi", reason="tunelab webui needs the webui extra (fastapi, uvicorn)")
+
+
+def test_non_loopback_address_needs_credentials(tmp_path):
+    result = run_cli(["webui", "--host", "0.0.0.0"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tunelab: error: --host 0.0.0.0: the web UI starts and stops training runs and reads files, so any address "
+        "other than loopback needs --auth user:password or --token TOKEN"
+    )
+
+
+def test_credentials_are_checked_on_every_request(tmp_path):
+    with webui_server(tmp_path, ["--auth", "ann:secret", "--token", "t0k"]) as url:
+        assert call(f"{url}/")[0] == 401
+        assert call(f"{url}/api/runs")[0] == 401
+        assert call(f"{url}/api/runs", headers=basic("ann:wrong"))[0] == 401
+        assert call(f"{url}/api/runs", headers={"Authorization": "Bearer nope"})[0] == 401
+        assert call(f"{url}/api/runs", headers=basic("ann:secret")) == (200, {"runs": []})
+        assert call(f"{url}/api/runs", headers={"Authorization": "Bearer t0k"}) == (200, {"runs": []})
+        assert call(f"{url}/api/runs?token=t0k") == (200, {"runs": []})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("webui-root")
+    with webui_server(root) as url:
+        yield url, root
+
+
+def test_paths_outside_the_allowed_roots_are_refused(server, tmp_path):
+    url, root = server
+    outside = tmp_path / "elsewhere"
+    status, answer = call(f"{url}/api/check", {**QUICK_FORM, "output_dir": str(outside)})
+    assert (status, answer["ok"], answer["key"]) == (200, False, "output_dir")
+    assert answer["message"] == (f"output_dir: {outside} is outside the folders this UI may use ({root}); start "
+                                 "tunelab webui with --root FOLDER to allow another")
+    # `..` and symlinks are resolved before the check
+    (root / "link").symlink_to(tmp_path)
+    status, answer = call(f"{url}/api/check", {**QUICK_FORM, "output_dir": "link/run"})
+    assert answer["message"].startswith(f"output_dir: link/run is outside the folders this UI may use")
+    status, answer = call(f"{url}/api/check", {**QUICK_FORM, "dataset_dir": "../.."})
+    assert (answer["key"], answer["message"].split(":")[0]) == ("dataset_dir", "dataset_dir")
+    status, answer = call(f"{url}/api/run?dir=/etc")
+    assert status == 400 and answer["error"].startswith("dir: /etc is outside the folders this UI may use")
+    status, answer = call(f"{url}/api/chat", {"dir": "/", "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and answer["error"].startswith("dir: / is outside the folders this UI may use")
+
+
+def test_check_reports_the_cli_message_beside_its_field(server):
+    url, _ = server
+    status, answer = call(f"{url}/api/check", {**QUICK_FORM, "output_dir": "saves/a", "cutoff_len": "-3"})
+    assert answer == {"ok": False, "message": "cutoff_len must be at least 2, got -3", "key": "cutoff_len",
+                      "yaml": answer["yaml"]}
+    status, answer = call(f"{url}/api/check", {**QUICK_FORM, "output_dir": "saves/a", "other": "max_new_tokens: 16"})
+    assert (answer["ok"], answer["message"]) == (True, "the config passes the checks of tunelab train")
+    assert answer["yaml"].splitlines()[:2] == ["stage: sft", "model_name_or_path: tiny"]  # the form's order
+    assert answer["yaml"].splitlines()[-1] == "max_new_tokens: 16"
+
+
+def test_a_second_launch_into_a_live_run_is_refused_and_stop_sends_sigterm(server):
+    url, root = server
+    form = {**QUICK_FORM, "max_steps": "1000", "output_dir": "saves/live"}
+    status, first = call(f"{url}/api/launch", form)
+    assert status == 200, first
+    try:
+        status, second = call(f"{url}/api/launch", form)
+        assert status == 409
+        assert second["key"] == "output_dir"
+        assert second["error"].startswith(f"output_dir: {root / 'saves/live'} already has a live run (pid {first['pid']},")
+        status, runs = call(f"{url}/api/runs")
+        assert [(r["name"], r["state"]) for r in runs["runs"]] == [("saves/live", "running")]
+        assert call(f"{url}/api/stop", {"dir": "saves/live"}) == (200, {"dir": str(root / "saves/live"), "signal": "SIGTERM"})
+        state = wait_for(lambda: call(f"{url}/api/run?dir=saves/live")[1]["state"] != "running", 240, "the run to end")
+        assert call(f"{url}/api/run?dir=saves/live")[1]["state"] == "stopped"
+    finally:
+        try:
+            os.kill(first["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_crashed_run_shows_its_error_line(server):
+    url, root = server
+    data = root / "data"
+    data.mkdir()
+    (data / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "rows.jsonl", "formatting": "alpaca"}}))
+    (data / "rows.jsonl").write_text('{"broken": \n')  # passes the checks (the file exists), fails when read
+    form = {**QUICK_FORM, "dataset": "mine", "dataset_dir": "data", "max_steps": "2", "output_dir": "saves/crash"}
+    status, answer = call(f"{url}/api/launch", form)
+    assert status == 200, answer
+    run = wait_for(lambda: (r := call(f"{url}/api/run?dir=saves/crash")[1])["state"] != "running" and r, 240,
+                   "the run to fail")
+    assert (run["state"], run.get("exit_code")) == ("crashed", 2), run
+    assert run["error"] == "tunelab: error: data/rows.jsonl:1: Expecting value; fix or remove that line"
