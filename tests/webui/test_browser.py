@@ -68,8 +68,9 @@ def fill(driver, values: dict[str, str]) -> None:
 
 
 def points(driver, chart: str) -> int:
-    svg = driver.find_elements(By.CSS_SELECTOR, f"#{chart} svg")
-    return int(svg[0].get_attribute("data-points")) if svg else 0
+    """Points drawn in a chart (read in the page: the charts are redrawn at every refresh)."""
+    return driver.execute_script(
+        "const svg = document.querySelector(arguments[0]); return svg ? Number(svg.dataset.points) : 0", f"#{chart} svg")
 
 
 def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
@@ -105,7 +106,6 @@ def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
         wait.until(lambda d: points(d, "chart-loss") >= 2)
         seen = points(browser, "chart-loss")
         wait.until(lambda d: points(d, "chart-loss") > seen)
-        shot(browser, tmp_path, "runs")
 
         # Stop: SIGTERM, a checkpoint, state "stopped"
         browser.find_element(By.ID, "btn-stop").click()
@@ -118,6 +118,8 @@ def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
         browser.find_element(By.ID, "btn-resume").click()
         wait.until(lambda d: state.text == "finished")
         assert browser.find_element(By.ID, "run-progress-text").text.startswith(f"step {STEPS} of {STEPS}")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#metrics tr"))
+        shot(browser, tmp_path, "runs")
 
         # Chat with the final model: a streamed answer
         browser.find_element(By.ID, "tab-try").click()

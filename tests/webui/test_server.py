@@ -106,3 +106,32 @@ def test_a_crashed_run_shows_its_error_line(server):
                    "the run to fail")
     assert (run["state"], run.get("exit_code")) == ("crashed", 2), run
     assert run["error"] == "tunelab: error: data/rows.jsonl:1: Expecting value; fix or remove that line"
+
+
+def test_runs_started_elsewhere_show_up_from_their_files(server):
+    url, root = server
+    run = root / "cli-runs" / "sorted"
+    run.mkdir(parents=True)
+    records = [{"step": 1, "max_steps": 2, "loss": 3.5}, {"step": 2, "max_steps": 2, "loss": 2.25}]
+    (run / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 3')
+    (run / "all_results.json").write_text(json.dumps({"train_loss": 2.8}))
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / "tunelab_manifest.json").write_text("{}")
+    status, answer = call(f"{url}/api/run?dir=cli-runs/sorted")
+    assert status == 200
+    assert (answer["name"], answer["state"], answer["step"], answer["max_steps"]) == ("cli-runs/sorted", "finished", 2, 2)
+    assert answer["log"] == records  # the line still being written is left for the next read
+    assert answer["checkpoints"] == [{"name": "checkpoint-2", "step": 2, "complete": True}]
+    assert answer["metrics"] == {"train_loss": 2.8}
+    assert "cli-runs/sorted" in [r["name"] for r in call(f"{url}/api/runs")[1]["runs"]]
+
+
+def test_dataset_names_come_from_the_registry(server):
+    url, root = server
+    (root / "sets").mkdir()
+    (root / "sets" / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "rows.jsonl"}}))
+    status, answer = call(f"{url}/api/datasets")
+    assert status == 200 and "demo_sort" in answer["names"] and "mine" not in answer["names"]
+    assert call(f"{url}/api/datasets?dataset_dir=sets")[1]["names"][-1] == "mine"
+    status, answer = call(f"{url}/api/datasets?dataset_dir=/etc")
+    assert status == 400 and answer["error"].startswith("dataset_dir: /etc is outside the folders this UI may use")

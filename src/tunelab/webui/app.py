@@ -78,6 +78,17 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
         except TunelabError as exc:
             return _error(exc)
 
+    @app.get("/api/datasets")
+    def datasets(dataset_dir: str = "") -> JSONResponse:
+        """The names the dataset fields offer: the built-in datasets and those of dataset_dir/dataset_info.json."""
+        from tunelab.data.registry import load_registry  # noqa: PLC0415
+
+        try:
+            folder = str(roots.resolve(dataset_dir, "dataset_dir")) if dataset_dir.strip() else None
+            return JSONResponse({"names": list(load_registry(folder))})
+        except TunelabError as exc:
+            return _error(exc)
+
     @app.post("/api/preview")
     def preview(form: dict[str, Any]) -> JSONResponse:
         options: dict[str, Any] = {}

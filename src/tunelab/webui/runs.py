@@ -295,6 +295,8 @@ class RunManager:
             info["state"] = "finished"
         elif log.is_file() and time.time() - log.stat().st_mtime < RECENT_SECONDS:
             info["state"] = "running (started outside this UI)"
+        elif not log.is_file() and launch is None:
+            info["state"] = "model folder"  # an export, or a folder a run recorded without a log
         else:
             info["state"] = "ended" if launch is not None else "incomplete"
         records = read_log(output_dir)

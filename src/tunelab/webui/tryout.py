@@ -112,7 +112,7 @@ def eval_args(folder: Path, max_samples: int, eval_dataset: str = "") -> tuple[l
     record = run_record(folder)
     out = folder / "webui_eval"
     args = ["eval", *_model_options(folder, record), "stage=sft", f"output_dir={out}", f"max_samples={max_samples}"]
-    for key in ("template", "dataset_dir", "cutoff_len", "max_new_tokens"):
+    for key in ("template", "dataset", "dataset_dir", "cutoff_len", "max_new_tokens"):
         if record.get(key) is not None:
             args.append(f"{key}={_listed(record[key])}")
     if eval_dataset.strip():
@@ -120,7 +120,7 @@ def eval_args(folder: Path, max_samples: int, eval_dataset: str = "") -> tuple[l
     elif record.get("eval_dataset"):
         args.append(f"eval_dataset={_listed(record['eval_dataset'])}")
     elif record.get("val_size") and record.get("dataset"):
-        args += [f"dataset={_listed(record['dataset'])}", f"val_size={record['val_size']}"]
+        args.append(f"val_size={record['val_size']}")
     else:
         raise ConfigError(f"{folder}: the run had no eval set (eval_dataset or val_size); name one beside the eval button")
     if record.get("template_kwargs"):

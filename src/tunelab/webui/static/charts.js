@@ -14,13 +14,14 @@ function svgEl(name, attrs, text) {
 }
 
 // Round tick values covering [lo, hi]: steps of 1, 2 or 5 times a power of ten.
-function ticks(lo, hi, count) {
+function ticks(lo, hi, count, integer = false) {
   if (!(hi > lo)) { hi = lo + (lo === 0 ? 1 : Math.abs(lo) * 0.1); }
-  const raw = (hi - lo) / Math.max(count, 1);
+  const raw = Math.max((hi - lo) / Math.max(count, 1), integer ? 1 : 0);
   const power = Math.pow(10, Math.floor(Math.log10(raw)));
   const step = [1, 2, 5, 10].map(m => m * power).find(s => s >= raw);
-  const out = [];
-  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+  const out = [];  // from the last round value at or below lo to the first at or above hi
+  const first = Math.floor(lo / step + 1e-9) * step, last = Math.ceil(hi / step - 1e-9) * step;
+  for (let v = first; v <= last + step * 1e-9; v += step) out.push(+v.toPrecision(12));
   return {values: out, lo: Math.min(lo, out[0]), hi: Math.max(hi, out[out.length - 1])};
 }
 
@@ -67,7 +68,7 @@ function lineChart(container, {title, xLabel, yLabel, series, width = 460, heigh
     return svg;
   }
   const xs = all.map(p => p[0]), ys = all.map(p => p[1]);
-  const xt = ticks(Math.min(0, ...xs), Math.max(...xs), 6);
+  const xt = ticks(Math.min(0, ...xs), Math.max(...xs), 6, true);  // steps are whole numbers
   const yt = ticks(Math.min(...ys), Math.max(...ys), 5);
   const sx = v => box.left + (v - xt.lo) / (xt.hi - xt.lo) * (box.right - box.left);
   const sy = v => box.bottom - (v - yt.lo) / (yt.hi - yt.lo) * (box.bottom - box.top);
@@ -100,7 +101,7 @@ function barChart(container, {title, xLabel, yLabel, bins, marker, markerLabel, 
   svg.setAttribute("data-points", String(bins.length));
   if (!bins.length) return svg;
   const lo = bins[0][0], hi = Math.max(bins[bins.length - 1][1] + 1, marker || 0);
-  const xt = ticks(lo, hi, 6);
+  const xt = ticks(lo, hi, 6, true);
   const yt = ticks(0, Math.max(...bins.map(b => b[2])), 5);
   const sx = v => box.left + (v - xt.lo) / (xt.hi - xt.lo) * (box.right - box.left);
   const sy = v => box.bottom - (v - yt.lo) / (yt.hi - yt.lo) * (box.bottom - box.top);

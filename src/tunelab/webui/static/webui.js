@@ -42,10 +42,13 @@ function updateVisibility() {
   });
 }
 
-let checkTimer = null, checkSeq = 0;
+let checkTimer = null, checkSeq = 0, lastChecked = null;
 function scheduleCheck() { clearTimeout(checkTimer); checkTimer = setTimeout(runCheck, 300); }
 
 async function runCheck() {
+  const values = JSON.stringify(formValues());
+  if (values === lastChecked) return;  // a change event after the input events of the same edit
+  lastChecked = values;
   const seq = ++checkSeq;
   text($("#check-status"), "checking…", "status");
   const {data} = await api("/api/check", formValues());
@@ -61,6 +64,18 @@ async function runCheck() {
   }
   $("#yaml-out").textContent = data.yaml;
   return data;
+}
+
+// The dataset fields offer the names of the built-in registry and of dataset_dir's dataset_info.json.
+let datasetDir = null;
+async function refreshDatasetNames() {
+  const dir = $("#f-dataset_dir").value.trim();
+  if (dir === datasetDir) return;
+  datasetDir = dir;
+  const {ok, data} = await api(`/api/datasets?dataset_dir=${encodeURIComponent(dir)}`);
+  const list = $("#dataset-names");
+  list.innerHTML = "";
+  for (const name of ok ? data.names : []) { const o = document.createElement("option"); o.value = name; list.appendChild(o); }
 }
 
 async function startTraining() {
@@ -334,7 +349,8 @@ document.addEventListener("DOMContentLoaded", () => {
   document.querySelectorAll(".tab").forEach(t => t.addEventListener("click", () => showScreen(t.dataset.screen)));
   const form = $("#config-form");
   form.addEventListener("input", () => { updateVisibility(); scheduleCheck(); });
-  form.addEventListener("change", () => { updateVisibility(); scheduleCheck(); });
+  form.addEventListener("change", () => { updateVisibility(); scheduleCheck(); refreshDatasetNames(); });
+  refreshDatasetNames();
   $("#btn-start").addEventListener("click", startTraining);
   $("#btn-yaml").addEventListener("click", () => $("#yaml-out").classList.toggle("hidden"));
   $("#btn-show-load").addEventListener("click", () => $("#yaml-load").classList.toggle("hidden"));
