@@ -1,5 +1,5 @@
 """The web UI in headless Chromium (Selenium): configure the quickstart, see a check fail and pass, preview the
-data, launch, watch the loss chart grow, stop (a checkpoint), resume to the end, chat with the result.
+data, launch, watch the loss chart grow, stop (a checkpoint), resume to the end, chat with the result, evaluate it.
 
 Skips, saying why, without Debian's chromium / chromium-driver (or selenium). Screenshots of each screen go to
 the test's folder; with TUNELAB_WEBUI_SCREENSHOTS=1 also to docs/images/webui_*.png (docs/webui.md shows them).
@@ -130,4 +130,15 @@ def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
         browser.find_element(By.ID, "btn-send").click()
         answer = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#chat-log .assistant.done"))[0]
         assert answer.text.strip() != ""
+
+        # tunelab eval on a few held-out questions: the predictions beside their references
+        browser.find_element(By.ID, "eval-dataset").send_keys("demo_sort_test")
+        samples = browser.find_element(By.ID, "eval-samples")
+        samples.clear()
+        samples.send_keys("5")
+        browser.find_element(By.ID, "btn-eval").click()
+        wait.until(lambda d: d.find_element(By.ID, "job-status").text.startswith(("✓", "✗")))
+        assert browser.find_element(By.ID, "job-status").text.startswith("✓ eval finished")
+        rows = browser.find_elements(By.CSS_SELECTOR, "#predictions tr")
+        assert len(rows) == 1 + 5  # the header and one row per sample
         shot(browser, tmp_path, "try")

@@ -41,6 +41,14 @@ def server(tmp_path_factory):
         yield url, root
 
 
+def test_without_credentials_only_loopback_names_are_answered(server):
+    url, _ = server
+    port = url.rsplit(":", 1)[1]
+    assert call(f"{url}/api/runs", headers={"Host": f"localhost:{port}"})[0] == 200
+    status, text = call(f"{url}/api/runs", headers={"Host": f"rebound.example:{port}"})
+    assert (status, text) == (403, "tunelab webui: open it as http://127.0.0.1:PORT/ or http://localhost:PORT/\n")
+
+
 def test_paths_outside_the_allowed_roots_are_refused(server, tmp_path):
     url, root = server
     outside = tmp_path / "elsewhere"

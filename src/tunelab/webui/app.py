@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +22,17 @@ from fastapi.staticfiles import StaticFiles
 from tunelab.errors import TunelabError
 from tunelab.webui import forms, tryout
 from tunelab.webui.runs import Refused, RunManager, read_log, tail
-from tunelab.webui.security import Access, Roots, check_listen
+from tunelab.webui.security import Access, Roots, check_listen, is_loopback
 
 HERE = Path(__file__).resolve().parent
 TOKEN_COOKIE = "tunelab_webui_token"
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header, without its port ("[::1]:7860" -> "::1")."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _error(exc: TunelabError, options: dict[str, Any] | None = None) -> JSONResponse:
@@ -34,10 +42,13 @@ def _error(exc: TunelabError, options: dict[str, Any] | None = None) -> JSONResp
 
 
 def create_app(roots: Roots, access: Access | None = None, python: str | None = None) -> FastAPI:
+    """The app. Without credentials, only requests addressed to a loopback name are answered: a web page
+    elsewhere cannot reach the UI by pointing its own domain at 127.0.0.1 (DNS rebinding)."""
     import jinja2  # noqa: PLC0415
 
     access = access or Access()
     runs = RunManager(roots, python)
+    config_lock = threading.Lock()  # one config built at a time: TrainingArguments sets process-wide state
     engines = tryout.EngineCache()
     pages = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True)
     app = FastAPI(title="tunelab webui", docs_url=None, redoc_url=None, openapi_url=None)
@@ -45,6 +56,9 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
+        if not access.required and not is_loopback(_host_name(request.headers.get("host", ""))):
+            return Response("tunelab webui: open it as http://127.0.0.1:PORT/ or http://localhost:PORT/\n",
+                            status_code=403)
         query_token = request.query_params.get("token")
         if not access.allows(request.headers.get("authorization"), request.cookies.get(TOKEN_COOKIE), query_token):
             headers = {"WWW-Authenticate": 'Basic realm="tunelab webui"'} if access.user_password else {}
@@ -68,7 +82,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
             options = forms.options_from_form(form)
         except TunelabError as exc:
             return JSONResponse({"ok": False, "message": str(exc), "key": forms.OTHER, "yaml": ""})
-        _, result = forms.check_options(options, roots)
+        with config_lock:
+            _, result = forms.check_options(options, roots)
         return JSONResponse(result.as_dict() | {"yaml": forms.options_yaml(options)})
 
     @app.post("/api/yaml")
@@ -97,7 +112,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
             roots.check_options(options)
             from tunelab.config.loader import load_config  # noqa: PLC0415
 
-            config = load_config(None, dict(options), purpose="data", warn=False)
+            with config_lock:
+                config = load_config(None, dict(options), purpose="data", warn=False)
             return JSONResponse(tryout.preview(config))
         except TunelabError as exc:
             return _error(exc, options)
@@ -110,7 +126,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
             out = options.get("output_dir")
             if out:  # a live run there is refused before the checks (which would call the folder not empty)
                 runs.refuse_if_live(roots.resolve(out, "output_dir"))
-            _, result = forms.check_options(options, roots)
+            with config_lock:
+                _, result = forms.check_options(options, roots)
             if not result.ok:
                 return JSONResponse({"error": result.message, "key": result.key}, status_code=400)
             started = runs.launch(forms.options_yaml(options), str(options["output_dir"]))
@@ -197,6 +214,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
         from tunelab.webui.runs import error_line  # noqa: PLC0415
 
         state = "running" if launch.alive else ("finished" if launch.exit_code == 0 else "failed")
+        if state == "failed" and launch.exit_code is None:
+            state = "ended"  # it ended while no UI process was watching it: the exit code is unknown
         console = launch.console.read_text(encoding="utf-8", errors="replace") if launch.console.is_file() else ""
         info: dict[str, Any] = {"kind": launch.kind, "state": state, "out": str(launch.output_dir),
                                 "console": tail(launch.console, 15),

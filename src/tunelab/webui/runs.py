@@ -238,8 +238,7 @@ class RunManager:
         return self._start(kind, output_dir, args)
 
     def find_job(self, number: str) -> Launch:
-        folder = self.state / number
-        launch = Launch.read(folder) if number.isdigit() and folder.is_dir() else None
+        launch = next((launch for launch in self.launches() if launch.folder.name == number), None)
         if launch is None:
             raise Refused(f"no job {number}")
         return launch

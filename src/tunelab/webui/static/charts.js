@@ -27,7 +27,8 @@ function ticks(lo, hi, count, integer = false) {
 
 function formatNumber(v) {
   const a = Math.abs(v);
-  if (a !== 0 && (a < 1e-3 || a >= 1e5)) return v.toExponential(1);
+  if (Number.isInteger(v) && a < 1e15) return v.toLocaleString("en-US");
+  if (a !== 0 && (a < 1e-4 || a >= 1e5)) return v.toExponential(1);
   return String(+v.toPrecision(4));
 }
 
@@ -85,7 +86,7 @@ function lineChart(container, {title, xLabel, yLabel, series, width = 460, heigh
       dot.appendChild(svgEl("title", {}, `${s.name}: step ${p[0]}, ${formatNumber(p[1])}`));
       svg.appendChild(dot);
     }
-    if (series.length > 1) {
+    if (series.filter(t => t.points.length).length > 1 && pts.length) {  // a legend when curves need telling apart
       const y = box.top + 6 + i * 15;
       svg.appendChild(svgEl("rect", {x: box.right - 150, y: y - 8, width: 10, height: 10, fill: color}));
       svg.appendChild(svgEl("text", {x: box.right - 136, y: y + 1, class: "legend"}, s.name));

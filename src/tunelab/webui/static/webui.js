@@ -313,7 +313,7 @@ async function startJob(kind) {
   const poll = async () => {
     const job = (await api(`/api/job?id=${data.job}`)).data;
     if (job.state === "running") { setTimeout(poll, 1500); return; }
-    if (job.state === "failed") { text($("#job-status"), `✗ ${kind} failed: ${job.error}`, "status bad"); return; }
+    if (job.state !== "finished") { text($("#job-status"), `✗ ${kind} ${job.state}: ${job.error || job.console}`, "status bad"); return; }
     text($("#job-status"), `✓ ${kind} finished: ${job.out}`, "status ok");
     if (kind === "eval") showPredictions(job);
   };
