@@ -19,9 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from tunelab.errors import TunelabError
+from tunelab.errors import ConfigError, TunelabError
 from tunelab.webui import forms, tryout
-from tunelab.webui.runs import Refused, RunManager, read_log, tail
+from tunelab.webui.runs import Refused, RunManager, error_line, read_log, tail
 from tunelab.webui.security import Access, Roots, check_listen, is_loopback
 
 HERE = Path(__file__).resolve().parent
@@ -211,8 +211,6 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
             launch = runs.find_job(id)
         except TunelabError as exc:
             return _error(exc)
-        from tunelab.webui.runs import error_line  # noqa: PLC0415
-
         state = "running" if launch.alive else ("finished" if launch.exit_code == 0 else "failed")
         if state == "failed" and launch.exit_code is None:
             state = "ended"  # it ended while no UI process was watching it: the exit code is unknown
@@ -235,7 +233,12 @@ def serve(host: str, port: int, roots: Roots, access: Access) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); choose another "
+                          "port, or --port 0 for any free one") from None
     sock.listen(128)  # connections wait from now on: the URL printed below answers as soon as it is read
     app = create_app(roots, access)
     shown = f"[{host}]" if ":" in host else host
