@@ -119,6 +119,9 @@ def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
         wait.until(lambda d: state.text == "finished")
         assert browser.find_element(By.ID, "run-progress-text").text.startswith(f"step {STEPS} of {STEPS}")
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#metrics tr"))
+        # ticked runs share one loss chart: this one's every logged step
+        browser.find_element(By.CSS_SELECTOR, "#runs-table tbody tr .cmp").click()
+        wait.until(lambda d: points(d, "compare") == STEPS)
         shot(browser, tmp_path, "runs")
 
         # Chat with the final model: a streamed answer

@@ -143,3 +143,14 @@ def test_dataset_names_come_from_the_registry(server):
     assert call(f"{url}/api/datasets?dataset_dir=sets")[1]["names"][-1] == "mine"
     status, answer = call(f"{url}/api/datasets?dataset_dir=/etc")
     assert status == 400 and answer["error"].startswith("dataset_dir: /etc is outside the folders this UI may use")
+
+
+def test_a_yaml_fills_the_form_and_a_broken_one_says_where(server):
+    url, _ = server
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    status, answer = call(f"{url}/api/yaml", {"text": quickstart.read_text(encoding="utf-8")})
+    assert status == 200
+    assert (answer["form"]["dataset"], answer["form"]["cutoff_len"], answer["form"]["other"]) == (
+        "demo_sort", "64", "eval_generation: true\neval_generation_samples: 200\nmax_new_tokens: 16\n")
+    status, answer = call(f"{url}/api/yaml", {"text": "stage: sft\ncutoff_len: [64\n"})
+    assert status == 400 and answer["error"].startswith("YAML: line 3: not valid YAML")
