@@ -6,6 +6,12 @@ What it writes (deterministic: the same files on every run and machine):
     model-small/        the same tokenizer on a randomly initialised Llama of real layer widths (hidden 512,
                         8 layers, 27M non-embedding parameters), for MFU where matmuls are not tiny
                         (`run.py --model small`)
+    model-real/         a real model's shapes: the Qwen2.5-0.5B layout (vocab 151,936, hidden 896,
+                        intermediate 4,864, 14 heads, 2 KV heads, tied head) cut to 2 layers, random init
+                        (`run.py --model real`; built only when asked: `--models tiny,small,real`). Token ids
+                        come from the embedded tokenizer (8,192 of them); the vocabulary size is what costs:
+                        the head alone is 136M parameters, fp32 logits of 2,048 tokens 1.2 GB
+    model-real24/       the same at full depth (24 layers, 494M parameters): bench/gpu.sh
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
@@ -15,6 +21,10 @@ What it writes (deterministic: the same files on every run and machine):
                         rejected = another row's answer (seeded), so the two sides differ in length as
                         real preference data does (pref.json's answers are all 21-37 tokens long)
     pref_mixed_chat.json  the same rows for TRL
+    sft_long.json       long-prompt SFT: a document of ~300-1,700 tokens and a question whose answer is a copy
+                        of 1-12 of its sentences or their count (prompts are 94% of the tokens, see the
+                        manifest: the common SFT case where most positions have no label)
+    sft_long_chat.json  the same rows for TRL and plain HF
     corpus.json         plain-text documents {"text"} for the pt workload
     dataset_info.json   tunelab's registry of the files (bench_sft, bench_pref, bench_pref_mixed, bench_corpus)
     lf/dataset_info.json  LlamaFactory's registry of the same files (pt text: alpaca with prompt=text)
@@ -75,6 +85,27 @@ def sft_rows(num_rows: int, seed: int = 0) -> list[dict]:
     return rows
 
 
+LONG_QUESTIONS = (
+    "Copy the last {k} sentences of the document.",
+    "Copy the first {k} sentences of the document.",
+    "How many sentences does the document have?",
+)
+
+
+def long_prompt_rows(num_rows: int, seed: int = 0) -> list[dict]:
+    """Long documents (20-110 sentences) and a short answer: a copy of 1-12 of its sentences, or their count."""
+    rng = random.Random(seed)
+    pool = synthetic.prose(2000, seed=seed + 1)
+    rows = []
+    for _ in range(num_rows):
+        sentences = [s.strip() + "." for doc in rng.sample(pool, 40) for s in doc.split(".") if s.strip()]
+        n = min(len(sentences), rng.randint(20, 110))
+        kind, k = rng.randrange(len(LONG_QUESTIONS)), rng.randint(1, 12)
+        answer = (" ".join(sentences[n - k : n]), " ".join(sentences[:k]), str(n))[kind]
+        rows.append({"instruction": LONG_QUESTIONS[kind].format(k=k), "input": " ".join(sentences[:n]), "output": answer})
+    return rows
+
+
 def chat_sft(rows: list[dict]) -> list[dict]:
     return [
         {"prompt": [{"role": "user", "content": _user(r)}], "completion": [{"role": "assistant", "content": r["output"]}]}
@@ -113,7 +144,8 @@ def _write(path: Path, rows: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000, docs_n: int = 8000) -> dict:
+def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000, docs_n: int = 8000,
+          long_rows_n: int = 400, models: tuple[str, ...] = ("tiny", "small")) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model"
     if model_dir.exists():
@@ -121,8 +153,12 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     shutil.copytree(TINY_MODEL_DIR, model_dir)
 
     small_model(model_dir, out / "model-small")
+    for name in models:
+        if name in REAL:
+            real_model(model_dir, out / f"model-{name}", REAL[name])
 
     sft = sft_rows(sft_rows_n)
+    long_rows = long_prompt_rows(long_rows_n)
     pref = synthetic.generate("preference", "train", pref_rows_n, seed=0)
     pref_mixed = mixed_pairs(sft[:pref_rows_n])
     docs = corpus.generate("corpus", "train", docs_n, seed=0)
@@ -134,6 +170,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
         "pref_mixed.json": _write(out / "pref_mixed.json", pref_mixed),
         "pref_mixed_chat.json": _write(out / "pref_mixed_chat.json", chat_pref(pref_mixed)),
         "corpus.json": _write(out / "corpus.json", [{"text": d["text"]} for d in docs]),
+        "sft_long.json": _write(out / "sft_long.json", long_rows),
+        "sft_long_chat.json": _write(out / "sft_long_chat.json", chat_sft(long_rows)),
     }
     info = {
         "bench_sft": {"file_name": "sft.json", "formatting": "alpaca",
@@ -144,6 +182,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
                              "columns": {"prompt": "instruction", "query": "input", "chosen": "chosen",
                                          "rejected": "rejected"}},
         "bench_corpus": {"file_name": "corpus.json", "formatting": "text"},
+        "bench_sft_long": {"file_name": "sft_long.json", "formatting": "alpaca",
+                           "columns": {"prompt": "instruction", "query": "input", "response": "output"}},
     }
     (out / "dataset_info.json").write_text(json.dumps(info, indent=2))
     lf_info = {name: {**spec, "file_name": f"../{spec['file_name']}"} for name, spec in info.items()}
@@ -156,8 +196,16 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     tok = AutoTokenizer.from_pretrained(model_dir)
     lengths = [len(tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=True)["input_ids"]) for r in chat_sft(sft)]
     doc_tokens = sum(len(tok(d["text"])["input_ids"]) for d in docs)
+    long_total, long_prompt = [], []
+    for r in chat_sft(long_rows):
+        long_prompt.append(len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True)["input_ids"]))
+        long_total.append(len(tok.apply_chat_template(r["prompt"] + r["completion"], tokenize=True)["input_ids"]))
     manifest = {
-        "rows": {"sft": len(sft), "pref": len(pref), "pref_mixed": len(pref_mixed), "corpus_docs": len(docs)},
+        "rows": {"sft": len(sft), "pref": len(pref), "pref_mixed": len(pref_mixed), "corpus_docs": len(docs),
+                 "sft_long": len(long_rows)},
+        "sft_long_tokens": {"min": min(long_total), "median": statistics.median(long_total), "max": max(long_total),
+                            "total": sum(long_total), "prompt_share": sum(long_prompt) / sum(long_total),
+                            "over_2048": sum(n > 2048 for n in long_total)},
         "sft_tokens": {"min": min(lengths), "median": statistics.median(lengths), "max": max(lengths),
                        "total": sum(lengths), "over_512": sum(n > 512 for n in lengths)},
         "corpus_tokens": doc_tokens,
@@ -169,6 +217,31 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
 
 SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
          "num_key_value_heads": 8, "head_dim": 64}
+
+
+# The Qwen2.5-0.5B layout (its config.json), random weights; "real" is cut to 2 layers for CPU runs.
+QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+          "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+          "tie_word_embeddings": True, "use_sliding_window": False}
+REAL = {"real": {**QWEN05, "num_hidden_layers": 2}, "real24": {**QWEN05, "num_hidden_layers": 24}}
+
+
+def real_model(tiny_dir: Path, out: Path, shape: dict) -> None:
+    """A Qwen2ForCausalLM of `shape` with the tiny model's tokenizer and special-token ids, seeded random weights."""
+    import torch  # noqa: PLC0415 (slow imports, only when building inputs)
+    from transformers import AutoConfig, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+
+    if (out / "config.json").exists() and all(
+        json.loads((out / "config.json").read_text()).get(k) == v for k, v in shape.items()
+    ):
+        return  # seeded and deterministic: an existing copy is the same model (hundreds of MB to rewrite)
+    tiny = AutoConfig.from_pretrained(tiny_dir)
+    config = Qwen2Config(**shape, bos_token_id=tiny.bos_token_id, eos_token_id=tiny.eos_token_id,
+                         pad_token_id=getattr(tiny, "pad_token_id", None))
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(out)
+    shutil.copy(tiny_dir / "chat_template.jinja", out / "chat_template.jinja")
 
 
 def small_model(tiny_dir: Path, out: Path) -> None:
@@ -191,8 +264,11 @@ def main() -> None:
     parser.add_argument("--sft-rows", type=int, default=4000)
     parser.add_argument("--pref-rows", type=int, default=2000)
     parser.add_argument("--docs", type=int, default=8000)
+    parser.add_argument("--long-rows", type=int, default=400)
+    parser.add_argument("--models", default="tiny,small", help="also real (2 layers) and real24 (full depth)")
     args = parser.parse_args()
-    print(json.dumps(build(args.out, args.sft_rows, args.pref_rows, args.docs), indent=2))
+    manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows, tuple(args.models.split(",")))
+    print(json.dumps(manifest, indent=2))
 
 
 if __name__ == "__main__":

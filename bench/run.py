@@ -8,14 +8,18 @@ Every tool gets the inputs of bench/inputs.py (the embedded tiny Llama copied to
 the same mixed-length alpaca SFT set, preference pairs and corpus, ChatML) and the same settings:
 optimizer steps, batch (one device, no accumulation), cutoff_len, learning rate and cosine schedule,
 seed, fp32 (--bf16 for bf16), no gradient checkpointing, sdpa attention, no DataLoader workers, CPU
-(`use_cpu`; CUDA_VISIBLE_DEVICES is emptied — the GPU variant is not built yet).
+(`use_cpu`; CUDA_VISIBLE_DEVICES is emptied). `--device cuda` runs on the GPU instead (bench/gpu.sh),
+with `--attn fa2` (flash-attention 2: varlen for padding-free and packed batches; TRL then runs with
+padding_free) and `--liger` (Liger kernels: tunelab/TRL/HF use_liger_kernel, LlamaFactory enable_liger_kernel).
 Each tool runs through bench/peers/probe.py, which times every optimizer step and counts the tokens
 of the batches it is given (not the tool's own counters). Per run:
 
     sup tok/s      supervised tokens (label != -100) per second over the steady-state steps (after
                    the first fifth of the steps)
     tok/s          real (non-padding) tokens per second over the same steps
-    MFU            6 · N(non-embedding) · tok/s / the matmul peak measured at the start (matmul_peak.py)
+    MFU            6 · N · tok/s / the matmul peak measured at the start (matmul_peak.py), or the GPU's
+                   nominal bf16 peak (--peak-tflops); N = non-embedding parameters + the output layer
+                   (vocab × hidden), every position counted for every tool (so MFU ∝ tok/s)
     pre ex/s       rows of the input file / seconds in the tool's data preparation (first launch,
                    empty caches): tunelab cached_bundle, LlamaFactory get_dataset, TRL load_dataset +
                    _prepare_dataset, HF load_dataset + map
@@ -23,6 +27,7 @@ of the batches it is given (not the tool's own counters). Per run:
                    launch with the caches the first one left (tunelab's tokenized cache, datasets' cache)
     pack eff       real tokens / positions computed (padding included)
     peak RSS       of the tool's process tree, sampled every 0.1 s
+    GPU MB         torch.cuda.max_memory_allocated at the last step (--device cuda)
 
 Every figure is the median over --repeats; the table gives tunelab's ratio to each peer. Raw runs
 and medians go to bench/.results/<time>.json.
@@ -36,6 +41,9 @@ Workloads (a tool without the mode is listed as n/a):
                      isolation; the peers concatenate documents: LlamaFactory pt, TRL wrapped
                      packing, HF's group_texts)
     dpo_lora         DPO (sigmoid, beta 0.1), LoRA; the reference is the adapter-free base
+    sft_long_lora    LoRA SFT on long documents with short answers (sft_long.json: prompts 94% of the
+                     tokens), no packing; with --model real and --cutoff-len 2048 the case where the output
+                     layer of a real vocabulary dominates
     sft_lora_defaults  sft_lora as a user would run it: precision, gradient checkpointing, packing,
                      attention and loader workers left to each tool's defaults (LlamaFactory:
                      checkpointing on; TRL: checkpointing on, bf16; plain HF: as matched)
@@ -95,12 +103,13 @@ WORKLOADS = {
     "dpo_lora": Workload("dpo", "lora", False, 1e-4, "pref.json", ("tunelab", "llamafactory", "trl")),
     "dpo_lora_mixed": Workload("dpo", "lora", False, 1e-4, "pref_mixed.json", ("tunelab", "llamafactory", "trl")),
     "sft_lora_defaults": Workload("sft", "lora", False, 2e-4, "sft.json", defaults=True),
+    "sft_long_lora": Workload("sft", "lora", False, 2e-4, "sft_long.json"),
 }
 # Per input file: the registry name (tunelab, LlamaFactory) and the file TRL / plain HF read.
 DATASETS = {"sft.json": "bench_sft", "corpus.json": "bench_corpus", "pref.json": "bench_pref",
-            "pref_mixed.json": "bench_pref_mixed"}
+            "pref_mixed.json": "bench_pref_mixed", "sft_long.json": "bench_sft_long"}
 CHAT_FILES = {"sft.json": "sft_chat.json", "corpus.json": "corpus.json", "pref.json": "pref_chat.json",
-              "pref_mixed.json": "pref_mixed_chat.json"}
+              "pref_mixed.json": "pref_mixed_chat.json", "sft_long.json": "sft_long_chat.json"}
 
 
 @dataclass
@@ -111,7 +120,11 @@ class Settings:
     seed: int
     bf16: bool
     threads: int
-    model: str = "tiny"  # tiny | small (bench/inputs.py)
+    model: str = "tiny"  # tiny | small | real | real24 (bench/inputs.py)
+    device: str = "cpu"  # cpu | cuda
+    attn: str = "sdpa"  # sdpa | fa2
+    liger: bool = False
+    second_launch: bool = True  # the second launch measures ttfs 2nd; --no-second-launch saves its time
     lora_rank: int = 8
     lora_alpha: int = 16
     tunelab_options: dict = field(default_factory=dict)  # --tunelab-set: extra keys of tunelab's config
@@ -133,9 +146,9 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
         "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
         "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
         "packing": w.packing,
-        "flash_attn": "sdpa", "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
+        "flash_attn": s.attn, "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
         "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
-        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": True, "gradient_checkpointing": False,
+        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": s.device == "cpu", "gradient_checkpointing": False,
         "dataloader_num_workers": 0, "logging_steps": 1, "save_strategy": "no", "report_to": "none",
         "output_dir": str(out / "output"), "overwrite_output_dir": True, "plot_loss": False, "disable_tqdm": True,
     }
@@ -143,6 +156,8 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
         config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_target="all")
     if w.stage == "dpo":
         config.update(pref_beta=0.1, pref_loss="sigmoid")
+    if s.liger:
+        config["use_liger_kernel"] = True
     if w.defaults:
         for key in DEFAULTS_UNPINNED:
             config.pop(key, None)
@@ -157,10 +172,11 @@ def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tup
         "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
         "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
         "cutoff_len": s.cutoff_len, "packing": w.packing, "neat_packing": w.packing and w.stage == "sft",
-        "flash_attn": "sdpa", "disable_gradient_checkpointing": True,
+        "flash_attn": s.attn, "disable_gradient_checkpointing": True,
         "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
         "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
-        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": True, "dataloader_num_workers": 0, "logging_steps": 1,
+        "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": s.device == "cpu", "dataloader_num_workers": 0,
+        "logging_steps": 1, "enable_liger_kernel": s.liger,
         "save_strategy": "no", "report_to": "none", "output_dir": str(out / "output"),
         "overwrite_output_dir": True, "plot_loss": False, "disable_tqdm": True,
     }
@@ -184,6 +200,7 @@ def _spec_file(w: Workload, s: Settings, steps: int, out: Path) -> Path:
         "cutoff_len": s.cutoff_len,
         "batch_size": s.batch_size, "max_steps": steps, "learning_rate": w.learning_rate, "seed": s.seed,
         "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1, "defaults": w.defaults,
+        "device": s.device, "attn": s.attn, "liger": s.liger,
     }
     path = out / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -316,6 +333,7 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         if warm else None,
         "pack_eff": sum(e["tokens"] for e in steps) / sum(e["positions"] for e in steps),
         "peak_rss_mb": cold.peak_rss_mb,
+        "peak_gpu_mb": max((e["gpu_mb"] for e in steps if "gpu_mb" in e), default=None),
         "final_loss": statistics.fmean(losses[-LOSS_WINDOW:]) if losses else None,
         "loss_curve": curve,
         "steps": len(steps),
@@ -339,9 +357,11 @@ def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dic
     if cold.returncode != 0:
         record["error"] = cold.log_tail
         return record
-    argv, _ = COMMANDS[tool](w, s, 1, workdir)  # second launch: only the time to the first step
-    warm = launch(argv, env, workdir, timeout)
-    record.update(figures(cold, warm if warm.returncode == 0 else None, rows, params, peak))
+    warm = None
+    if s.second_launch:
+        argv, _ = COMMANDS[tool](w, s, 1, workdir)  # second launch: only the time to the first step
+        warm = launch(argv, env, workdir, timeout)
+    record.update(figures(cold, warm if warm and warm.returncode == 0 else None, rows, params, peak))
     return record
 
 
@@ -361,6 +381,12 @@ def tool_python(tool: str) -> Path:
         tool, TUNELAB_PYTHON)
 
 
+def flop_params(model_dir: Path) -> int:
+    """N of the MFU: the non-embedding parameters plus the output layer (vocab × hidden), tied or not."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    return non_embedding_params(model_dir) + cfg["vocab_size"] * cfg["hidden_size"]
+
+
 def non_embedding_params(model_dir: Path) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     h, i, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
@@ -377,7 +403,7 @@ def median_of(records: list[dict], key: str):
 COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"), ("mfu", "MFU", "{:.1%}"),
            ("pre_ex_s", "pre ex/s", "{:,.0f}"), ("ttfs_first_s", "ttfs 1st", "{:.1f}s"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
-           ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
+           ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("peak_gpu_mb", "GPU MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
            ("time_to_target_s", "t→loss", "{:.1f}s")]
 HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
 
@@ -423,9 +449,17 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--cutoff-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", choices=("tiny", "small"), default="tiny",
-                        help="tiny: the embedded model (853k non-embedding parameters); small: random init, 27M")
+    parser.add_argument("--model", choices=("tiny", "small", "real", "real24"), default="tiny",
+                        help="tiny: the embedded model (853k non-embedding parameters); small: random init, 27M; "
+                             "real: the Qwen2.5-0.5B layout (vocab 151,936) cut to 2 layers; real24: at full depth")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
+    parser.add_argument("--attn", choices=("sdpa", "fa2"), default="sdpa", help="fa2: flash-attention 2 (varlen)")
+    parser.add_argument("--liger", action="store_true", help="Liger kernels in every tool (fused linear cross-entropy)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the MFU's peak (e.g. the GPU's nominal dense bf16 TFLOP/s) instead of the measured matmul peak")
+    parser.add_argument("--no-second-launch", action="store_true",
+                        help="skip the second launch of every run (no ttfs 2nd; saves a launch per run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/MKL threads of every tool")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     parser.add_argument("--tunelab-set", action="append", default=[], metavar="KEY=VALUE",
@@ -440,7 +474,8 @@ def main() -> None:
             parser.error(f"--tunelab-set {item}: expected KEY=VALUE")
         options[key] = yaml.safe_load(value)
     settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model,
-                        tunelab_options=options)
+                        device=args.device, attn=args.attn, liger=args.liger,
+                        second_launch=not args.no_second_launch, tunelab_options=options)
     workloads = args.workloads.split(",")
     tools = args.tools.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]
@@ -452,20 +487,29 @@ def main() -> None:
 
     inputs = [DATA / "manifest.json", model_dir(settings), *(DATA / w.rows_file for w in WORKLOADS.values())]
     if not all(path.exists() for path in inputs):  # first run, or inputs written before a workload was added
-        subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py")], check=True, stdout=subprocess.DEVNULL)
+        models = ",".join(dict.fromkeys(("tiny", "small", settings.model)))
+        subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "inputs.py"), "--models", models], check=True,
+                       stdout=subprocess.DEVNULL)
     manifest = json.loads((DATA / "manifest.json").read_text())
     rows = {"sft.json": manifest["rows"]["sft"], "pref.json": manifest["rows"]["pref"],
-            "pref_mixed.json": manifest["rows"]["pref_mixed"], "corpus.json": manifest["rows"]["corpus_docs"]}
+            "pref_mixed.json": manifest["rows"]["pref_mixed"], "corpus.json": manifest["rows"]["corpus_docs"],
+            "sft_long.json": manifest["rows"]["sft_long"]}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",
+           "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
            "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": "0"}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     peak = json.loads(subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "matmul_peak.py")], env=env, check=True,
                                      capture_output=True, text=True).stdout)
     peak_key = "bf16_gflops" if args.bf16 else "fp32_gflops"
-    params = non_embedding_params(model_dir(settings))
+    if args.peak_tflops:
+        peak_key, peak["nominal_gflops"] = "nominal_gflops", args.peak_tflops * 1000
+    params = flop_params(model_dir(settings))
     print(f"matmul peak ({peak['threads']} threads): fp32 {peak['fp32_gflops']:.1f} GFLOP/s, "
-          f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s; model: {params:,} non-embedding parameters", flush=True)
+          f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s; MFU against {peak[peak_key]:,.0f} GFLOP/s; model: "
+          f"{non_embedding_params(model_dir(settings)):,} non-embedding parameters, N = {params:,} with the "
+          "output layer", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     records, medians, targets = [], {}, {}
@@ -502,7 +546,8 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
         "label": args.label, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": settings.__dict__, "matmul_peak": peak, "non_embedding_params": params,
+        "settings": settings.__dict__, "matmul_peak": peak, "flop_params": params,
+        "non_embedding_params": non_embedding_params(model_dir(settings)),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30,
                     "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
         "versions": {tool: venv_versions(tool_python(tool)) for tool in tools},

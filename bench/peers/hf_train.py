@@ -24,6 +24,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSe
                           TrainingArguments, default_data_collator)
 
 
+ATTN = {"sdpa": "sdpa", "fa2": "flash_attention_2"}  # bench/run.py --attn
+
+
 def sft_dataset(spec: dict, tokenizer) -> datasets.Dataset:
     rows = datasets.load_dataset("json", data_files=str(Path(spec["data_dir"]) / spec["data_file"]), split="train")
     cutoff = spec["cutoff_len"]
@@ -61,7 +64,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     with probe.timed("hf: load + tokenise"):
         train = pt_dataset(spec, tokenizer) if spec["stage"] == "pt" else sft_dataset(spec, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation=ATTN[spec.get("attn", "sdpa")])
     if spec["finetuning"] == "lora":
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415
 
@@ -71,7 +75,8 @@ def main() -> None:
         output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=1, learning_rate=spec["learning_rate"], lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.0, seed=spec["seed"], logging_steps=1, save_strategy="no", report_to=[],
-        bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=True,
+        bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=spec.get("device", "cpu") == "cpu",
+        use_liger_kernel=spec.get("liger", False),
         remove_unused_columns=False, disable_tqdm=True,
     )
     collator = default_data_collator if spec["stage"] == "pt" else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)

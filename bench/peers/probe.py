@@ -22,7 +22,8 @@ Events (time is time.time(), so the parent can subtract its own launch time):
     {"event": "preprocess", "name", "seconds"}          one outermost call of a wrapped function
     {"event": "train_begin", "time"}
     {"event": "step", "step", "time", "tokens", "supervised", "positions", "micro_batches"}
-                                                        (step 1 also: "batch_keys", names and shapes)
+                                                        (step 1 also: "batch_keys", names and shapes;
+                                                        on a GPU "gpu_mb": max_memory_allocated so far)
     {"event": "log", "step", "logs"}                    the Trainer's logs (loss, ...)
     {"event": "train_end", "time"}
 """
@@ -128,6 +129,9 @@ def install() -> None:
         def on_step_end(self, args, state, control, **kwargs):
             tokens, supervised, positions, micro = self.pending
             extra = {"batch_keys": self.batch_keys} if state.global_step == 1 else {}
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+                extra["gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
             emit("step", step=state.global_step, time=time.time(), tokens=tokens, supervised=supervised,
                  positions=positions, micro_batches=micro, **extra)
             self.pending = [0, 0, 0, 0]

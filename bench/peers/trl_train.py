@@ -3,6 +3,7 @@
 Run by bench/run.py through bench/peers/probe.py in bench/.venvs/trl, with one argument: the JSON
 spec run.py wrote (see hf_train.py). TRL's own defaults that differ from the matched settings are
 set explicitly: gradient_checkpointing False and bf16 from the spec (TRL defaults: True and True);
+with "attn": "fa2" (bench/gpu.sh) unpacked SFT runs with padding_free, TRL's varlen layout;
 with "defaults" in the spec (workload sft_lora_defaults) they are left to TRL.
 
     sft  prompt/completion messages (bench/.data/peers/sft_chat.json) through the tokenizer's
@@ -26,11 +27,15 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
+ATTN = {"sdpa": "sdpa", "fa2": "flash_attention_2"}  # bench/run.py --attn
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     data = Path(spec["data_dir"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+                                                 attn_implementation=ATTN[spec.get("attn", "sdpa")])
     peft_config = None
     if spec["finetuning"] == "lora":
         peft_config = LoraConfig(r=spec["lora_rank"], lora_alpha=spec["lora_alpha"], lora_dropout=0.0,
@@ -39,7 +44,8 @@ def main() -> None:
         output_dir=spec["output_dir"], max_steps=spec["max_steps"], per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=1, learning_rate=spec["learning_rate"], lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.0, seed=spec["seed"], logging_steps=1, save_strategy="no", report_to=[],
-        bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=True,
+        bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=spec.get("device", "cpu") == "cpu",
+        use_liger_kernel=spec.get("liger", False),
         disable_tqdm=True, max_length=spec["cutoff_len"],
     )
     if spec.get("defaults"):  # the sft_lora_defaults workload: TRL's own choices, as a user would run it
@@ -60,6 +66,8 @@ def main() -> None:
             train = datasets.load_dataset("json", data_files=str(data / spec["data_file"]), split="train")
         packing = {"packing": True, "packing_strategy": "wrapped"} if spec["stage"] == "pt" else (
             {"packing": True, "packing_strategy": "bfd"} if spec["packing"] else {"packing": False})
+        if spec.get("attn") == "fa2" and not spec["packing"]:
+            packing["padding_free"] = True  # with flash-attention TRL lays unpacked examples side by side (varlen)
         args = SFTConfig(**common, **packing)
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                              peft_config=peft_config)

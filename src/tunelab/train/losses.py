@@ -9,6 +9,17 @@ Label smoothing (`label_smoothing_factor` ε) replaces each supervised token's o
 (1 - ε) on the label plus ε spread evenly over the vocabulary, as torch's `cross_entropy(...,
 label_smoothing=ε)`: per token, (1 - ε)·(-log p[label]) + ε·mean over the vocabulary of -log p. It is
 summed and normalised exactly as the plain loss, so the accumulation equality holds unchanged.
+
+Logits only where there is a label. Position t's logits predict label t+1, so only positions whose
+next label is not -100 need the output layer at all (`next_token_mask`); the Trainer passes that mask
+to the model as `logits_to_keep` (a 2-D bool tensor: transformers' `slice_logits_to_keep` then
+returns the (N, vocab) logits of the N kept positions, in row-major order, after the model's own
+logit processing such as Gemma-2's soft-capping). With a real vocabulary (Qwen2.5: 151,936) and long
+prompts this removes most of the output layer's compute and memory. Both loss paths — (N, vocab)
+logits of the kept positions, or (batch, seq, vocab) logits of every position — go through
+`token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax
+exist for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the
+logits' own dtype.
 """
 
 from __future__ import annotations
@@ -16,9 +27,79 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tunelab.data.encode import IGNORE_INDEX
+
+CHUNK_ELEMENTS = 2**24  # float32 logits per chunk (64 MiB): ~110 rows of a 151,936-token vocabulary
+
+
+def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(batch, seq) bool: positions whose next-token label is supervised (the last position never is)."""
+    mask = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
+    mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return mask
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) the labels the kept positions predict, in the order `hidden[next_token_mask(labels)]` lists them."""
+    shifted = labels[:, 1:]
+    return shifted[shifted != IGNORE_INDEX]
+
+
+def kept_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(N, vocab): the logits of the positions that predict a label. Given (batch, seq, vocab) logits of every
+    position, picks the kept rows; given (N, vocab) logits (the model computed only those), returns them."""
+    if logits.dim() == 2:
+        expected = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if logits.shape[0] != expected:
+            raise ValueError(f"{logits.shape[0]} rows of logits for {expected} supervised positions")
+        return logits
+    return logits[next_token_mask(labels.to(logits.device))]
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log p(target) and the mean log p over the vocabulary, per row of (N, V) logits, chunked.
+
+    Forward keeps one float32 logsumexp per row; backward recomputes each chunk's softmax and writes
+    d/dlogits = g_target·(onehot − p) + g_mean·(1/V − p) in the logits' dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int):
+        rows, vocab = logits.shape
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for start in range(0, rows, chunk):
+            part = logits[start : start + chunk].float()
+            lse[start : start + chunk] = torch.logsumexp(part, dim=-1)
+            mean[start : start + chunk] = part.mean(dim=-1)
+        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk = chunk
+        return picked - lse, mean - lse
+
+    @staticmethod
+    def backward(ctx, grad_picked: torch.Tensor, grad_mean: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        rows, vocab = logits.shape
+        grad = torch.empty_like(logits)
+        for start in range(0, rows, ctx.chunk):
+            end = min(start + ctx.chunk, rows)
+            g_pick, g_mean = grad_picked[start:end, None], grad_mean[start:end, None]
+            probs = (logits[start:end].float() - lse[start:end, None]).exp_()
+            part = probs.mul_(-(g_pick + g_mean)).add_(g_mean / vocab)
+            part.scatter_add_(1, targets[start:end, None], g_pick)
+            grad[start:end] = part
+        return grad, None, None
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p[target], mean over the vocabulary of log p), float32, one per row of (N, vocab) logits."""
+    if logits.shape[0] == 0:
+        empty = logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0  # keeps the graph for backward
+        return empty, empty
+    chunk = chunk or max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    return _TokenLogProbs.apply(logits, targets.to(logits.device), chunk)
 
 
 def causal_lm_loss(
@@ -29,18 +110,17 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Next-token cross-entropy over supervised positions.
 
-    logits: (batch, seq, vocab); labels: (batch, seq) with -100 where nothing is supervised.
-    Token t's logits predict label t+1. Without num_items_in_batch (evaluation), the mean over this
-    batch's supervised tokens.
+    logits: (batch, seq, vocab) of every position, or (N, vocab) of the kept positions only (module
+    docstring); labels: (batch, seq) with -100 where nothing is supervised. Token t's logits predict
+    label t+1. Without num_items_in_batch (evaluation), the mean over this batch's supervised tokens.
     """
-    shift_logits = logits[:, :-1, :].float()
-    shift_labels = labels[:, 1:].to(shift_logits.device)
-    total = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing,
-    )
+    labels = labels.to(logits.device)
+    targets = next_token_targets(labels)
+    log_p, mean_log_p = token_log_probs(kept_logits(logits, labels), targets)
+    nll = -log_p.sum()
+    total = (1 - label_smoothing) * nll - label_smoothing * mean_log_p.sum() if label_smoothing else nll
     if num_items_in_batch is None:
-        num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
+        num_items_in_batch = targets.numel()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tunelab.data.encode import IGNORE_INDEX
+from tunelab.train.losses import kept_logits, next_token_targets, token_log_probs
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
@@ -31,22 +32,23 @@ def sequence_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log-probs over supervised tokens, number of supervised tokens), one per sequence.
 
-    logits: (N, L, V); labels: (N, L), -100 where nothing is supervised. Token t's logits predict
-    label t+1. Computed as gathered logit - logsumexp, in float32, without a (N, L, V) log-softmax copy.
-    A sequence is a row, or with `sequence_ids` ((N, L): the owner 0..S-1 of each position, -1 at
-    padding; padding-free pair batches) every position with that id; a sequence's first label is
-    -100, so no prediction crosses from one sequence into the next.
+    logits: (N, L, V) of every position, or (K, V) of the K positions that predict a label only (the
+    model ran with `logits_to_keep`, train/losses.py); labels: (N, L), -100 where nothing is supervised.
+    Token t's logits predict label t+1. Computed in float32 chunks (losses.token_log_probs), without a
+    log-softmax copy of the logits. A sequence is a row, or with `sequence_ids` ((N, L): the owner
+    0..S-1 of each position, -1 at padding; padding-free pair batches) every position with that id; a
+    sequence's first label is -100, so no prediction crosses from one sequence into the next.
     """
-    logits = logits[:, :-1, :].float()
-    labels = labels[:, 1:].to(logits.device)
-    mask = labels != IGNORE_INDEX
-    targets = labels.masked_fill(~mask, 0)
-    token_logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    labels = labels.to(logits.device)
+    supervised = labels[:, 1:] != IGNORE_INDEX
+    token_logps = token_log_probs(kept_logits(logits, labels), next_token_targets(labels))[0]
     if sequence_ids is None:
-        return (token_logps * mask).sum(-1), mask.sum(-1)
-    owners = sequence_ids[:, 1:].to(logits.device)[mask]
-    count = int(sequence_ids.max()) + 1
-    sums = token_logps.new_zeros(count).index_add(0, owners, token_logps[mask])
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(supervised)
+        owners, count = rows[supervised], labels.shape[0]
+    else:
+        sequence_ids = sequence_ids.to(labels.device)
+        owners, count = sequence_ids[:, 1:][supervised], int(sequence_ids.max()) + 1
+    sums = token_logps.new_zeros(count).index_add(0, owners, token_logps)
     return sums, torch.bincount(owners, minlength=count)
 
 

@@ -36,7 +36,8 @@ from torch import nn
 
 from tunelab.config.args import FinetuningArguments
 from tunelab.train import preference_losses as losses
-from tunelab.train.trainer import TunelabTrainer
+from tunelab.train.losses import next_token_mask
+from tunelab.train.trainer import TunelabTrainer, takes_logits_to_keep
 
 PAIR_REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 KTO_REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")
@@ -65,10 +66,13 @@ def reference_view(model: nn.Module, ref_model: nn.Module | None):
         yield model
 
 
-def batch_log_probs(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_log_probs(model: nn.Module, batch: dict, keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob, supervised token count) of every sequence of a PairedCollator batch, padded
-    (a row each) or padding-free (`sequence_ids`; the model gets the packed keys of PackedCollator)."""
+    (a row each) or padding-free (`sequence_ids`; the model gets the packed keys of PackedCollator).
+    With `keep_logits` (the model takes logits_to_keep) only positions that predict a label get logits."""
     inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    if keep_logits:
+        inputs["logits_to_keep"] = next_token_mask(batch["labels"])
     outputs = model(**inputs, use_cache=False)
     return losses.sequence_log_probs(outputs.logits, batch["labels"], batch.get("sequence_ids"))
 
@@ -87,7 +91,7 @@ def precompute_reference_log_probs(
         for start in range(0, len(dataset), batch_size):
             rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collator(list(rows)).items()}
-            logps, _ = batch_log_probs(reference, batch)
+            logps, _ = batch_log_probs(reference, batch, takes_logits_to_keep(reference))
             half = len(rows)
             first += logps[:half].tolist()
             second += logps[half:].tolist()
@@ -130,11 +134,11 @@ class PreferenceTrainer(TunelabTrainer):
         if columns[0] in batch:
             return torch.cat([batch[columns[0]], batch[columns[1]]]).to(self.args.device).float()
         with torch.no_grad(), reference_view(model, self.ref_model) as reference:
-            return batch_log_probs(reference, batch)[0]
+            return batch_log_probs(reference, batch, takes_logits_to_keep(self.accelerator.unwrap_model(reference)))[0]
 
     def _dpo_loss(self, model, batch: dict, mode: str) -> torch.Tensor:
         ft = self.finetuning
-        logps, counts = batch_log_probs(model, batch)
+        logps, counts = batch_log_probs(model, batch, self._keeps_logits(model))
         averaged = ft.pref_loss in losses.AVERAGED_LOSSES
         policy = logps / counts if averaged else logps
         pc, pr = policy.chunk(2)
@@ -165,7 +169,7 @@ class PreferenceTrainer(TunelabTrainer):
 
     def _kto_loss(self, model, batch: dict, mode: str) -> torch.Tensor:
         ft = self.finetuning
-        logps, _ = batch_log_probs(model, batch)
+        logps, _ = batch_log_probs(model, batch, self._keeps_logits(model))
         reference = self._reference_log_probs(model, batch, KTO_REFERENCE_COLUMNS)
         policy_logps, policy_kl = logps.chunk(2)
         reference_logps, reference_kl = reference.chunk(2)
@@ -176,6 +180,11 @@ class PreferenceTrainer(TunelabTrainer):
         )
         self._record(mode, {"rewards/chosen": rewards[desirable], "rewards/rejected": rewards[~desirable], "kl": kl.reshape(1)})
         return example_losses.mean()
+
+    def _keeps_logits(self, model) -> bool:
+        if self._model_keeps_logits is None:
+            self._model_keeps_logits = takes_logits_to_keep(self.accelerator.unwrap_model(model))
+        return self._model_keeps_logits
 
     # ---- evaluation and logging ------------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
 - the loss: a `compute_loss_func` (train/losses.py) normalised by the supervised tokens of the whole
   optimizer step, which the Trainer counts across micro-batches and processes, with the run's
   `label_smoothing_factor` (transformers' own LabelSmoother is never reached past a compute_loss_func);
+  the model computes logits only at positions that predict a label (`logits_to_keep`, where its
+  forward takes it; losses.py's docstring), in training and evaluation;
 - token accounting (all tokens and supervised tokens seen), logged with every training log line;
 - evaluation metrics per eval set, counted batch by batch (logits are never gathered across the set):
   `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
@@ -20,19 +22,27 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from tunelab.errors import TrainingError
 from tunelab.train import checkpoints
 from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, JsonlLogCallback
 from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
-from tunelab.train.losses import IGNORE_INDEX, CausalLMLoss, causal_lm_loss_func
+from tunelab.train.losses import (
+    IGNORE_INDEX,
+    CausalLMLoss,
+    causal_lm_loss_func,
+    kept_logits,
+    next_token_mask,
+    next_token_targets,
+    token_log_probs,
+)
 from tunelab.train.open_files import check_open_file_budget
 from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
@@ -47,6 +57,7 @@ class TunelabTrainer(transformers.Trainer):
         self.train_start_time: float | None = None
         # [summed cross-entropy, supervised tokens, correct argmax predictions] of the running evaluation.
         self._eval_token_stats: torch.Tensor | None = None
+        self._model_keeps_logits: bool | None = None  # whether the model's forward takes logits_to_keep (first batch)
         reduce = self._reduce_max if self.args.world_size > 1 else None
         self.nonfinite = NonFiniteGuard(
             policy=getattr(self.args, "nan_policy", "stop"),
@@ -186,14 +197,29 @@ class TunelabTrainer(transformers.Trainer):
     # ---- evaluation: token-level metrics accumulated per batch ----------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = self._with_kept_logits(model, inputs)
         if self._eval_token_stats is None or model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         labels = inputs.get("labels")  # the parent pops them from `inputs`
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        if torch.is_tensor(logits) and torch.is_tensor(labels) and logits.dim() == 3 and labels.shape == logits.shape[:2]:
+        if torch.is_tensor(logits) and torch.is_tensor(labels) and (
+            (logits.dim() == 3 and labels.shape == logits.shape[:2]) or logits.dim() == 2
+        ):
             self._eval_token_stats += token_stats(logits.detach(), labels, self._with_token_accuracy)
         return (loss, outputs) if return_outputs else loss
+
+    def _with_kept_logits(self, model, inputs: dict) -> dict:
+        """The batch with `logits_to_keep`: only positions whose next label is supervised get logits, when our
+        causal-LM loss reads them and the model's forward takes the argument (losses.py's docstring)."""
+        labels = inputs.get("labels")
+        if not isinstance(self.compute_loss_func, CausalLMLoss) or labels is None or "logits_to_keep" in inputs:
+            return inputs
+        if self._model_keeps_logits is None:
+            self._model_keeps_logits = takes_logits_to_keep(self.accelerator.unwrap_model(model))
+        if not self._model_keeps_logits:
+            return inputs
+        return {**inputs, "logits_to_keep": next_token_mask(labels)}
 
     @property
     def _with_token_accuracy(self) -> bool:
@@ -219,14 +245,24 @@ class TunelabTrainer(transformers.Trainer):
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_accuracy: bool) -> torch.Tensor:
     """[summed next-token cross-entropy, supervised tokens, correct argmax predictions] of one batch (float64).
 
-    logits (batch, seq, vocab) predict labels shifted by one, as in train/losses.py; -100 labels do not count.
+    logits (batch, seq, vocab) predict labels shifted by one, as in train/losses.py, or are the (N, vocab)
+    logits of the supervised positions only (logits_to_keep); -100 labels do not count.
     """
-    shift_logits = logits[:, :-1, :].float().reshape(-1, logits.size(-1))
-    shift_labels = labels[:, 1:].to(shift_logits.device).reshape(-1)
-    supervised = shift_labels != IGNORE_INDEX
-    nll = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    correct = ((shift_logits.argmax(-1) == shift_labels) & supervised).sum() if with_accuracy else torch.zeros(())
-    return torch.stack([nll.double(), supervised.sum().double(), correct.double().to(nll.device)])
+    labels = labels.to(logits.device)
+    kept, targets = kept_logits(logits, labels), next_token_targets(labels)
+    nll = -token_log_probs(kept, targets)[0].sum()
+    correct = (kept.argmax(-1) == targets).sum() if with_accuracy else torch.zeros((), device=nll.device)
+    return torch.stack([nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=nll.device),
+                        correct.double().to(nll.device)])
+
+
+def takes_logits_to_keep(model) -> bool:
+    """Whether the model (PEFT-wrapped or not) is transformers' own code with a forward that takes
+    `logits_to_keep`: those slice their last hidden states with a 2-D bool tensor before the output layer
+    (`slice_logits_to_keep`). Remote code may slice it differently, so it keeps every position."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    native = type(base).__module__.startswith("transformers.")
+    return native and "logits_to_keep" in inspect.signature(type(base).forward).parameters
 
 
 def token_metrics(stats: list[float], prefix: str, with_accuracy: bool) -> dict[str, float]:

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The real-shape comparison on a lent GPU (docs/benchmarks.md, "Real model shapes"): the Qwen2.5-0.5B
+# layout at full depth (bench/inputs.py model-real24: vocab 151,936, 24 layers, 494M parameters, random
+# init), bf16, against LlamaFactory and TRL (and plain HF), through bench/run.py, with MFU against the
+# GPU's nominal dense bf16 peak. Four configurations of every workload:
+#
+#   sdpa               padded (peers) / padding-free by position ids (tunelab)
+#   fa2                flash-attention 2: varlen padding-free batches (tunelab, TRL padding_free) and
+#                      neat_packing's varlen rows (LlamaFactory, packed workload)
+#   sdpa + liger, fa2 + liger   the same with Liger kernels (fused linear cross-entropy in the peers;
+#                      tunelab computes its loss itself, so it gets Liger's other kernels and keeps its
+#                      own logits-at-labels-only loss)
+#
+#   bash bench/gpu.sh --dry-run      # print what it would run (no GPU, no venvs needed)
+#   bash bench/gpu.sh                # run: needs a CUDA torch in bench/.venvs/* (see below)
+#   STEPS=20 WORKLOADS=sft_long_lora bash bench/gpu.sh
+#
+# Needs: nvidia-smi; bench/.venvs/{tunelab,llamafactory,trl} made with a CUDA torch
+# (TUNELAB_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" bash bench/peers/setup.sh),
+# flash-attn and liger-kernel in each venv (pip install flash-attn liger-kernel). PEAK_TFLOPS overrides the
+# peak looked up from the GPU's name (dense bf16, datasheet).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DRY_RUN=0
+STEPS="${STEPS:-30}"
+REPEATS="${REPEATS:-1}"
+CUTOFF="${CUTOFF:-2048}"
+BATCH="${BATCH:-4}"
+WORKLOADS="${WORKLOADS:-sft_long_lora,sft_lora,sft_lora_packed,sft_full,pt,dpo_lora}"
+TOOLS="${TOOLS:-tunelab,llamafactory,trl,hf}"
+PYTHON="${PYTHON:-$HERE/.venvs/tunelab/bin/python}"
+
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) DRY_RUN=1 ;;
+    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "bench/gpu.sh: unknown argument '$arg' (--dry-run, --help)" >&2; exit 2 ;;
+  esac
+done
+
+peak_for() {  # GPU name -> nominal dense bf16 TFLOP/s (datasheet, SXM where both exist)
+  case "$1" in
+    *H200*|*H100*) echo 989 ;;
+    *A100*) echo 312 ;;
+    *L40S*) echo 362 ;;
+    *A10G*|*A10*) echo 125 ;;
+    *L4*) echo 121 ;;
+    *4090*) echo 165 ;;
+    *) echo "" ;;
+  esac
+}
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+  GPU="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
+else
+  GPU="none"
+  if [ "$DRY_RUN" -eq 0 ]; then
+    echo "bench/gpu.sh: no nvidia-smi: this script needs a GPU machine (--dry-run prints the plan)" >&2
+    exit 1
+  fi
+fi
+PEAK="${PEAK_TFLOPS:-$(peak_for "$GPU")}"
+if [ -z "$PEAK" ]; then
+  if [ "$DRY_RUN" -eq 0 ]; then
+    echo "bench/gpu.sh: unknown GPU '$GPU': set PEAK_TFLOPS to its dense bf16 TFLOP/s" >&2
+    exit 1
+  fi
+  PEAK=989  # the dry run shows an H100/H200's figure
+fi
+echo "GPU: $GPU; MFU against $PEAK TFLOP/s (dense bf16); $STEPS steps x $REPEATS, cutoff $CUTOFF, batch $BATCH"
+
+run() {
+  printf '+'
+  printf ' %q' "$@"
+  printf '\n'
+  if [ "$DRY_RUN" -eq 0 ]; then
+    "$@"
+  fi
+}
+
+if [ "$DRY_RUN" -eq 0 ]; then
+  for venv in tunelab llamafactory trl; do
+    if [ ! -x "$HERE/.venvs/$venv/bin/python" ]; then
+      echo "bench/gpu.sh: $HERE/.venvs/$venv is missing: make the venvs with a CUDA torch first (see the header)" >&2
+      exit 1
+    fi
+  done
+  "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA here'; print('torch', torch.__version__, torch.version.cuda)"
+fi
+
+common=(--model real24 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" --repeats "$REPEATS"
+        --cutoff-len "$CUTOFF" --batch-size "$BATCH" --workloads "$WORKLOADS" --tools "$TOOLS" --no-second-launch)
+for attn in sdpa fa2; do
+  run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --label "gpu $GPU $attn"
+  run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --liger --label "gpu $GPU $attn liger"
+done
