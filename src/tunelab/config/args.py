@@ -140,7 +140,11 @@ class DataArguments:
         "data_report.json) instead of stopping at the first one.",
         default=False,
     )
-    preprocessing_num_workers: int | None = _help("Processes used to tokenise datasets.", default=None)
+    preprocessing_num_workers: int | None = _help(
+        "Processes used to tokenise datasets. Unset: one per CPU (at most 8) for sets of 50,000 rows or more "
+        "(logged), else this process.",
+        default=None,
+    )
     overwrite_cache: bool = _help("Rebuild tokenised datasets even if a cached copy exists.", default=False)
 
 
