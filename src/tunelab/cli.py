@@ -457,7 +457,7 @@ def _add_serving_commands(sub) -> None:
 
 
 def _cmd_env(_: argparse.Namespace) -> int:
-    from tunelab.train.outputs import versions  # noqa: PLC0415
+    from tunelab.versions import versions  # noqa: PLC0415
 
     for key, value in versions().items():
         print(f"{key}: {value}")
