@@ -55,7 +55,7 @@ def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
         torchao.logger.filters[:], pytree.log.filters[:] = before
 
 
-@pytest.mark.parametrize("argv", [["template", "list"], ["--help"], ["data", "--help"]])
+@pytest.mark.parametrize("argv", [["template", "list"], ["template", "show", "chatml"], ["--help"], ["data", "--help"], ["env"]])
 def test_light_commands_import_no_training_stack(argv: list[str]) -> None:
     # train's --help lists every TrainingArguments option; building that text imports transformers' training
     # arguments, and through them peft and bitsandbytes: only `train --help` pays for it.

@@ -44,7 +44,7 @@ def _options_help() -> str:
     import typing  # noqa: PLC0415
 
     from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments  # noqa: PLC0415
-    from tunelab.config.loader import ALIASES  # noqa: PLC0415
+    from tunelab.config.loader import ALIASES, PRECISION_KEYS  # noqa: PLC0415
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
     for group in ARGUMENT_GROUPS:
@@ -59,6 +59,8 @@ def _options_help() -> str:
                 continue
             if f.name in TRAINING_DEFAULTS and group is TrainingArguments:
                 default = f"tunelab default {TRAINING_DEFAULTS[f.name]!r}"
+            elif f.name in PRECISION_KEYS and group is TrainingArguments:
+                default = "tunelab default 'auto'"
             else:
                 value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 default = f"default {getattr(value, 'value', value)!r}"
@@ -489,7 +491,7 @@ def _add_webui_command(sub) -> None:
 
 
 def _cmd_env(_: argparse.Namespace) -> int:
-    from tunelab.train.outputs import versions  # noqa: PLC0415
+    from tunelab.versions import versions  # noqa: PLC0415
 
     for key, value in versions().items():
         print(f"{key}: {value}")

@@ -140,7 +140,11 @@ class DataArguments:
         "data_report.json) instead of stopping at the first one.",
         default=False,
     )
-    preprocessing_num_workers: int | None = _help("Processes used to tokenise datasets.", default=None)
+    preprocessing_num_workers: int | None = _help(
+        "Processes used to tokenise datasets. Unset: one per CPU (at most 8) for sets of 50,000 rows or more "
+        "(logged), else this process.",
+        default=None,
+    )
     overwrite_cache: bool = _help("Rebuild tokenised datasets even if a cached copy exists.", default=False)
 
 
@@ -387,6 +391,10 @@ TRAINING_NOTES = {
     "save_steps": "tunelab: setting it without save_strategy turns on save_strategy: steps (as in LlamaFactory).",
     "eval_steps": "Only with eval_strategy: steps (otherwise tunelab warns that it has no effect).",
     "warmup_steps": "A float < 1 is a ratio of the total steps (warmup_ratio is accepted as its old name).",
+    "bf16": "auto: bf16 where the device runs it natively and fast (GPU compute capability >= 8.0, "
+            "a CPU with avx512_bf16 / amx_bf16 whose measured bf16 matmul beats fp32); true / false always wins.",
+    "fp16": "auto: fp16 with loss scaling on CUDA GPUs older than compute capability 8.0; "
+            "true / false always wins.",
 }
 
 
@@ -401,3 +409,4 @@ class RunConfig:
     training: TrainingArguments
     export: ExportArguments = field(default_factory=ExportArguments)
     source: str | None = None  # the YAML file it came from
+    precision: str | None = None  # what bf16 / fp16 auto chose and why (config/precision.py); None when both were set

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -213,6 +214,29 @@ def _has_accelerator() -> bool:
     )
 
 
+PRECISION_KEYS = ("bf16", "fp16")
+
+
+def _auto_precision(training_values: dict[str, Any], purpose: str) -> str | None:
+    """Set bf16 / fp16 where they were left to auto (config/precision.py), and say what was chosen and why.
+    None when both were given, or for commands that train and compute nothing (export, serve)."""
+    given = {key: training_values.get(key) for key in PRECISION_KEYS}
+    if purpose in ("export", "serve") or True in given.values() or None not in given.values():
+        return None
+    from tunelab.config import precision  # noqa: PLC0415
+
+    # The launching process of a multi-process run keeps its hands off the GPUs (train/launch.py): it decides
+    # for the CPU, only to check the config; each worker decides again for its own device.
+    use_cpu = bool(training_values.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    choice = precision.choose_precision(precision.device_facts(use_cpu))
+    bf16, fp16 = precision.resolve_flags(given["bf16"], given["fp16"], choice)
+    training_values["bf16"], training_values["fp16"] = bf16, fp16
+    chosen = "bf16" if bf16 else "fp16" if fp16 else "fp32"
+    explicit = ", ".join(f"{k}: {str(v).lower()}" for k, v in given.items() if v is not None)
+    wins = "" if chosen == choice.mode else f" (auto would choose {choice.mode}; {explicit} wins)"
+    return f"{chosen} (auto): {choice.reason}{wins}"
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
@@ -236,6 +260,10 @@ def load_config(
     origins.update(dict.fromkeys(overrides or {}, COMMAND_LINE))
     raw = _apply_aliases(raw, origins)
 
+    # bf16 / fp16: auto is the default; the value is decided below, from the hardware, unless given.
+    for key in PRECISION_KEYS:
+        if key in raw and isinstance(raw[key], str) and raw[key].strip().lower() == "auto":
+            del raw[key]
     owners = _fields_by_key()
     unknown = [k for k in raw if k not in owners]
     if unknown:
@@ -267,6 +295,7 @@ def load_config(
         training_values["greater_is_better"] = False  # transformers takes only names ending in "loss" as lower-is-better
     if "dataloader_pin_memory" not in raw:
         training_values["dataloader_pin_memory"] = _has_cuda()  # pinning only helps host→GPU copies
+    precision = _auto_precision(training_values, purpose)
 
     if purpose == "train" and not values[TrainingArguments].get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
@@ -284,7 +313,7 @@ def load_config(
         except (ValueError, TypeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(f"invalid {group.__name__} values: {message}") from None
-    config = RunConfig(*groups, source=str(path) if path else None)
+    config = RunConfig(*groups, source=str(path) if path else None, precision=precision)
     checks.check_config(config, purpose)
     if warn and purpose == "train":
         checks.warn_ineffective_keys(config, set(raw))

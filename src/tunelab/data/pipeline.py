@@ -14,6 +14,7 @@ the template would not render is an error naming it, or skipped and counted with
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,9 +167,33 @@ def split_validation(
     return split["train"], split["test"]
 
 
+LARGE_SET_ROWS = 50_000  # from here, preprocessing_num_workers unset tokenises with one process per CPU
+MAX_DEFAULT_WORKERS = 8  # each process holds a tokenizer and a share of the batches; more rarely pays
+
+
+def encode_workers(rows: int, given: int | None, cpus: int) -> int | None:
+    """The processes that tokenise a set of `rows`: preprocessing_num_workers when given; otherwise one per CPU
+    (up to MAX_DEFAULT_WORKERS) for sets of LARGE_SET_ROWS rows or more, where starting the processes pays off;
+    None (this process) below that. The examples are the same either way: datasets maps contiguous shards and
+    concatenates them in order."""
+    if given is not None:
+        return given
+    workers = min(cpus, MAX_DEFAULT_WORKERS)
+    return workers if rows >= LARGE_SET_ROWS and workers > 1 else None
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def encode_dataset(
     canonical: datasets.Dataset, encoder: SupervisedEncoder, name: str, num_proc: int | None
 ) -> tuple[datasets.Dataset, EncodeStats]:
+    chosen = encode_workers(len(canonical), num_proc, _usable_cpus())
+    if chosen != num_proc:
+        logger.info("%s: %d rows, tokenising with %d processes (preprocessing_num_workers unset: one per CPU, at most "
+                    "%d, for sets of %d rows or more)", name, len(canonical), chosen, MAX_DEFAULT_WORKERS, LARGE_SET_ROWS)
+    num_proc = chosen
     encoded = canonical.map(
         encoder, batched=True, batch_size=256, remove_columns=list(canonical.column_names), num_proc=num_proc,
         desc=f"Tokenising {name}",

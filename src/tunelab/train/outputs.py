@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from tunelab.config.args import RunConfig
 from tunelab.config.loader import RUN_RECORD, resolved_dict
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
+from tunelab.versions import versions
 
 
 def write_json(output_dir: str, name: str, data: Any) -> Path:
@@ -80,18 +79,6 @@ def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
         if snapshot is not None:
             sources[key] = snapshot.record(revision) | {"folder": str(snapshot.folder)}
     return sources
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md  # noqa: PLC0415
-
-    info = {"python": sys.version.split()[0], "platform": platform.platform()}
-    for package in ("tunelab", "torch", "transformers", "peft", "datasets", "accelerate", "tokenizers"):
-        try:
-            info[package] = md.version(package)
-        except md.PackageNotFoundError:
-            pass
-    return info
 
 
 def save_model(trainer, tokenizer, template, config: RunConfig) -> None:

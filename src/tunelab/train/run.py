@@ -47,6 +47,8 @@ def run(config: RunConfig) -> dict:
     old, new = raise_open_file_limit()
     if new != old:
         logger.info("open-file limit raised from %s to %s (the soft limit, up to the hard one)", old, new)
+    if config.precision is not None:
+        logger.info("precision: %s", config.precision)
     if config.training.process_index == 0:
         outputs.write_run_start(config)
     stage = config.finetuning.stage

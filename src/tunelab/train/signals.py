@@ -80,10 +80,9 @@ class StopOnSignal(transformers.TrainerCallback):
         )
 
     def on_step_end(self, args, state, control, **kwargs):
-        flag = torch.tensor(self.received or 0, dtype=torch.int32)
-        if self.reduce is not None:
-            flag = self.reduce(flag)
-        signum = int(flag)
+        signum = self.received or 0
+        if self.reduce is not None:  # every rank stops at the same step (one collective per step)
+            signum = int(self.reduce(torch.tensor(signum, dtype=torch.int32)))
         if signum:
             self.received = self.received or signum
             control.should_save = True

@@ -54,6 +54,9 @@ class TunelabTrainer(transformers.Trainer):
             self.compute_loss_func = CausalLMLoss(self.args.label_smoothing_factor)
         self.tokens_seen = 0
         self.supervised_tokens_seen = 0
+        # [tokens, supervised tokens] counted on the batch's device since the last log line: reading them is a
+        # host sync, so it happens only when a line is logged or a checkpoint saved (_flush_token_counts).
+        self._token_counts: torch.Tensor | None = None
         self.train_start_time: float | None = None
         # [summed cross-entropy, supervised tokens, correct argmax predictions] of the running evaluation.
         self._eval_token_stats: torch.Tensor | None = None
@@ -98,6 +101,7 @@ class TunelabTrainer(transformers.Trainer):
 
     def run_state(self) -> dict:
         """What tunelab_state.json keeps beside the Trainer's own state (called on every process)."""
+        self._flush_token_counts()
         values = torch.tensor(
             [self.tokens_seen, self.supervised_tokens_seen, float(getattr(self, "_tr_loss", 0.0))],
             dtype=torch.float64, device=self.args.device,
@@ -122,6 +126,7 @@ class TunelabTrainer(transformers.Trainer):
         main = self.args.process_index == 0  # the log sums counters over processes
         self.tokens_seen = saved.get("tokens_seen", 0) if main else 0
         self.supervised_tokens_seen = saved.get("supervised_tokens_seen", 0) if main else 0
+        self._token_counts = None
         self.nonfinite.load_state_dict(saved.get("nonfinite", {}))
         if "loss_since_last_log" in saved and saved.get("global_step") == self.state.global_step:
             self._tr_loss = torch.tensor(saved["loss_since_last_log"], device=self.args.device)
@@ -146,28 +151,40 @@ class TunelabTrainer(transformers.Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.train_start_time is None:
             self.train_start_time = time.time()
-        self.tokens_seen += self._real_tokens(inputs)
-        labels = inputs.get("labels")
-        if labels is not None:
-            self.supervised_tokens_seen += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        self._count_tokens(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.nonfinite.observe_loss(loss)
         return loss
 
-    def _real_tokens(self, inputs) -> int:
-        """Tokens that are not padding. Padded batches say so in their 2-D attention mask; packed
+    def _count_tokens(self, inputs) -> None:
+        """Add the batch's real and supervised tokens to the running counts without reading them back: on a GPU
+        every int(tensor) waits for the device, so the sums stay tensors until the next log line.
+
+        Real tokens are those that are not padding: padded batches say so in their 2-D attention mask; packed
         batches have none (or a 4-D block mask), and their row padding is pad ids that nothing learns."""
-        mask = inputs.get("attention_mask")
-        if mask is not None and mask.dim() == 2:
-            return int(mask.sum())
-        input_ids, labels = inputs["input_ids"], inputs.get("labels")
+        input_ids, labels, mask = inputs["input_ids"], inputs.get("labels"), inputs.get("attention_mask")
         pad_id = getattr(self.processing_class, "pad_token_id", None)
-        if pad_id is None or labels is None:
-            return input_ids.numel()
-        return int(((input_ids != pad_id) | (labels != IGNORE_INDEX)).sum())
+        if mask is not None and mask.dim() == 2:
+            real = mask.sum()
+        elif pad_id is None or labels is None:
+            real = torch.full((), input_ids.numel(), device=input_ids.device)
+        else:
+            real = ((input_ids != pad_id) | (labels != IGNORE_INDEX)).sum()
+        supervised = (labels[:, 1:] != IGNORE_INDEX).sum() if labels is not None else torch.zeros_like(real)
+        counts = torch.stack([real.to(torch.int64), supervised.to(device=real.device, dtype=torch.int64)])
+        self._token_counts = counts if self._token_counts is None else self._token_counts + counts
+
+    def _flush_token_counts(self) -> None:
+        """Move the device-side counts into tokens_seen / supervised_tokens_seen (one host sync)."""
+        if self._token_counts is not None:
+            tokens, supervised = self._token_counts.tolist()
+            self.tokens_seen += tokens
+            self.supervised_tokens_seen += supervised
+            self._token_counts = None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            self._flush_token_counts()
             tokens = torch.tensor([self.tokens_seen, self.supervised_tokens_seen], device=self.args.device)
             if self.args.world_size > 1:
                 tokens = self.accelerator.reduce(tokens, reduction="sum")
