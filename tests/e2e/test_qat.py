@@ -1,5 +1,5 @@
 """QAT runs end to end on the embedded tiny model: qat_start_step switches fake quantisation on where it says,
-a resumed QAT run equals the uninterrupted one, and train → quantized export → tunelab eval works."""
+a resumed QAT run (LoRA or full) equals the uninterrupted one, and train → quantized export → tunelab eval works."""
 
 from __future__ import annotations
 
@@ -50,3 +50,16 @@ def test_full_qat_run_exports_quantized_and_evaluates(tmp_path):
     assert main(["eval", str(config), f"model_name_or_path={export}", f"output_dir={tmp_path / 'eval'}"]) == 0
     results = json.loads((tmp_path / "eval" / "predict_results.json").read_text())
     assert results["predict_samples"] == 16 and 0.0 <= results["predict_exact_match"] <= 1.0
+
+
+@pytest.mark.slow
+def test_full_qat_run_resumes_exactly(tmp_path):
+    options = {"finetuning_type": "full", "qat": "int4-weight", "qat_group_size": 64}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert train(write_config(whole, **options)) == 0
+    expected = losses(whole / "out")
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    shutil.copytree(whole / "out" / "checkpoint-3", resumed / "out" / "checkpoint-3")
+    assert train(write_config(resumed, **options, resume_from_checkpoint=True)) == 0
+    assert losses(resumed / "out") == {step: loss for step, loss in expected.items() if step > 3}  # exact floats
+    assert_same_weights(weights(resumed / "out"), weights(whole / "out"))  # full-precision weights, plain keys
