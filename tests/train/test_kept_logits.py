@@ -208,3 +208,9 @@ def test_the_trainer_computes_the_output_layer_at_supervised_positions_only(tmp_
     assert rows_seen == [torch.Size([supervised])]
     logged = next(log["loss"] for log in trainer.state.log_history if "loss" in log)
     assert abs(logged - expected_loss) < 1e-4  # the Trainer logs a rounded float
+
+
+def test_kept_logits_of_the_wrong_number_of_rows_are_refused() -> None:
+    labels = torch.tensor([[-100, 5, 6, -100]])  # two positions predict a label
+    with pytest.raises(ValueError, match="^3 rows of logits for 2 supervised positions$"):
+        losses.causal_lm_loss(torch.zeros(3, 11), labels)

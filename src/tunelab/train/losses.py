@@ -49,10 +49,7 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 def kept_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(N, vocab): the logits of the positions that predict a label. Given (batch, seq, vocab) logits of every
     position, picks the kept rows; given (N, vocab) logits (the model computed only those), returns them."""
-    if logits.dim() == 2:
-        expected = int((labels[:, 1:] != IGNORE_INDEX).sum())
-        if logits.shape[0] != expected:
-            raise ValueError(f"{logits.shape[0]} rows of logits for {expected} supervised positions")
+    if logits.dim() == 2:  # token_log_probs checks the rows against the targets (no device read here)
         return logits
     return logits[next_token_mask(labels.to(logits.device))]
 
@@ -95,6 +92,8 @@ class _TokenLogProbs(torch.autograd.Function):
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p[target], mean over the vocabulary of log p), float32, one per row of (N, vocab) logits."""
+    if logits.shape[0] != targets.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows of logits for {targets.shape[0]} supervised positions")
     if logits.shape[0] == 0:
         empty = logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0  # keeps the graph for backward
         return empty, empty
