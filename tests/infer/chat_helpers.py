@@ -102,14 +102,14 @@ def build_chat_model(folder: Path) -> ChatModel:
 
 
 def build_tool_model(folder: Path) -> Path:
-    """Fine-tune the whole tiny model on the tool conversations (50 steps, one thread); returns its folder.
+    """Fine-tune the whole tiny model on the tool conversations (80 steps, one thread); returns its folder.
 
     Full fine-tuning: the tool prompts are ~200 tokens and LoRA needs several times more steps to learn them.
     """
     with _one_thread():
         tokenizer, model = AutoTokenizer.from_pretrained(TINY_MODEL_DIR), AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
         rows = [{"system": "", "messages": turns, "tools": json.dumps([WEATHER_TOOL])} for turns in TOOL_CONVERSATIONS]
-        template = _fit(model, tokenizer, "default", rows, steps=50, lr=3e-3)
+        template = _fit(model, tokenizer, "default", rows, steps=80, lr=3e-3)
         _save_tokenizer_and_generation_config(model, tokenizer, template, folder)
         model.save_pretrained(folder)
     return folder
