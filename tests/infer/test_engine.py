@@ -136,7 +136,8 @@ def test_seeded_sampling_is_repeatable(engine, top_k):
     # "length" only when the limit was reached; "stop" (an end-of-turn token) can come at any count up to it.
     assert first.finish_reason in ("stop", "length") and first.completion_tokens <= 12
     assert first.finish_reason == "stop" or first.completion_tokens == 12
-    assert engine.complete(chat, replace(options, seed=8)).text != first.text
+    # the seed is used: other seeds do not all repeat this draw (one alone may, where the model is confident)
+    assert any(engine.complete(chat, replace(options, seed=seed)).text != first.text for seed in range(8, 13))
 
 
 @pytest.mark.parametrize("keep_one", [{"top_k": 1}, {"top_p": 1e-9}], ids=["top_k=1", "top_p~0"])
