@@ -101,6 +101,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     except Exception as exc:
         from tunelab.train.oom import is_out_of_memory  # noqa: PLC0415
 
+        lost = launch.lost_peer_message(exc, config.training)
+        if lost is not None:
+            from tunelab.errors import TrainingError  # noqa: PLC0415
+
+            raise TrainingError(lost) from None
         if not is_out_of_memory(exc):
             raise
         out_of_memory = str(exc)
