@@ -172,7 +172,7 @@ def test_a_deepspeed_json_that_does_not_parse_is_one_line(tmp_path, capsys):
     assert (code, out) == (2, "")
     assert err == (
         f"tunelab: error: deepspeed: {ds} is not valid JSON (Expecting property name enclosed in double quotes: "
-        "line 1 column 36 (char 35))\n"
+        "line 1 column 35 (char 34))\n"
     )
     ds = Path(__file__).resolve().parents[1] / "examples" / "deepspeed" / "ds_z2_config.json"
     assert json.loads(ds.read_text())  # the example file itself is fine

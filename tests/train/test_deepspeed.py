@@ -24,8 +24,9 @@ from tunelab.train.callbacks import read_log
 pytest.importorskip("deepspeed", reason="pip install 'tunelab[deepspeed]'")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "deepspeed"
-# ZeRO reduces gradients in other groupings than DDP (reduce-scatter over flat buckets): float rounding only.
-TOLERANCE = 1e-5
+# ZeRO reduces gradients in flat buckets, summed in another order than DDP's: float rounding, which SGD at lr 0.5
+# carries into later losses (measured: step 4 differs by 3.4e-5, final weights by 7e-7; docs/distributed.md).
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-4, 1e-5
 
 
 def logged(out: Path) -> list[dict]:
@@ -62,10 +63,10 @@ def test_zero_trains_like_one_process_with_the_same_global_batch(runs, stage):
     assert [r["step"] for r in zero] == [1, 2, 3, 4]
     assert [r["epoch"] for r in zero] == [0.125, 0.25, 0.375, 0.5]  # 8 of 64 samples per step
     for a, b in zip(zero, one):
-        assert a["loss"] == pytest.approx(b["loss"], abs=TOLERANCE)
+        assert a["loss"] == pytest.approx(b["loss"], abs=LOSS_TOLERANCE)
     # The final folder is a plain Hugging Face model (ZeRO-3: gathered from the shards at the save).
     assert not list((runs / stage).glob("global_step*"))
-    assert max_weight_difference(runs / stage, runs / "one") < TOLERANCE
+    assert max_weight_difference(runs / stage, runs / "one") < WEIGHT_TOLERANCE
 
 
 @pytest.mark.slow
