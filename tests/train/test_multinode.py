@@ -53,9 +53,11 @@ def kill_node(node: subprocess.Popen) -> None:
             pass
 
 
-def finish(*nodes: subprocess.Popen, timeout: float = 300) -> list[tuple[int, str]]:
+def finish(*nodes: subprocess.Popen, timeout: float = 900) -> list[tuple[int, str]]:
+    """Each launcher's exit code and stderr. The timeout only stops a hung test on a loaded machine."""
     try:
-        return [(node.returncode, node.communicate(timeout=timeout)[1]) for node in nodes]
+        errors = [node.communicate(timeout=timeout)[1] for node in nodes]
+        return [(node.returncode, err) for node, err in zip(nodes, errors)]
     finally:
         for node in nodes:
             kill_node(node)
@@ -124,6 +126,8 @@ def test_sigterm_to_one_node_checkpoints_the_whole_job_and_it_resumes(tmp_path, 
     assert is_complete(checkpoint) and 2 <= step < 400
     assert sorted(p.name for p in checkpoint.glob("rng_state_*.pth")) == ["rng_state_0.pth", "rng_state_1.pth"]
     assert f"tunelab: SIGTERM received: training stopped at step {step}, checkpoint saved to {checkpoint}; " in err0
+    assert "tunelab: rank 0 stopped on SIGTERM (exit code 143); the command to resume is above\n" in err0
+    assert "tunelab: error" not in err0 + err1
 
     port = free_port()
     resumed = [start_node(cfg, rank, port, tmp_path / f"cache{rank}", *options, f"max_steps={step + 2}",

@@ -197,7 +197,13 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1  # negative: killed by a signal
-        print(f"tunelab: error: rank {rank} exited with code {failure.exitcode} (its output is above)", file=sys.stderr)
+        if code - 128 in (signal.SIGTERM, signal.SIGINT):  # stopped on a signal after saving (train/signals.py)
+            name = signal.Signals(code - 128).name
+            print(f"tunelab: rank {rank} stopped on {name} (exit code {code}); the command to resume is above",
+                  file=sys.stderr)
+        else:
+            print(f"tunelab: error: rank {rank} exited with code {failure.exitcode} (its output is above)",
+                  file=sys.stderr)
         return code
     except SignalException as exc:  # SIGTERM / SIGINT to this process: torchrun has stopped the workers
         return 128 + int(exc.sigval)
