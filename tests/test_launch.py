@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
+import types
 
 import pytest
 import yaml
@@ -142,3 +143,19 @@ def test_a_master_port_in_use_is_one_line(tmp_path, clean_env):
         launch.check_port_free(training(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1, master_addr="127.0.0.1",
                                         master_port=port))
     launch.check_port_free(args)  # free again
+
+
+def test_a_lost_peer_is_one_line():
+    """What gloo raised in rank 0 when node 1 was killed (tests/train/test_multinode.py runs it for real)."""
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6023: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    args = types.SimpleNamespace(world_size=2, process_index=0)  # the two fields it reads
+    assert launch.lost_peer_message(gloo, args) == (
+        "lost contact with another rank during training (rank 0 of 2: Read error [127.0.0.1]:6023: Connection "
+        "reset by peer); another process or node stopped (see its output); rerun every node with "
+        "resume_from_checkpoint=true to continue from the last checkpoint"
+    )
+    assert launch.lost_peer_message(RuntimeError("shape mismatch"), args) is None  # a bug keeps its traceback
+    assert launch.lost_peer_message(gloo, types.SimpleNamespace(world_size=1, process_index=0)) is None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import socket
 import sys
@@ -153,6 +154,8 @@ def lost_peer_message(exc: BaseException, args: TrainingArguments) -> str | None
     if not (isinstance(exc, dist.DistNetworkError) or any(marker in text for marker in LOST_PEER_MARKERS)):
         return None
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:6023: Connection reset by peer. This is typically ..."
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
     return (
         f"lost contact with another rank during training (rank {args.process_index} of {args.world_size}: {first}); "
         "another process or node stopped (see its output); rerun every node with resume_from_checkpoint=true to "
