@@ -42,14 +42,14 @@ def max_weight_difference(a: Path, b: Path) -> float:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process × batch 8, then ZeRO-2 and ZeRO-3 with 2 processes × batch 4 (ZeRO-3 checkpoints at step 2)."""
+    """ZeRO-2 and ZeRO-3 with 2 processes × batch 4 (ZeRO-3 checkpoints at step 2); both are compared with the
+    one-process × batch 8 reference that test_multinode shares (tests/train/conftest.py)."""
     tmp = tmp_path_factory.mktemp("deepspeed")
     cfg = tmp / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(CONFIG))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TUNELAB_CACHE", str(tmp / "cache"))
         patch.setenv("OMP_NUM_THREADS", "1")
-        assert main(["train", str(cfg), f"output_dir={tmp / 'one'}", "per_device_train_batch_size=8"]) == 0
         for stage, extra in (("z2", []), ("z3", ["save_steps=2"])):
             assert main(["train", str(cfg), f"output_dir={tmp / stage}", "per_device_train_batch_size=4",
                          "nproc_per_node=2", f"deepspeed={EXAMPLES / f'ds_{stage}_config.json'}", *extra]) == 0
@@ -58,15 +58,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["z2", "z3"])
-def test_zero_trains_like_one_process_with_the_same_global_batch(runs, stage):
-    one, zero = logged(runs / "one"), logged(runs / stage)
+def test_zero_trains_like_one_process_with_the_same_global_batch(runs, one_process_reference, stage):
+    one, zero = logged(one_process_reference), logged(runs / stage)
     assert [r["step"] for r in zero] == [1, 2, 3, 4]
     assert [r["epoch"] for r in zero] == [0.125, 0.25, 0.375, 0.5]  # 8 of 64 samples per step
     for a, b in zip(zero, one):
         assert a["loss"] == pytest.approx(b["loss"], abs=LOSS_TOLERANCE)
     # The final folder is a plain Hugging Face model (ZeRO-3: gathered from the shards at the save).
     assert not list((runs / stage).glob("global_step*"))
-    assert max_weight_difference(runs / stage, runs / "one") < WEIGHT_TOLERANCE
+    assert max_weight_difference(runs / stage, one_process_reference) < WEIGHT_TOLERANCE
 
 
 @pytest.mark.slow
