@@ -164,13 +164,15 @@ def test_serving_errors_are_one_line(tmp_path, capsys):
             2, f"tunelab: error: {flag}: expected an integer >= 1, got 0\n")
 
 
-def test_deepspeed_on_cpu_is_one_line(tmp_path, capsys):
-    ds = Path(__file__).resolve().parents[1] / "examples" / "deepspeed" / "ds_z2_config.json"
+def test_a_deepspeed_json_that_does_not_parse_is_one_line(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2,}}')
     code, out, err = run(capsys, ["train", "dataset=demo_sort", "template=chatml", f"output_dir={tmp_path / 'o'}",
-                                  f"deepspeed={ds}", "use_cpu=true"])
+                                  f"deepspeed={ds}", "nproc_per_node=2"])
     assert (code, out) == (2, "")
     assert err == (
-        "tunelab: error: deepspeed needs GPUs: on CPU (use_cpu, or no accelerator found) it cannot start; remove "
-        "deepspeed (nproc_per_node alone trains data-parallel on CPU)\n"
+        f"tunelab: error: deepspeed: {ds} is not valid JSON (Expecting property name enclosed in double quotes: "
+        "line 1 column 35 (char 34))\n"
     )
+    ds = Path(__file__).resolve().parents[1] / "examples" / "deepspeed" / "ds_z2_config.json"
     assert json.loads(ds.read_text())  # the example file itself is fine

@@ -1,6 +1,6 @@
-"""bitsandbytes' and torchao's optional-kernel notes stay off the terminal (every command imports them through
-peft and transformers' quantizers when they are installed), and only those notes; light commands import no training
-stack at all."""
+"""bitsandbytes' and torchao's optional-kernel notes and DeepSpeed's CPU-accelerator note stay off the terminal
+(every command imports them through peft, transformers' quantizers and accelerate when they are installed), and
+only those notes; light commands import no training stack at all."""
 
 from __future__ import annotations
 
@@ -53,6 +53,28 @@ def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
         assert pytree.log.filter(_warning(pytree.log, "some other pytree warning"))
     finally:
         torchao.logger.filters[:], pytree.log.filters[:] = before
+
+
+def test_deepspeed_cpu_accelerator_note_is_dropped_and_its_other_warnings_kept() -> None:
+    # accelerate's unwrap_model imports deepspeed in every Trainer when it is installed; its import then warns
+    # from real_accelerator.py through the "DeepSpeed" logger. An upgrade that moves the note fails here.
+    real_accelerator = pytest.importorskip("deepspeed.accelerator.real_accelerator",
+                                           reason="pip install 'tunelab[deepspeed]'")
+    import deepspeed.utils.logging as ds_logging  # noqa: PLC0415
+
+    note = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+    assert f'accel_logger.warning(\n                    "{note}")' in inspect.getsource(real_accelerator)
+    assert real_accelerator.accel_logger is ds_logging.logger and ds_logging.logger.name == "DeepSpeed"
+    logger = ds_logging.logger
+    before = list(logger.filters)
+    try:
+        quiet_optional_kernel_notes()
+        quiet_optional_kernel_notes()
+        assert [type(f).__name__ for f in logger.filters].count("_DropMessage") == 1
+        assert not logger.filter(_warning(logger, note))
+        assert logger.filter(_warning(logger, "some other DeepSpeed warning"))
+    finally:
+        logger.filters[:] = before
 
 
 @pytest.mark.parametrize("argv", [["template", "list"], ["template", "show", "chatml"], ["--help"], ["data", "--help"], ["env"]])

@@ -1,11 +1,15 @@
 """`nproc_per_node` → the torchrun command line; a process started by a launcher never launches again.
 
-The launch itself (torchrun workers, gloo DDP) runs end to end in tests/train/test_ddp.py.
+The launch itself (torchrun workers, gloo DDP) runs end to end in tests/train/test_ddp.py, two nodes in
+tests/train/test_multinode.py, DeepSpeed in tests/train/test_deepspeed.py.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
+import types
 
 import pytest
 import yaml
@@ -92,3 +96,66 @@ def test_the_launching_process_decides_before_building_the_config(tmp_path, clea
     assert args.device.type == "cpu" and launch.needs_launch(args)
     assert os.environ["ACCELERATE_USE_CPU"] == "false"  # restored before any worker starts
 
+
+
+def test_deepspeed_always_runs_under_torchrun(tmp_path, clean_env):
+    """Outside a launcher DeepSpeed looks for MPI to learn its rank (No module named 'mpi4py'): one DeepSpeed
+    process is launched through torchrun too."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "deepspeed": str(ds)}))
+    assert launch.wants_launch(str(cfg), [])
+    if importlib.util.find_spec("deepspeed") is not None:  # else the config check refuses it first
+        args = training(tmp_path, deepspeed=str(ds))
+        assert launch.needs_launch(args)
+        assert launch.torchrun_argv(args, ["train", "cfg.yaml"])[:2] == ["--nproc_per_node=1", "--nnodes=1"]
+
+
+def test_nodes_with_different_nproc_per_node_are_refused_at_rendezvous(tmp_path, clean_env):
+    """torchrun's rendezvous adds up what each node brings (1 + 2 = 3): every worker sees WORLD_SIZE 3."""
+    args = training(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
+    for name, value in {"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}.items():
+        clean_env.setenv(name, value)
+    with pytest.raises(ConfigError) as error:
+        launch.needs_launch(args)
+    assert str(error.value) == (
+        "nproc_per_node differs between nodes: this node started 2 processes but the 2 nodes brought 3 in all; "
+        "start every node with the same nproc_per_node"
+    )
+    clean_env.setenv("WORLD_SIZE", "4")
+    assert not launch.needs_launch(args)
+
+
+def test_a_master_port_in_use_is_one_line(tmp_path, clean_env):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = training(tmp_path, nproc_per_node=2, master_port=port)
+        with pytest.raises(ConfigError) as error:
+            launch.check_port_free(args)
+        assert str(error.value) == (
+            f"master_port: {port} is already in use on this machine (another run or program listens there); "
+            "choose a free master_port"
+        )
+        # Node 1 connects to node 0's port instead of binding it: nothing to check there.
+        launch.check_port_free(training(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1, master_addr="127.0.0.1",
+                                        master_port=port))
+    launch.check_port_free(args)  # free again
+
+
+def test_a_lost_peer_is_one_line():
+    """What gloo raised in rank 0 when node 1 was killed (tests/train/test_multinode.py runs it for real)."""
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:6023: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application."
+    )
+    args = types.SimpleNamespace(world_size=2, process_index=0)  # the two fields it reads
+    assert launch.lost_peer_message(gloo, args) == (
+        "lost contact with another rank during training (rank 0 of 2: Read error [127.0.0.1]:6023: Connection "
+        "reset by peer); another process or node stopped (see its output); rerun every node with "
+        "resume_from_checkpoint=true to continue from the last checkpoint"
+    )
+    assert launch.lost_peer_message(RuntimeError("shape mismatch"), args) is None  # a bug keeps its traceback
+    assert launch.lost_peer_message(gloo, types.SimpleNamespace(world_size=1, process_index=0)) is None

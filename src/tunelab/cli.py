@@ -103,6 +103,11 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     except Exception as exc:
         from tunelab.train.oom import is_out_of_memory  # noqa: PLC0415
 
+        lost = launch.lost_peer_message(exc, config.training)
+        if lost is not None:
+            from tunelab.errors import TrainingError  # noqa: PLC0415
+
+            raise TrainingError(lost) from None
         if not is_out_of_memory(exc):
             raise
         out_of_memory = str(exc)
@@ -558,6 +563,7 @@ class _DropMessage:
 _DROPPED_NOTES = {
     "torchao": _DropMessage("Failed to load "),
     "torch.utils._pytree": _DropMessage("is an Enum subclass and is now natively supported"),
+    "DeepSpeed": _DropMessage("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable"),
 }
 
 
@@ -572,6 +578,10 @@ def quiet_optional_kernel_notes() -> None:
     torch it logs "Failed to load .../torchao/_C_*.so" for each of its CUDA kernel libraries, and torch warns
     about a deprecated call inside torchao ("... is an Enum subclass and is now natively supported ..."). Only
     those two messages are dropped; torchao's other warnings still show.
+    accelerate's unwrap_model (called by every Trainer's __init__) imports deepspeed whenever it is installed
+    (tunelab[deepspeed]), and deepspeed's import picks its accelerator: without a GPU it warns "Setting
+    accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, DeepSpeed
+    configured or not. That one line is dropped; DeepSpeed's other warnings still show.
     """
     import logging  # noqa: PLC0415
 

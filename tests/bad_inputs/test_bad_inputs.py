@@ -175,10 +175,9 @@ def test_bad_input_fails_with_one_line(tmp_path, capsys, options, expected):
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None, reason="deepspeed is installed here")
 def test_deepspeed_not_installed(tmp_path, capsys):
     config = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z2_config.json"
-    # use_cpu: false, as on a GPU machine (on CPU, "deepspeed needs GPUs" comes first: tests/config)
-    code, err = train(tmp_path, capsys, deepspeed=str(config), use_cpu=False)
+    code, err = train(tmp_path, capsys, deepspeed=str(config))
     assert (code, err) == (
-        2, "tunelab: error: deepspeed is set but the deepspeed package is not installed: pip install deepspeed\n"
+        2, "tunelab: error: deepspeed is set but the deepspeed package is not installed: pip install 'tunelab[deepspeed]'\n"
     )
 
 

@@ -5,8 +5,11 @@ Exact messages, checked before any model or dataset loads.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+
+import pytest
 
 from tests.config.configs import error_of, write
 from tunelab.config.loader import load_config
@@ -162,12 +165,29 @@ def test_a_variable_the_template_does_not_read_is_refused(tmp_path, base):
 # ---- deepspeed -------------------------------------------------------------------------------------------
 
 
-def test_deepspeed_on_cpu_is_one_line_before_deepspeed_is_touched(tmp_path, base):
-    # Today's transformers imports deepspeed while building TrainingArguments; on CPU that ends in a long traceback.
-    assert error_of(tmp_path, {**base, "deepspeed": str(DS_Z2), "use_cpu": True}) == (
-        "deepspeed needs GPUs: on CPU (use_cpu, or no accelerator found) it cannot start; remove deepspeed "
-        "(nproc_per_node alone trains data-parallel on CPU)"
+def test_deepspeed_json_is_checked_before_any_worker_starts(tmp_path, base):
+    """DeepSpeed validates zero_optimization only inside each worker, as a multi-line pydantic error; on CPU it
+    runs (docs/distributed.md) except offloading, which has nothing to offload to."""
+    pytest.importorskip("deepspeed", reason="the ZeRO section is checked by deepspeed's own config model")
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_sav": True}}))
+    assert error_of(tmp_path, {**base, "deepspeed": str(typo)}) == (
+        f"deepspeed: {typo}: zero_optimization.stage3_gather_16bit_weights_on_model_sav is not a DeepSpeed ZeRO "
+        "option; did you mean stage3_gather_16bit_weights_on_model_save?"
     )
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"zero_optimization": {"stage": "two"}}))
+    assert error_of(tmp_path, {**base, "deepspeed": str(wrong)}).startswith(
+        f"deepspeed: {wrong}: zero_optimization.stage: "
+    )
+    offload = tmp_path / "offload.json"
+    offload.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    assert error_of(tmp_path, {**base, "deepspeed": str(offload), "use_cpu": True}) == (
+        f"deepspeed: zero_optimization.offload_optimizer (device cpu) offloads from GPU memory to the host; a "
+        "CPU-only run has nothing to offload: remove offload_optimizer, or run it on GPUs"
+    )
+    config = load_config(write(tmp_path, {**base, "deepspeed": str(DS_Z2), "use_cpu": True}))  # it runs on CPU
+    assert config.training.deepspeed == str(DS_Z2)
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
     assert error_of(tmp_path, {**base, "deepspeed": str(listed), "use_cpu": True}) == (

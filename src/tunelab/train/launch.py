@@ -16,8 +16,11 @@ transformers/accelerate when TrainingArguments is built (gloo on CPU, nccl on CU
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import signal
+import socket
 import sys
 
 from tunelab.config.args import TrainingArguments
@@ -65,11 +68,21 @@ def check_launch(args: TrainingArguments) -> None:
                 f"nproc_per_node: {wanted}, but the launcher started {started} processes per node; "
                 "remove nproc_per_node when you launch with torchrun / accelerate launch yourself"
             )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.nnodes > 1 and world != started * args.nnodes:
+            # torchrun's rendezvous adds up what each node brings: a node with another nproc_per_node still
+            # joins, and every rank would train on a share of the data that the config does not describe.
+            raise ConfigError(
+                f"nproc_per_node differs between nodes: this node started {started} processes but the {args.nnodes} "
+                f"nodes brought {world} in all; start every node with the same nproc_per_node"
+            )
 
 
 def needs_launch(args: TrainingArguments) -> bool:
+    """Several processes, several nodes, or DeepSpeed: DeepSpeed outside a launcher looks for MPI (mpi4py)
+    to learn its rank, so even one DeepSpeed process runs under torchrun."""
     check_launch(args)
-    return not under_launcher() and (nproc_per_node(args) > 1 or args.nnodes > 1)
+    return not under_launcher() and (nproc_per_node(args) > 1 or args.nnodes > 1 or bool(args.deepspeed))
 
 
 def wants_launch(config_path: str | None, overrides: list[str]) -> bool:
@@ -83,7 +96,7 @@ def wants_launch(config_path: str | None, overrides: list[str]) -> bool:
     try:
         raw = {**(read_yaml(config_path) if config_path else {}), **parse_overrides(list(overrides))}
         nproc = raw.get("nproc_per_node") or os.environ.get(NPROC_ENV) or 1
-        return int(nproc) > 1 or int(raw.get("nnodes") or 1) > 1
+        return int(nproc) > 1 or int(raw.get("nnodes") or 1) > 1 or bool(raw.get("deepspeed"))
     except (ConfigError, TypeError, ValueError):
         return False
 
@@ -115,6 +128,61 @@ def torchrun_argv(args: TrainingArguments, cli_args: list[str]) -> list[str]:
     return [*argv, "-m", "tunelab.cli", *cli_args]
 
 
+def start_deepspeed_comm(args: TrainingArguments) -> None:
+    """DeepSpeed's communication layer over the process group transformers has started. On GPUs transformers
+    starts it while building TrainingArguments; with use_cpu it does not, and ZeRO-3 would load the model
+    (deepspeed.zero.Init) believing it is alone (world size 1). A no-op when it is already started."""
+    if args.deepspeed and args.world_size > 1:
+        import deepspeed  # noqa: PLC0415
+
+        deepspeed.init_distributed(dist_backend=args.ddp_backend or "gloo")
+
+
+# What gloo and NCCL say when a peer's connection ends mid-collective (its process or machine died).
+LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def lost_peer_message(exc: BaseException, args: TrainingArguments) -> str | None:
+    """One line for a collective that failed because another rank went away, else None. A peer whose sockets
+    close (a killed process, a rebooted machine) fails the collective at once; one that goes silent is waited
+    for up to ddp_timeout (transformers' default 1800 s)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if args.world_size <= 1 or not isinstance(exc, RuntimeError):  # torch's DistError family included
+        return None
+    text = str(exc)
+    if not (isinstance(exc, dist.DistNetworkError) or any(marker in text for marker in LOST_PEER_MARKERS)):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(exc).__name__)
+    # gloo: "[.../pair.cc:537] Read error [127.0.0.1]:6023: Connection reset by peer. This is typically ..."
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". ")[0]
+    return (
+        f"lost contact with another rank during training (rank {args.process_index} of {args.world_size}: {first}); "
+        "another process or node stopped (see its output); rerun every node with resume_from_checkpoint=true to "
+        "continue from the last checkpoint"
+    )
+
+
+def check_port_free(args: TrainingArguments) -> None:
+    """The node that hosts the rendezvous (node_rank 0, or the only node with master_port set) binds
+    master_port; if something already listens there torchrun fails with a long traceback, so say it first."""
+    if args.master_port is None and args.nnodes == 1 or args.node_rank != 0:
+        return
+    port = args.master_port or 29500
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR as the rendezvous store sets it: a port left in TIME_WAIT by the last run is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ConfigError(
+                f"master_port: {port} is already in use on this machine (another run or program listens "
+                "there); choose a free master_port"
+            ) from None
+
+
 def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     """Run `cli_args` under torchrun; the exit code of the first failed worker, or 0."""
     from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
@@ -122,6 +190,7 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     from torch.distributed.run import get_args_parser  # noqa: PLC0415
     from torch.distributed.run import run as torchrun  # noqa: PLC0415
 
+    check_port_free(args)
     argv = torchrun_argv(args, cli_args)
     print(f"tunelab: launching {sys.executable} -m torch.distributed.run {' '.join(argv)}", file=sys.stderr, flush=True)
     # torchrun's agent installs process-wide handlers for these and leaves them: put ours back after.
@@ -131,7 +200,13 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode if failure.exitcode > 0 else 1  # negative: killed by a signal
-        print(f"tunelab: error: rank {rank} exited with code {failure.exitcode} (its output is above)", file=sys.stderr)
+        if code - 128 in (signal.SIGTERM, signal.SIGINT):  # stopped on a signal after saving (train/signals.py)
+            name = signal.Signals(code - 128).name
+            print(f"tunelab: rank {rank} stopped on {name} (exit code {code}); the command to resume is above",
+                  file=sys.stderr)
+        else:
+            print(f"tunelab: error: rank {rank} exited with code {failure.exitcode} (its output is above)",
+                  file=sys.stderr)
         return code
     except SignalException as exc:  # SIGTERM / SIGINT to this process: torchrun has stopped the workers
         return 128 + int(exc.sigval)

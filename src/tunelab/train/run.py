@@ -8,7 +8,7 @@ import logging
 import transformers
 
 from tunelab.config.args import RunConfig
-from tunelab.train import outputs
+from tunelab.train import launch, outputs
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
@@ -51,6 +51,7 @@ def run(config: RunConfig) -> dict:
         logger.info("precision: %s", config.precision)
     if config.training.process_index == 0:
         outputs.write_run_start(config)
+    launch.start_deepspeed_comm(config.training)
     stage = config.finetuning.stage
     if stage == "sft":
         from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
