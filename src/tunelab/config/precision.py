@@ -121,23 +121,29 @@ def cpu_name() -> str:
     return platform.processor() or "this CPU"
 
 
-def measure_cpu_matmul(size: int = 512, budget_s: float = 0.3) -> CpuProbe:
-    """Best-of-repeats square matmul throughput in fp32 and bf16 (about half a second in all)."""
+def matmul_gflops(dtype, size: int = 512, budget_s: float = 0.3, max_repeats: int | None = None) -> float:
+    """Best-of-repeats square matmul throughput (GFLOP/s) after a warm-up: repeats until budget_s has passed
+    (at least once), or max_repeats. Also bench/matmul_peak.py's MFU denominator."""
     import torch  # noqa: PLC0415
 
-    def gflops(dtype) -> float:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        torch.mm(a, b)  # warm-up: thread pool, kernel selection
-        best, deadline = float("inf"), time.perf_counter() + budget_s
-        while True:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-            if time.perf_counter() > deadline:
-                break
-        return 2 * size**3 / best / 1e9
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    best, deadline, repeats = float("inf"), time.perf_counter() + budget_s, 0
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best, repeats = min(best, time.perf_counter() - start), repeats + 1
+        if time.perf_counter() > deadline or repeats == max_repeats:
+            break
+    return 2 * size**3 / best / 1e9
 
-    return CpuProbe(fp32_gflops=gflops(torch.float32), bf16_gflops=gflops(torch.bfloat16), threads=torch.get_num_threads())
+
+def measure_cpu_matmul(size: int = 512, budget_s: float = 0.3) -> CpuProbe:
+    """fp32 and bf16 matmul throughput of this CPU (about half a second in all)."""
+    import torch  # noqa: PLC0415
+
+    return CpuProbe(fp32_gflops=matmul_gflops(torch.float32, size, budget_s),
+                    bf16_gflops=matmul_gflops(torch.bfloat16, size, budget_s), threads=torch.get_num_threads())
 
 
 def probe_cache_path() -> Path:
