@@ -57,6 +57,17 @@ def shot(driver, folder: Path, name: str) -> None:
     driver.set_window_size(1400, 1000)
 
 
+PACE = """import time
+
+import transformers
+
+
+class Pace(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(1.0)
+"""
+
+
 def fill(driver, values: dict[str, str]) -> None:
     for key, value in values.items():
         element = driver.find_element(By.ID, f"f-{key}")
@@ -76,11 +87,15 @@ def points(driver, chart: str) -> int:
 def test_configure_launch_watch_stop_resume_chat(browser, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
+    # On an idle machine the tiny model runs ~8 steps a second: the run would end before Stop is clicked.
+    # A user callback (the `callbacks` key, typed into the form's YAML box) paces it to a step a second.
+    (root / "pace.py").write_text(PACE, encoding="utf-8")
     wait = WebDriverWait(browser, 300, poll_frequency=0.3)
     with webui_server(root) as url:
         browser.get(url + "/")
         # Configure: the quickstart's values, with a bad cutoff_len first
-        fill(browser, {**QUICK_FORM, "cutoff_len": "-3", "max_steps": str(STEPS), "output_dir": "saves/quickstart"})
+        fill(browser, {**QUICK_FORM, "cutoff_len": "-3", "max_steps": str(STEPS), "output_dir": "saves/quickstart",
+                       "other": "callbacks: [pace.py:Pace]"})
         message = browser.find_element(By.ID, "m-cutoff_len")
         wait.until(lambda d: message.text == "cutoff_len must be at least 2, got -3")
         fill(browser, {"cutoff_len": "64"})
