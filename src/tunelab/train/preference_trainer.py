@@ -181,11 +181,6 @@ class PreferenceTrainer(TunelabTrainer):
         self._record(mode, {"rewards/chosen": rewards[desirable], "rewards/rejected": rewards[~desirable], "kl": kl.reshape(1)})
         return example_losses.mean()
 
-    def _keeps_logits(self, model) -> bool:
-        if self._model_keeps_logits is None:
-            self._model_keeps_logits = takes_logits_to_keep(self.accelerator.unwrap_model(model))
-        return self._model_keeps_logits
-
     # ---- evaluation and logging ------------------------------------------------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

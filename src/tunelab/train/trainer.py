@@ -232,11 +232,15 @@ class TunelabTrainer(transformers.Trainer):
         labels = inputs.get("labels")
         if not isinstance(self.compute_loss_func, CausalLMLoss) or labels is None or "logits_to_keep" in inputs:
             return inputs
-        if self._model_keeps_logits is None:
-            self._model_keeps_logits = takes_logits_to_keep(self.accelerator.unwrap_model(model))
-        if not self._model_keeps_logits:
+        if not self._keeps_logits(model):
             return inputs
         return {**inputs, "logits_to_keep": next_token_mask(labels)}
+
+    def _keeps_logits(self, model) -> bool:
+        """takes_logits_to_keep of the trained model, looked up once (at its first batch)."""
+        if self._model_keeps_logits is None:
+            self._model_keeps_logits = takes_logits_to_keep(self.accelerator.unwrap_model(model))
+        return self._model_keeps_logits
 
     @property
     def _with_token_accuracy(self) -> bool:
