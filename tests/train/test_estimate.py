@@ -14,7 +14,7 @@ from tunelab.cli import main
 from tunelab.config.loader import load_config
 from tunelab.model.load import load_model, load_tokenizer
 from tunelab.train.estimate import NOT_COUNTED_CPU, ModelShape, activation_bytes, estimate, meta_model, training_shape
-from tunelab.train.losses import causal_lm_loss
+from tunelab.train.losses import causal_lm_loss, next_token_mask
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,8 +31,9 @@ LAYER_PARAMS = H * H + 2 * H * KV + H * H + 3 * H * I + 2 * H  # q, k+v, o, gate
 BASE_PARAMS = V * H + L * LAYER_PARAMS + H + V * H  # embeddings, layers, final norm, head
 LORA_PARAMS = L * 8 * ((H + H) + 2 * (H + KV) + (H + H) + 3 * (H + I))  # r=8 x (in + out) per linear
 TOKENS = 4 * 32
-LOG_SOFTMAX = 4 * 31 * V * 4  # float32 over the 31 positions per row that predict a next token
-WORKSPACE = 2 * TOKENS * V * 4
+SUPERVISED = 4 * 31  # without the data read: every position that predicts a next token (31 of 32 per row)
+KEPT = SUPERVISED * (V * 4 + 4 + 8)  # their logits (fp32), float32 logsumexp, int64 target
+WORKSPACE = SUPERVISED * V * 4 + 2 * SUPERVISED * V * 4  # the logits' gradient + one chunk's float32 softmax and copy
 
 
 @pytest.mark.parametrize(
@@ -40,8 +41,9 @@ WORKSPACE = 2 * TOKENS * V * 4
     [
         # LoRA r=8 on all 7 linears: 6h + 2kv + 4i + 6 + 7 x 8 per layer, h/4 outside; fp32 adapters.
         ({"finetuning_type": "lora"}, LORA_PARAMS, L * (6 * H + 2 * KV + 4 * I + 6 + 56), H / 4),
-        # Full: norm weights train (+2h per layer), embeddings / final norm / head train (+3h outside).
-        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + 2 * KV + 4 * I + 6), H / 4 + 3 * H),
+        # Full: norm weights train (+2h per layer), embeddings / final norm train (+2h outside; the head's input
+        # is kept at supervised positions only).
+        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + 2 * KV + 4 * I + 6), H / 4 + 2 * H),
         # Freeze, last layer: only that layer saves activations.
         ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + 2 * KV + 4 * I + 6, H / 4),
         # Activation checkpointing: each layer's input (h) plus one layer recomputed during backward.
@@ -60,21 +62,25 @@ def test_memory_arithmetic_by_hand(tiny_llama_dir, options, trainable, layer_ele
     assert memory.weights == 4 * result.total_parameters
     assert memory.gradients == 4 * trainable
     assert memory.optimizer_states == 2 * 4 * trainable  # AdamW: two float32 states
-    assert memory.activations == int(TOKENS * (layer_elements + outside_elements) * 4 + LOG_SOFTMAX)
+    head_input = SUPERVISED * H * 4 if options["finetuning_type"] == "full" else 0  # the trained head's input
+    assert memory.activations == int(TOKENS * (layer_elements + outside_elements) * 4 + KEPT + head_input)
     assert memory.loss_workspace == WORKSPACE
     assert memory.total == memory.weights + memory.gradients + memory.optimizer_states + memory.activations + WORKSPACE
 
 
-def test_bf16_halves_stored_activations_but_not_the_float32_log_softmax(tiny_llama_dir):
+def test_bf16_halves_stored_activations_and_the_kept_logits(tiny_llama_dir):
     fp32 = estimate(_config(tiny_llama_dir, finetuning_type="full"), probe_steps=0, read_data=False).memory
     bf16 = estimate(_config(tiny_llama_dir, finetuning_type="full", compute_dtype="bfloat16"), probe_steps=0,
                     read_data=False).memory
     assert bf16.weights * 2 == fp32.weights and bf16.gradients * 2 == fp32.gradients
-    assert bf16.activations - LOG_SOFTMAX == (fp32.activations - LOG_SOFTMAX) // 2
+    kept_bf16, kept_fp32 = SUPERVISED * ((V + H) * 2 + 12), SUPERVISED * ((V + H) * 4 + 12)  # + the head's input
+    assert bf16.activations - kept_bf16 == (fp32.activations - kept_fp32) // 2
+    assert bf16.loss_workspace == SUPERVISED * V * 2 + 2 * SUPERVISED * V * 4  # the chunk is float32 either way
 
 
-def _saved_for_backward(model, batch: int, seq: int) -> int:
-    """Bytes autograd saves in one forward + loss: every saved tensor's storage once, parameters excluded."""
+def _saved_for_backward(model, batch: int, seq: int, prompt: int = 0) -> int:
+    """Bytes autograd saves in one training forward + loss (logits only where a label follows, as the trainer
+    asks for them), each row's first `prompt` tokens unsupervised: every saved storage once, parameters excluded."""
     storages: dict[int, int] = {}
 
     def pack(tensor):
@@ -83,24 +89,29 @@ def _saved_for_backward(model, batch: int, seq: int) -> int:
         return tensor
 
     ids = torch.randint(3, 800, (batch, seq), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :prompt] = -100
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        causal_lm_loss(model(input_ids=ids).logits, ids)
+        causal_lm_loss(model(input_ids=ids, logits_to_keep=next_token_mask(labels)).logits, labels)
     return sum(size for ptr, size in storages.items() if ptr not in parameters)
 
 
-@pytest.mark.parametrize("options", [
-    {"finetuning_type": "full"}, {"finetuning_type": "lora"}, {"finetuning_type": "lora", "lora_rank": 32},
-    {"finetuning_type": "freeze"}, {"finetuning_type": "lora", "flash_attn": "disabled"},
+@pytest.mark.parametrize("options, prompt", [
+    ({"finetuning_type": "full"}, 0), ({"finetuning_type": "full"}, 60), ({"finetuning_type": "lora"}, 0),
+    ({"finetuning_type": "lora"}, 32), ({"finetuning_type": "lora", "lora_rank": 32}, 0),
+    ({"finetuning_type": "freeze"}, 0), ({"finetuning_type": "lora", "flash_attn": "disabled"}, 0),
 ])
-def test_activation_formula_matches_what_autograd_saves(options):
-    """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864): within 1% of the real saved tensors."""
+def test_activation_formula_matches_what_autograd_saves(options, prompt):
+    """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864): within 1% of the real saved tensors, with every
+    position supervised and with long prompts (the logits of 4 of 64 positions: 6.6% less than all)."""
     config = _config("tiny", **options, per_device_train_batch_size=8, cutoff_len=64)
     meta = meta_model(config)
-    predicted = activation_bytes(ModelShape.from_config(meta.config), training_shape(meta, config))
+    supervised = 64 - max(prompt, 1)  # positions whose next token is a label
+    predicted = activation_bytes(ModelShape.from_config(meta.config), training_shape(meta, config, 64, supervised))
     model = load_model(config.model, config.finetuning, config.training, load_tokenizer(config.model))
-    saved = _saved_for_backward(model, 8, 64)
+    saved = _saved_for_backward(model, 8, 64, prompt)
     assert predicted == pytest.approx(saved, rel=0.01)
 
 
@@ -125,19 +136,25 @@ def test_estimate_against_a_real_training_run():
 
 
 def test_row_lengths_come_from_the_tokenized_training_data():
-    """The micro-batch is batch x the longest tokenized row, read as `tunelab data stats` reads the data."""
-    from tunelab.data.inspect import load_run_data, token_lengths
+    """The micro-batch is batch x the longest tokenized row, each with the most supervised positions of any row,
+    read as `tunelab data stats` reads the data."""
+    from tunelab.data.inspect import load_run_data, supervised_counts, token_lengths
 
     config = _config("tiny", max_samples=64, cutoff_len=64, per_device_train_batch_size=8)
     result = estimate(config, probe_steps=0)
-    lengths = token_lengths(load_run_data(config).train)
+    train = load_run_data(config).train
+    lengths, supervised = token_lengths(train), int(supervised_counts(train).max())
     longest = int(lengths.max())
+    assert 5 <= supervised < 12  # sorted digits + end of turn: the answers, not the prompts
     assert 29 <= longest < 64  # demo_sort rows under chatml: shorter than cutoff_len
     assert result.lengths.longest == longest and result.lengths.from_data
     assert result.lengths.source == (
-        f"demo_sort: 64 rows of {int(lengths.min())}-{longest} tokens (mean {float(lengths.mean()):.1f}, cutoff_len 64)")
+        f"demo_sort: 64 rows of {int(lengths.min())}-{longest} tokens (mean {float(lengths.mean()):.1f}, cutoff_len 64), "
+        f"up to {supervised} supervised")
     meta = meta_model(config)
-    assert result.memory.activations == activation_bytes(ModelShape.from_config(meta.config), training_shape(meta, config, longest))
+    shape = training_shape(meta, config, longest, supervised)
+    assert shape.supervised == 8 * supervised
+    assert result.memory.activations == activation_bytes(ModelShape.from_config(meta.config), shape)
     assert result.tokens_per_micro_batch == 8 * longest
     # CPU: the whole process, the measured baseline (libraries + data) plus the tensors.
     assert not result.on_gpu and result.predicted_peak == result.process_baseline + result.memory.total

@@ -21,20 +21,25 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                          per decoder layer  6h + 2kv + 4i + 6 (+2h when its norm weights train,
                                             + the LoRA rank of every adapted linear, + heads x seq for
                                             eager attention, which keeps the attention probabilities)
-                         outside the layers h/4 + V (the log-softmax of the loss, float32), + 3h when
-                                            the embeddings / final norm train (full fine-tuning)
+                         outside the layers h/4, + 2h when the embeddings / final norm train (full
+                                            fine-tuning)
+                       plus, per supervised position only (training computes the output layer where a
+                       label follows, train/losses.py): its logits (V in the compute dtype), the output
+                       layer's input when that layer trains (h), and 12 bytes (the float32 logsumexp and
+                       the int64 target).
                        h hidden, i intermediate, kv = key/value heads x head dim, V vocabulary. Only
                        layers at or above the lowest trainable one save anything (freeze). Activation
                        checkpointing keeps each layer's input (h) plus one layer's activations. Half
-                       precision stores 2 bytes per element, float32 4 (the loss's log-softmax is
-                       float32 either way).
-    loss workspace     the logits and their float32 copy alive while the loss and its gradient are
-                       computed: 2 x tokens x V x 4 bytes.
+                       precision stores 2 bytes per element, float32 4.
+    loss workspace     during backward: the logits' gradient (supervised positions x V in the compute
+                       dtype) plus the float32 softmax of one chunk of rows (losses.CHUNK_ELEMENTS) and
+                       its copy of the logits: 2 x min(supervised, chunk rows) x V x 4 bytes.
     total              CPU: baseline + the five parts; GPU: the five parts.
 
 The micro-batch is per_device_train_batch_size rows of the longest tokenized row of the training data
-(padded batches are as wide as their longest row; packed rows are cutoff_len long), read from the data
-when the stage is sft or pt and the data is not streamed, else cutoff_len, and the output says which.
+(padded batches are as wide as their longest row; packed rows are cutoff_len long), each with as many
+supervised positions as the most supervised row, read from the data when the stage is sft or pt and the
+data is not streamed, else cutoff_len rows supervised everywhere, and the output says which.
 
 Not counted (the output says so too): on CPU, the free memory the C allocator keeps after the first steps
 and the library code the first backward pages in (together 4-8% of the quickstart's peak, measured in
@@ -63,6 +68,7 @@ import torch
 from torch import nn
 
 from tunelab.config.args import RunConfig
+from tunelab.train.losses import CHUNK_ELEMENTS
 from tunelab.train.memory import reset_peak_rss, rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -107,6 +113,11 @@ class TrainingShape:
     eager_attention: bool
     checkpointing: bool
     activation_bytes: int  # 2 (bf16/fp16 compute) or 4
+    supervised_per_row: int  # positions whose next token is a label: where the output layer and loss run
+
+    @property
+    def supervised(self) -> int:
+        return self.batch_size * self.supervised_per_row
 
 
 @dataclass
@@ -134,6 +145,7 @@ class RowLengths:
     longest: int  # tokens in the longest training row (the widest padded micro-batch)
     source: str  # one line for the output: the data's lengths, or why cutoff_len was assumed
     from_data: bool
+    supervised: int | None = None  # supervised positions of the most supervised row; None: all but the last
 
 
 @dataclass
@@ -179,7 +191,9 @@ def activation_elements_per_token(model: ModelShape, shape: TrainingShape) -> di
         layer += 2 * h
     if shape.eager_attention:
         layer += model.heads * shape.seq_len
-    outside_half = h / 4 + (3 * h if shape.outer_train else 0)  # stored in the compute dtype
+    # Full fine-tuning: the embeddings and final norm keep 2h per token; the output layer's input (h) is kept
+    # only at supervised positions (counted in activation_bytes).
+    outside_half = h / 4 + (2 * h if shape.outer_train else 0)  # stored in the compute dtype
     return {"layer": layer, "outside": outside_half}
 
 
@@ -191,13 +205,15 @@ def activation_bytes(model: ModelShape, shape: TrainingShape) -> int:
     else:
         layers = shape.active_layers * per["layer"]
     stored = tokens * (layers + per["outside"]) * shape.activation_bytes
-    # The loss's log-softmax, float32, over the seq_len - 1 positions that predict a next token.
-    log_softmax = shape.batch_size * (shape.seq_len - 1) * model.vocab * 4
-    return int(stored + log_softmax)
+    # The supervised positions' logits, kept for the chunked cross-entropy's backward, + logsumexp and target.
+    head_input = model.hidden if shape.outer_train else 0  # the output layer's weight gradient reads it
+    kept = shape.supervised * ((model.vocab + head_input) * shape.activation_bytes + 12)
+    return int(stored + kept)
 
 
 def loss_workspace_bytes(model: ModelShape, shape: TrainingShape) -> int:
-    return 2 * shape.batch_size * shape.seq_len * model.vocab * 4
+    chunk_rows = min(shape.supervised, max(1, CHUNK_ELEMENTS // model.vocab))
+    return shape.supervised * model.vocab * shape.activation_bytes + 2 * chunk_rows * model.vocab * 4
 
 
 # ---- parameters, gradients, optimizer ------------------------------------------------------------------
@@ -260,8 +276,11 @@ def meta_model(config: RunConfig) -> nn.Module:
     return setup_finetuning(model, config.finetuning, config.training, adapter_name_or_path=None)
 
 
-def training_shape(model: nn.Module, config: RunConfig, seq_len: int | None = None) -> TrainingShape:
-    """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len)."""
+def training_shape(
+    model: nn.Module, config: RunConfig, seq_len: int | None = None, supervised: int | None = None
+) -> TrainingShape:
+    """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
+    `supervised` positions each (default all but the last)."""
     from tunelab.model.adapters import _checkpointing, decoder_layers  # noqa: PLC0415
     from tunelab.model.load import resolve_dtype  # noqa: PLC0415
 
@@ -278,9 +297,10 @@ def training_shape(model: nn.Module, config: RunConfig, seq_len: int | None = No
     norms = [p for name, p in layers[trainable_layers[-1]].named_parameters() if "norm" in name] if trainable_layers else []
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
     half = resolve_dtype(config.model, config.training) in (torch.bfloat16, torch.float16) or config.training.bf16 or config.training.fp16
+    seq_len = seq_len or config.data.cutoff_len
     return TrainingShape(
         batch_size=config.training.per_device_train_batch_size,
-        seq_len=seq_len or config.data.cutoff_len,
+        seq_len=seq_len,
         active_layers=len(layers) - lowest,
         norms_train=any(p.requires_grad for p in norms),
         outer_train=any(p.requires_grad for p in outer),
@@ -288,6 +308,7 @@ def training_shape(model: nn.Module, config: RunConfig, seq_len: int | None = No
         eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
         checkpointing=_checkpointing(config.training)[0],
         activation_bytes=2 if half else 4,
+        supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
     )
 
 
@@ -304,7 +325,7 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
     model = meta_model(config)
     model_shape = ModelShape.from_config(model.config)
-    shape = training_shape(model, config, lengths.longest)
+    shape = training_shape(model, config, lengths.longest, lengths.supervised)
     weights, grads, trainable = parameter_bytes(model, config.model.quantization_bit)
     states, note = optimizer_state_bytes(model, str(getattr(config.training.optim, "value", config.training.optim)))
     memory = MemoryEstimate(
@@ -354,13 +375,15 @@ def row_lengths(config: RunConfig):
         return cutoff_lengths(config, f"the dataset could not be read: {exc}"), None
     if train is None or len(train) == 0:
         return cutoff_lengths(config, "no training rows"), None
-    from tunelab.data.inspect import token_lengths  # noqa: PLC0415
+    from tunelab.data.inspect import supervised_counts, token_lengths  # noqa: PLC0415
 
     lengths = token_lengths(train)
+    supervised = supervised_counts(train)
     names = ", ".join(config.data.dataset or [])
     source = (f"{names}: {len(lengths):,} rows of {int(lengths.min())}-{int(lengths.max())} tokens "
-              f"(mean {float(lengths.mean()):.1f}, cutoff_len {config.data.cutoff_len})")
-    return RowLengths(int(lengths.max()), source, True), train
+              f"(mean {float(lengths.mean()):.1f}, cutoff_len {config.data.cutoff_len}), "
+              f"up to {int(supervised.max())} supervised")
+    return RowLengths(int(lengths.max()), source, True, int(supervised.max())), train
 
 
 def _tokenized_train_set(config: RunConfig):
@@ -485,7 +508,7 @@ def format_estimate(result: Estimate) -> str:
         ("optimizer states", memory.optimizer_states, ""),
         ("activations", memory.activations,
          f"{result.tokens_per_micro_batch:,} tokens per micro-batch ({result.batch_size} x {result.lengths.longest})"),
-        ("loss workspace", memory.loss_workspace, "logits + float32 copy"),
+        ("loss workspace", memory.loss_workspace, "logits' gradient + one float32 chunk"),
     ]
     baseline = ("process baseline", result.process_baseline, "measured: libraries + tokenized data, before the model")
     if result.on_gpu:
