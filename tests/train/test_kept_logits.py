@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator, SupervisedCollator
@@ -214,3 +215,82 @@ def test_kept_logits_of_the_wrong_number_of_rows_are_refused() -> None:
     labels = torch.tensor([[-100, 5, 6, -100]])  # two positions predict a label
     with pytest.raises(ValueError, match="^3 rows of logits for 2 supervised positions$"):
         losses.causal_lm_loss(torch.zeros(3, 11), labels)
+
+
+@pytest.mark.parametrize("layout", ["padding_free", "packed"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_one_row_batch_keeps_logits_by_a_host_built_index(family, layout):
+    """A padding-free batch is one row (so is a packed batch of one row): `logits_to_keep` is a 1-D index of
+    positions, the logits come back (1, N, vocab), and loss and gradients equal the plain path."""
+    model = tiny(family)
+    if layout == "packed":
+        packed, _ = pack_dataset(datasets.Dataset.from_list(samples()), 128)
+        b = PackedCollator(0)(packed.to_list()[:1])
+    else:  # one example per micro-batch (the usual GPU set-up for long rows: batch 1 + gradient accumulation)
+        b = PaddingFreeCollator(PackedCollator(0))(samples()[-1:])
+    assert b["labels"].shape[0] == 1
+    positions = losses.next_token_positions(b["labels"])
+    assert positions.tolist() == losses.next_token_mask(b["labels"])[0].nonzero().flatten().tolist()
+
+    def by_index(model, b):
+        logits = model(**model_inputs(b), logits_to_keep=positions).logits
+        assert logits.shape == (1, len(positions), VOCAB)
+        return losses.causal_lm_loss(logits, b["labels"])
+
+    loss_plain, grads_plain = loss_and_grads(model, plain_loss, b)
+    loss_index, grads_index = loss_and_grads(model, by_index, b)
+    assert abs(loss_index - loss_plain) < TOLERANCE
+    assert max_diff(grads_plain, grads_index) < TOLERANCE
+
+
+def test_targets_by_count_equal_targets_by_mask():
+    labels = torch.tensor([[-100, 5, 6, -100, -100, 7, 8, 9, -100, 4]])
+    assert losses.next_token_targets(labels, 6).tolist() == losses.next_token_targets(labels).tolist() == [5, 6, 7, 8, 9, 4]
+    with pytest.raises(ValueError, match="^a 1-D index of kept positions serves one row, not 2$"):
+        losses.next_token_positions(torch.zeros(2, 3, dtype=torch.long))
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the ops whose output size depends on tensor values: on a GPU each makes the host wait."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default):
+            self.count += 1
+        elif func is torch.ops.aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.count += 1  # selecting by a bool mask (it counts the True entries first)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_padding_free_training_step_selects_by_no_data_dependent_shape(tmp_path):
+    """One example per micro-batch: the trainer builds the index on the host before the batch moves, and the
+    forward and loss do not wait for the device to count positions (a batch of several rows selects by bool mask: one count each for the logits
+    and the targets)."""
+
+    def step_ops(collator, batch_size):
+        model = tiny("llama")
+        rows_seen = []
+        model.lm_head.register_forward_hook(lambda module, args, output: rows_seen.append(tuple(args[0].shape[:-1])))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=batch_size, max_steps=1, report_to="none",
+            save_strategy="no", remove_unused_columns=False, use_cpu=True, disable_tqdm=True, logging_steps=5,
+        )
+        counter = CountOps()
+
+        class Counted(TunelabTrainer):  # the forward and loss, on the batch as the device has it
+            def compute_loss(self, *a, **k):
+                with counter:
+                    return super().compute_loss(*a, **k)
+
+        trainer = Counted(model=model, args=args, train_dataset=datasets.Dataset.from_list(samples()), data_collator=collator)
+        trainer.train()
+        return counter.count, rows_seen
+
+    per_example = {sum(label != -100 for label in row["labels"][1:]) for row in samples()}
+    count, rows_seen = step_ops(PaddingFreeCollator(PackedCollator(0)), 1)
+    assert count == 0 and len(rows_seen) == 1 and rows_seen[0][0] == 1 and rows_seen[0][1] in per_example
+    supervised = int((batch("padded")["labels"][:, 1:] != -100).sum())
+    assert step_ops(SupervisedCollator(0), 8) == (2, [(supervised,)])

@@ -15,8 +15,12 @@ next label is not -100 need the output layer at all (`next_token_mask`); the Tra
 to the model as `logits_to_keep` (a 2-D bool tensor: transformers' `slice_logits_to_keep` then
 returns the (N, vocab) logits of the N kept positions, in row-major order, after the model's own
 logit processing such as Gemma-2's soft-capping). With a real vocabulary (Qwen2.5: 151,936) and long
-prompts this removes most of the output layer's compute and memory. Both loss paths — (N, vocab)
-logits of the kept positions, or (batch, seq, vocab) logits of every position — go through
+prompts this removes most of the output layer's compute and memory. Selecting with a bool mask on a GPU
+makes the host wait for the device to count the kept positions; a one-row batch (padding-free, or packed
+into one row) instead gets a 1-D index of positions built on the host before the batch moves (`next_token_positions`),
+the logits come back (1, N, vocab) and their targets are picked without reading N back
+(`next_token_targets` with the count). All three shapes — (N, vocab), (1, N, vocab) of the kept positions,
+or (batch, seq, vocab) of every position — go through
 `token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax
 exist for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the
 logits' own dtype.
@@ -40,18 +44,39 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
-    """(N,) the labels the kept positions predict, in the order `hidden[next_token_mask(labels)]` lists them."""
+def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
+    """(N,) int64: the positions of a one-row batch whose next-token label is supervised — `logits_to_keep` as a
+    1-D index. Built where the labels are (the host, before the batch moves), so the device never counts N."""
+    if labels.shape[0] != 1:
+        raise ValueError(f"a 1-D index of kept positions serves one row, not {labels.shape[0]}")
+    return next_token_mask(labels)[0].nonzero().squeeze(1)
+
+
+def next_token_targets(labels: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """(N,) the labels the kept positions predict, in the order `hidden[next_token_mask(labels)]` lists them.
+
+    With `count` (N, known on the host from the kept logits' shape) the supervised labels are moved to the front
+    by a stable sort and the first N taken: no boolean indexing, so a GPU does not stop to report N."""
     shifted = labels[:, 1:]
-    return shifted[shifted != IGNORE_INDEX]
+    if count is None:
+        return shifted[shifted != IGNORE_INDEX]
+    flat = shifted.reshape(-1)
+    order = torch.argsort((flat == IGNORE_INDEX).to(torch.uint8), stable=True)
+    return flat[order[:count]]
 
 
-def kept_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(N, vocab): the logits of the positions that predict a label. Given (batch, seq, vocab) logits of every
-    position, picks the kept rows; given (N, vocab) logits (the model computed only those), returns them."""
+def kept_pairs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((N, vocab) logits, (N,) targets) of the positions that predict a label, from the logits of
+    - every position, (batch, seq, vocab): the kept rows are picked here;
+    - the kept positions of a bool mask, (N, vocab): the model picked them (transformers' slice);
+    - the kept positions of a 1-D index, (1, N, vocab) (a one-row batch; N < seq, the last position is never
+      kept)."""
+    labels = labels.to(logits.device)
+    if logits.dim() == 3 and logits.shape[:2] != labels.shape:
+        return logits[0], next_token_targets(labels, logits.shape[1])
     if logits.dim() == 2:  # token_log_probs checks the rows against the targets (no device read here)
-        return logits
-    return logits[next_token_mask(labels.to(logits.device))]
+        return logits, next_token_targets(labels)
+    return logits[next_token_mask(labels)], next_token_targets(labels)
 
 
 class _TokenLogProbs(torch.autograd.Function):
@@ -109,13 +134,12 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """Next-token cross-entropy over supervised positions.
 
-    logits: (batch, seq, vocab) of every position, or (N, vocab) of the kept positions only (module
-    docstring); labels: (batch, seq) with -100 where nothing is supervised. Token t's logits predict
+    logits: of every position or of the kept positions only (kept_pairs, module docstring); labels: (batch,
+    seq) with -100 where nothing is supervised. Token t's logits predict
     label t+1. Without num_items_in_batch (evaluation), the mean over this batch's supervised tokens.
     """
-    labels = labels.to(logits.device)
-    targets = next_token_targets(labels)
-    log_p, mean_log_p = token_log_probs(kept_logits(logits, labels), targets)
+    kept, targets = kept_pairs(logits, labels)
+    log_p, mean_log_p = token_log_probs(kept, targets)
     nll = -log_p.sum()
     total = (1 - label_smoothing) * nll - label_smoothing * mean_log_p.sum() if label_smoothing else nll
     if num_items_in_batch is None:

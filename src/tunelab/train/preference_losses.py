@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tunelab.data.encode import IGNORE_INDEX
-from tunelab.train.losses import kept_logits, next_token_targets, token_log_probs
+from tunelab.train.losses import kept_pairs, token_log_probs
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
@@ -41,7 +41,7 @@ def sequence_log_probs(
     """
     labels = labels.to(logits.device)
     supervised = labels[:, 1:] != IGNORE_INDEX
-    token_logps = token_log_probs(kept_logits(logits, labels), next_token_targets(labels))[0]
+    token_logps = token_log_probs(*kept_pairs(logits, labels))[0]
     if sequence_ids is None:
         rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(supervised)
         owners, count = rows[supervised], labels.shape[0]

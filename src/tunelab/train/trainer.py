@@ -38,9 +38,9 @@ from tunelab.train.losses import (
     IGNORE_INDEX,
     CausalLMLoss,
     causal_lm_loss_func,
-    kept_logits,
+    kept_pairs,
     next_token_mask,
-    next_token_targets,
+    next_token_positions,
     token_log_probs,
 )
 from tunelab.train.open_files import check_open_file_budget
@@ -152,7 +152,7 @@ class TunelabTrainer(transformers.Trainer):
         if self.train_start_time is None:
             self.train_start_time = time.time()
         self._count_tokens(inputs)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, self._with_kept_positions(model, inputs), num_items_in_batch)
         self.nonfinite.observe_loss(loss)
         return loss
 
@@ -221,10 +221,23 @@ class TunelabTrainer(transformers.Trainer):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         if torch.is_tensor(logits) and torch.is_tensor(labels) and (
-            (logits.dim() == 3 and labels.shape == logits.shape[:2]) or logits.dim() == 2
+            (logits.dim() == 3 and (labels.shape == logits.shape[:2] or logits.shape[0] == labels.shape[0] == 1))
+            or logits.dim() == 2
         ):
             self._eval_token_stats += token_stats(logits.detach(), labels, self._with_token_accuracy)
         return (loss, outputs) if return_outputs else loss
+
+    def _with_kept_positions(self, model, inputs: dict) -> dict:
+        """A one-row batch (padding-free, or packed into one row) still on the host gets `logits_to_keep` as a 1-D index of positions,
+        counted here on the CPU: selecting with a bool mask would make a GPU report the count back every
+        micro-batch (losses.py's docstring). Batches of several rows keep the bool mask (_with_kept_logits)."""
+        labels = inputs.get("labels")
+        if (not isinstance(self.compute_loss_func, CausalLMLoss) or not torch.is_tensor(labels) or labels.dim() != 2
+                or labels.shape[0] != 1 or labels.device.type != "cpu" or "logits_to_keep" in inputs):
+            return inputs
+        if not self._keeps_logits(model):
+            return inputs
+        return {**inputs, "logits_to_keep": next_token_positions(labels)}
 
     def _with_kept_logits(self, model, inputs: dict) -> dict:
         """The batch with `logits_to_keep`: only positions whose next label is supervised get logits, when our
@@ -266,11 +279,10 @@ class TunelabTrainer(transformers.Trainer):
 def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_accuracy: bool) -> torch.Tensor:
     """[summed next-token cross-entropy, supervised tokens, correct argmax predictions] of one batch (float64).
 
-    logits (batch, seq, vocab) predict labels shifted by one, as in train/losses.py, or are the (N, vocab)
-    logits of the supervised positions only (logits_to_keep); -100 labels do not count.
+    logits predict labels shifted by one, of every position or of the supervised positions only
+    (logits_to_keep; losses.kept_pairs); -100 labels do not count.
     """
-    labels = labels.to(logits.device)
-    kept, targets = kept_logits(logits, labels), next_token_targets(labels)
+    kept, targets = kept_pairs(logits, labels)
     nll = -token_log_probs(kept, targets)[0].sum()
     correct = (kept.argmax(-1) == targets).sum() if with_accuracy else torch.zeros((), device=nll.device)
     return torch.stack([nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=nll.device),
