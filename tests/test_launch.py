@@ -21,7 +21,7 @@ from tunelab.train import launch
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", launch.NPROC_ENV):
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", launch.NPROC_ENV):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -113,9 +113,11 @@ def test_deepspeed_always_runs_under_torchrun(tmp_path, clean_env):
 
 
 def test_nodes_with_different_nproc_per_node_are_refused_at_rendezvous(tmp_path, clean_env):
-    """torchrun's rendezvous adds up what each node brings (1 + 2 = 3): every worker sees WORLD_SIZE 3."""
+    """torchrun's rendezvous adds up what each node brings (1 + 2 = 3): every worker sees WORLD_SIZE 3 beside its
+    node's LOCAL_WORLD_SIZE and the GROUP_WORLD_SIZE of nodes (the end-to-end run: tests/train/test_multinode.py)."""
     args = training(tmp_path, nproc_per_node=2, nnodes=2, node_rank=1, master_addr="127.0.0.1")
-    for name, value in {"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}.items():
+    for name, value in {"LOCAL_RANK": "0", "RANK": "1", "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_WORLD_SIZE": "2"}.items():
         clean_env.setenv(name, value)
     with pytest.raises(ConfigError) as error:
         launch.needs_launch(args)

@@ -75,8 +75,10 @@ def _options_help() -> str:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.train import launch  # noqa: PLC0415
+
+    launch.check_node_shares()  # a torchrun worker whose nodes brought unequal shares: stop before the heavy imports
+    from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.train.run import run, setup_logging  # noqa: PLC0415
     from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415

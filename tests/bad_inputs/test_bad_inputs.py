@@ -119,9 +119,15 @@ ERRORS = [
     ("missing deepspeed file", {"deepspeed": "{tmp}/ds.json"},
      "deepspeed: {tmp}/ds.json does not exist; point it at a DeepSpeed JSON config "
      "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"),
-    ("fsdp on cpu", {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
-     "fsdp needs GPUs: on CPU accelerate would silently train with plain DDP instead; remove fsdp "
-     "(nproc_per_node alone trains data-parallel on CPU)"),
+    ("fsdp on cpu, one process", {"fsdp": True, "fsdp_config": {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}},
+     "fsdp: one process has nothing to shard with; set nproc_per_node: 2 or more"),
+    ("fsdp offload on cpu", {"fsdp": "full_shard offload", "nproc_per_node": 2},
+     "fsdp on CPU: offloading needs GPUs (accelerate's FSDP); on CPU tunelab shards every layer with FSDP2 full_shard "
+     "(fsdp: true or full_shard, reshard_after_forward: true, state_dict_type: FULL_STATE_DICT)"),
+    ("fsdp checkpoints on cpu", {"fsdp": True, "nproc_per_node": 2, "save_steps": 2},
+     "fsdp on CPU cannot checkpoint the optimizer of its sharded model: set save_only_model: true (checkpoints hold "
+     "the gathered model; resume them with resume_weights_only: true) or save_strategy: no; sharded optimizer "
+     "checkpoints need GPUs (accelerate's FSDP)"),
     ("fsdp with qlora", {"fsdp": "full_shard", "quantization_bit": 4, "use_cpu": False},
      "fsdp cannot shard the 4-bit weights of quantization_bit (QLoRA); remove fsdp (QLoRA trains one copy per "
      "process with DDP) or quantization_bit"),

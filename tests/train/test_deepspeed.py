@@ -85,3 +85,20 @@ def test_zero3_checkpoint_resumes_exactly(runs, tmp_path, monkeypatch):
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in uninterrupted[2:]]
     assert max_weight_difference(out, runs / "z3") == 0.0
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_exports_to_one_plain_folder(runs, tmp_path, capsys):
+    """`tunelab export` of checkpoint-4's shards (its gathered model.safetensors removed, as a run with
+    stage3_gather_16bit_weights_on_model_save false leaves it): the float32 master weights joined from both ranks'
+    partitions are exactly what DeepSpeed gathered at the end of the same run (step 4)."""
+    checkpoint = tmp_path / "checkpoint-4"
+    shutil.copytree(runs / "z3" / "checkpoint-4", checkpoint, ignore=shutil.ignore_patterns("model.safetensors"))
+    out = tmp_path / "exported"
+    assert main(["export", f"model_name_or_path={checkpoint}", f"export_dir={out}"]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"tunelab: error: model_name_or_path: {checkpoint}/global_step4 holds DeepSpeed's pickle shards, which can "
+        "run code when loaded; set allow_pickle_weights: true if you trust the run that wrote them\n")
+    assert main(["export", f"model_name_or_path={checkpoint}", f"export_dir={out}", "allow_pickle_weights=true"]) == 0
+    assert not list(out.glob("*.pt")) and (out / "tokenizer.json").is_file()
+    assert max_weight_difference(out, runs / "z3") == 0.0

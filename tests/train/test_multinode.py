@@ -147,3 +147,20 @@ def test_sigterm_checkpoints_the_whole_job_it_resumes_and_a_node_that_dies_ends_
     assert resumed[0].returncode == 2, err0[-3000:]
     assert "tunelab: error: lost contact with another rank during training" in err0, err0[-3000:]
     assert not (out / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_nproc_per_node_stop_with_one_line(tmp_path, cfg):
+    """Node 0 brings 1 process, node 1 brings 2: torchrun's rendezvous adds them up (3), every worker sees that its
+    node's share times nnodes is not the world and stops with one line before loading anything; both launchers
+    exit 2 within the stated bound (docs/distributed.md), with no hang at a rendezvous or a collective."""
+    port = free_port()
+    nodes = [start_node(cfg, rank, port, tmp_path / f"cache{rank}", f"output_dir={tmp_path / 'out'}", nproc=nproc)
+             for rank, nproc in ((0, 1), (1, 2))]
+    results = finish(*nodes, timeout=120)  # the stated bound
+    for (code, err), started in zip(results, (1, 2)):
+        assert code == 2, err[-3000:]
+        assert (f"tunelab: error: nproc_per_node differs between nodes: this node started {started} processes but "
+                "the 2 nodes brought 3 in all; start every node with the same nproc_per_node\n") in err, err[-3000:]
+        assert "exited with code 2 (its output is above)\n" in err
+    assert not (tmp_path / "out").exists()

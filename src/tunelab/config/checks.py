@@ -827,12 +827,12 @@ def _check_distributed(config: RunConfig) -> None:
     args = config.training
     if args.deepspeed and args.fsdp:
         raise ConfigError("deepspeed and fsdp are two engines for the same job: keep one")
-    if args.fsdp and args.use_cpu:
-        # accelerate 1.15 turns FSDP on only for GPU-like devices; on CPU the run would silently be plain DDP.
-        raise ConfigError(
-            "fsdp needs GPUs: on CPU accelerate would silently train with plain DDP instead; remove fsdp "
-            "(nproc_per_node alone trains data-parallel on CPU)"
-        )
+    if args.fsdp and args.use_cpu:  # accelerate runs FSDP on GPUs only; on CPU transformers shards at load
+        from tunelab.model.sharding import check_cpu_fsdp  # noqa: PLC0415
+        from tunelab.train.launch import nproc_per_node  # noqa: PLC0415
+
+        processes = max(nproc_per_node(args) * args.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
+        check_cpu_fsdp(args, processes, config.finetuning.stage)
     if args.fsdp and config.model.quantization_bit is not None:
         raise ConfigError(
             f"fsdp cannot shard the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "

@@ -253,7 +253,7 @@ def padding_free_support(model) -> str | None:
     base = _base_model(model)
     attn = getattr(base.config, "_attn_implementation", None) or "eager"
     if not _native(base):
-        return f"{type(base).__name__} is not transformers' own model code"
+        return f"{_model_class(base).__name__} is not transformers' own model code"
     if attn not in ("sdpa", "eager", "flex_attention") and not attn.startswith("flash_attention"):
         return f"attention '{attn}' is not known to isolate packed samples"
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
@@ -297,6 +297,12 @@ def _base_model(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _model_class(base) -> type:
+    """The model's own class: FSDP2 (`fully_shard`, model/sharding.py) swaps it for a subclass FSDP<Name> that
+    torch makes, whose first base it stays."""
+    return next(cls for cls in type(base).__mro__ if not cls.__module__.startswith("torch.distributed.fsdp"))
+
+
 def _native(base) -> bool:
     # Only transformers' own modelling code is known to read packed position ids (masking_utils).
-    return type(base).__module__.startswith("transformers.")
+    return _model_class(base).__module__.startswith("transformers.")

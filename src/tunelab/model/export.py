@@ -17,6 +17,10 @@ transformers reloads them quantizing each linear layer but the output head, and 
 the quantization_config in config.json, so plain `from_pretrained` (with torchao installed) loads the quantized
 model. The same scheme applies whether or not the model trained with `qat` (post-training quantization). It does
 not merge into a 4-bit bitsandbytes base (the config check refuses quantization_bit).
+
+A model_name_or_path that holds a DeepSpeed ZeRO checkpoint (a `latest` file and its global_stepN/ shards, as in a
+ZeRO run's checkpoint-N/) is consolidated from the shards (model/zero_checkpoint.py) instead of read from
+model.safetensors.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.errors import ConfigError, ModelError
-from tunelab.model import hub, qat
+from tunelab.model import hub, qat, zero_checkpoint
 from tunelab.model.adapters import first_line, load_adapter
 
 logger = logging.getLogger(__name__)
@@ -83,13 +87,23 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
         base_config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
         if "num_labels" not in base_config and "id2label" not in base_config:
             kwargs["num_labels"] = 1  # a reward model: one score per sequence
-    hub.fetch_weights(model_args.model_name_or_path, model_args.allow_pickle_weights)
-    try:
-        model = auto.from_pretrained(model_args.model_name_or_path, **kwargs)
-    except Exception as exc:  # noqa: BLE001
-        raise ModelError(
-            f"model_name_or_path: cannot load {model_args.model_name_or_path} as {auto.__name__}: {first_line(exc)}"
-        ) from exc
+    if zero_checkpoint.zero_tag(model_args.model_name_or_path):
+        # A DeepSpeed ZeRO checkpoint: the float32 master weights, joined from every rank's partition.
+        state_dict = zero_checkpoint.consolidated_state_dict(model_args.model_name_or_path, model_args.allow_pickle_weights)
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+        for name in ("pad_token_id", "num_labels"):  # what from_pretrained would set on the config
+            if name in kwargs:
+                setattr(config, name, kwargs[name])
+        model = auto.from_config(config, dtype=torch.float32, trust_remote_code=model_args.trust_remote_code)
+        zero_checkpoint.load_into(model, state_dict, model_args.model_name_or_path)
+    else:
+        hub.fetch_weights(model_args.model_name_or_path, model_args.allow_pickle_weights)
+        try:
+            model = auto.from_pretrained(model_args.model_name_or_path, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            raise ModelError(
+                f"model_name_or_path: cannot load {model_args.model_name_or_path} as {auto.__name__}: {first_line(exc)}"
+            ) from exc
     if model_args.adapter_name_or_path:
         model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False).merge_and_unload()
     model.config.use_cache = True  # training runs save use_cache: false; the exported model serves generation

@@ -18,7 +18,7 @@ from transformers.utils import is_flash_attn_2_available
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ModelError
-from tunelab.model import hub, qat, quantization
+from tunelab.model import hub, qat, quantization, sharding
 from tunelab.model.adapters import first_line, load_adapter, setup_finetuning
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def load_model(
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
 
+    sharded = sharding.load_kwargs(training_args) if is_trainable else {}  # fsdp on CPU: FSDP2 shards while loading
+    kwargs.update(sharded)
     hub.fetch_weights(path, model_args.allow_pickle_weights)
     try:
         if reward_head:
@@ -100,6 +102,9 @@ def load_model(
         model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
+    if sharded:
+        logger.info("fsdp: the model is sharded layer by layer across %d processes as it loads (FSDP2 full_shard "
+                    "through transformers' distributed_config)", sharding.world_size())
     snapshot = hub.snapshot_of(path)
     if snapshot is not None:
         # What an adapter saved from this model names as its base (peft's base_model_name_or_path): the Hub id,

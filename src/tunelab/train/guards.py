@@ -53,7 +53,10 @@ class NonFiniteGuard:
         self._losses.append(loss.detach())
 
     def observe_grad_norm(self, grad_norm) -> None:
-        self._grad_norm = grad_norm
+        # Under FSDP2 (model/sharding.py) the norm of sharded gradients is a DTensor: its full value, a plain tensor
+        # that the cross-rank reduction of the verdict can take.
+        full_tensor = getattr(grad_norm, "full_tensor", None)
+        self._grad_norm = full_tensor() if callable(full_tensor) else grad_norm
 
     def decide(
         self, step: int, check_grad_norm: bool = True, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,

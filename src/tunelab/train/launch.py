@@ -22,9 +22,12 @@ import re
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
-from tunelab.config.args import TrainingArguments
 from tunelab.errors import ConfigError
+
+if TYPE_CHECKING:  # annotations only: a worker checks its node's share (check_node_shares) before transformers loads
+    from tunelab.config.args import TrainingArguments
 
 NPROC_ENV = "TUNELAB_NPROC_PER_NODE"
 
@@ -68,14 +71,23 @@ def check_launch(args: TrainingArguments) -> None:
                 f"nproc_per_node: {wanted}, but the launcher started {started} processes per node; "
                 "remove nproc_per_node when you launch with torchrun / accelerate launch yourself"
             )
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if args.nnodes > 1 and world != started * args.nnodes:
-            # torchrun's rendezvous adds up what each node brings: a node with another nproc_per_node still
-            # joins, and every rank would train on a share of the data that the config does not describe.
-            raise ConfigError(
-                f"nproc_per_node differs between nodes: this node started {started} processes but the {args.nnodes} "
-                f"nodes brought {world} in all; start every node with the same nproc_per_node"
-            )
+        check_node_shares()
+
+
+def check_node_shares() -> None:
+    """In a torchrun worker: every node must bring the same number of processes. torchrun's rendezvous adds up
+    what each node brings, so a node with another nproc_per_node still joins, and every rank would train on a
+    share of the data that the config does not describe. Read from torchrun's environment alone, so a worker
+    stops within a second of starting (before torch and transformers load), not after the config is built."""
+    try:
+        world, local, nodes = (int(os.environ[k]) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"))
+    except (KeyError, ValueError):
+        return  # not torchrun's environment (deepspeed's launcher, or no launcher)
+    if world != local * nodes:
+        raise ConfigError(
+            f"nproc_per_node differs between nodes: this node started {local} processes but the {nodes} "
+            f"nodes brought {world} in all; start every node with the same nproc_per_node"
+        )
 
 
 def needs_launch(args: TrainingArguments) -> bool:

@@ -99,6 +99,14 @@ class TunelabTrainer(transformers.Trainer):
     def _save_checkpoint(self, model, trial):
         self.last_checkpoint = str(checkpoints.save_checkpoint(self, trial))
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # A model sharded at load (fsdp on CPU, model/sharding.py) takes the checkpoint's gathered weights through
+        # torch's FSDP2 state-dict API: the Trainer's plain load_state_dict cannot copy full tensors into shards.
+        from tunelab.model import sharding  # noqa: PLC0415
+
+        if not sharding.load_gathered_weights(model or self.model, resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def run_state(self) -> dict:
         """What tunelab_state.json keeps beside the Trainer's own state (called on every process)."""
         self._flush_token_counts()
