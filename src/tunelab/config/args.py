@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import transformers
 
-from tunelab.assets import TINY_MODEL_DIR
+from tunelab.assets import EMBEDDED_MODELS
 
 
 def _help(text: str, **kwargs):
@@ -23,7 +23,8 @@ def _help(text: str, **kwargs):
 class ModelArguments:
     model_name_or_path: str = _help(
         "A Hugging Face model folder (config.json + weights), or a Hub id (org/name) fetched into the Hugging Face "
-        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama.",
+        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama, "
+        "'tiny-vision' the embedded tiny LLaVA.",
         default="tiny",
     )
     model_revision: str = _help(
@@ -57,8 +58,8 @@ class ModelArguments:
     double_quantization: bool = _help("Quantize the 4-bit quantization constants too.", default=True)
 
     def __post_init__(self):
-        if self.model_name_or_path == "tiny":
-            self.model_name_or_path = str(TINY_MODEL_DIR)
+        if self.model_name_or_path in EMBEDDED_MODELS:
+            self.model_name_or_path = str(EMBEDDED_MODELS[self.model_name_or_path])
 
 
 @dataclass

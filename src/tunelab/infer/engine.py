@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from tunelab.assets import TINY_MODEL_DIR
+from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.args import ModelArguments
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.data.templates.builtin import builtin_source
@@ -79,7 +79,7 @@ def resolve_folders(
     """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
     Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (model/hub.py)."""
     hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
-    folder = TINY_MODEL_DIR if path == "tiny" else Path(hub.resolve_model(path, "", **hub_options))
+    folder = EMBEDDED_MODELS[path] if path in EMBEDDED_MODELS else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
         raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
     adapter_config = folder / "adapter_config.json"
