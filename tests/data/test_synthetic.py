@@ -194,11 +194,11 @@ def _read_scene(png: bytes) -> list[tuple[int, str, str]]:
         ys, xs = np.nonzero((block != synthetic.SHAPE_BACKGROUND).any(axis=2))
         if not len(ys):
             continue
-        colours = {tuple(int(v) for v in rgb) for rgb in block[ys, xs]}
-        assert len(colours) == 1  # solid fill, no anti-aliased edge colours
+        colour = tuple(int(v) for v in block[ys[0], xs[0]])
+        assert (block[ys, xs] == colour).all()  # solid fill, no anti-aliased edge colours
         fill = len(ys) / ((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1))
         kind = "square" if fill > 0.95 else "circle" if fill > 0.68 else "triangle"
-        found.append((cell, kind, names[colours.pop()]))
+        found.append((cell, kind, names[colour]))
     return found
 
 
