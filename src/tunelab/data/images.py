@@ -146,3 +146,37 @@ def open_images(
 ) -> list:
     """Open a row's image list (None / empty → [])."""
     return [open_image(ref, base_dir, where) for ref in (refs or [])]
+
+
+def as_storage(ref: Any, base_dir: str | os.PathLike | None = None, where: ImageSource | None = None) -> dict:
+    """A reference checked (opened once) and turned into the storage form {"bytes", "path"} a canonical row keeps:
+    files as their absolute path (read again when encoding), everything else as encoded bytes."""
+    image = open_image(ref, base_dir, where)
+    if isinstance(ref, str) and not ref.startswith("data:"):
+        return {"bytes": None, "path": str(_resolve(ref, base_dir).resolve())}
+    if isinstance(ref, dict) and not ref.get("bytes"):
+        return {"bytes": None, "path": str(_resolve(str(ref["path"]), base_dir).resolve())}
+    if isinstance(ref, dict):
+        return {"bytes": bytes(ref["bytes"]), "path": None}
+    if isinstance(ref, str):  # data URI
+        return {"bytes": _data_uri(ref, where or ImageSource()), "path": None}
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return {"bytes": buffer.getvalue(), "path": None}
+
+
+def fit_pixels(image, max_pixels: int | None, min_pixels: int | None):
+    """The image scaled (aspect ratio kept) so that width x height lies in [min_pixels, max_pixels]
+    (LlamaFactory's image_max_pixels / image_min_pixels); unchanged when it already does."""
+    import math  # noqa: PLC0415
+
+    pixels = image.width * image.height
+    factor = 1.0
+    if max_pixels and pixels > max_pixels:
+        factor = math.sqrt(max_pixels / pixels)
+    elif min_pixels and pixels < min_pixels:
+        factor = math.sqrt(min_pixels / pixels)
+    if factor == 1.0:
+        return image
+    size = (max(1, int(image.width * factor)), max(1, int(image.height * factor)))
+    return image.resize(size, resample=_pil().Resampling.BICUBIC)
