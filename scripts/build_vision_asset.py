@@ -7,7 +7,9 @@ This script is the committed recipe for those files; nothing else writes them. I
      (64x64 RGB, 16x16 patches -> 16 image tokens), LLaVA's two-layer projector and a Llama
      language model of the same shape as tiny-llama (tied embeddings drawn at 1/sqrt(hidden), as
      build_assets.py does, for the same reason);
-  3. optionally (--pretrain-steps) pretrains the vision tower, see `pretrain_vision`;
+  3. pretrains the whole model on captions of shapes scenes (LLaVA's first stage: align the image features with
+     the language model), see `pretrain_captions`: without it the quickstart's SFT learns only the answer prior
+     (held-out exact match = the blind baseline, vision tower frozen or not; docs/multimodal.md has the figures);
   4. saves model (fp32 safetensors), tokenizer and a LlavaProcessor whose image processor is
      SiglipImageProcessorPil (runs on PIL + numpy: no torchvision needed).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from transformers import (
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 from tunelab.assets import TINY_MODEL_DIR
+from tunelab.data import synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "src" / "tunelab" / "assets" / "tiny-llava"
@@ -73,6 +77,8 @@ TEXT_SHAPE = dict(
     max_position_embeddings=512,
 )
 EMBED_STD = TEXT_SHAPE["hidden_size"] ** -0.5
+PRETRAIN = dict(steps=300, batch_size=32, lr=2e-3, warmup=15)
+CELL_NAMES = ("top left", "top right", "bottom left", "bottom right")
 
 CHAT_TEMPLATE = """{#- ChatML; content is a string or a list of parts, an image part renders as <image>. #}
 {%- for message in messages %}
@@ -152,6 +158,53 @@ def build_model(tokenizer, seed: int) -> LlavaForConditionalGeneration:
     return model
 
 
+def caption(shapes: tuple[synthetic.Shape, ...]) -> str:
+    """What the picture shows, cell by cell: 'top left red circle, bottom right blue square.' ('nothing.' if empty).
+    Names and colours only: never a count or a question of the SFT task."""
+    parts = [f"{CELL_NAMES[s.cell]} {s.colour} {s.kind}" for s in sorted(shapes, key=lambda s: s.cell)]
+    return (", ".join(parts) or "nothing") + "."
+
+
+def caption_scenes(num_samples: int, seed: int) -> list[tuple[Image.Image, str]]:
+    """Pictures of train-split scenes only (synthetic.split_of), so the held-out test pictures stay unseen."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < num_samples:
+        shapes = synthetic._shapes_scene(rng)
+        if synthetic.split_of("shapes", synthetic.shapes_scene_key(shapes)) == "train":
+            out.append((synthetic.draw_shapes(shapes, rng), caption(shapes)))
+    return out
+
+
+def pretrain_captions(model: LlavaForConditionalGeneration, processor: LlavaProcessor, seed: int, steps: int) -> None:
+    """Plain captioning (`<image>` + caption + eos, loss on the caption), fixed data order, all weights training."""
+    if steps <= 0:
+        return
+    cfg = PRETRAIN
+    scenes = caption_scenes(steps * cfg["batch_size"], seed + 1)
+    tokenizer = processor.tokenizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / cfg["warmup"]) * max(0.0, 1 - s / steps)
+    )
+    model.train()
+    for step in range(steps):
+        chunk = scenes[step * cfg["batch_size"] : (step + 1) * cfg["batch_size"]]
+        texts = [IMAGE_TOKEN + text + tokenizer.eos_token for _, text in chunk]
+        batch = processor(images=[image for image, _ in chunk], text=texts, padding=True, return_tensors="pt")
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        labels = labels.masked_fill(labels == model.config.image_token_id, -100)
+        loss = model(**batch, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"pretrain step {step:4d} loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
 def _sort_json(path: Path) -> None:
     data = json.loads(path.read_text(encoding="utf-8"))
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -187,6 +240,7 @@ def save(model: LlavaForConditionalGeneration, processor: LlavaProcessor, out_di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT_DIR)
+    parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN["steps"])
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -195,6 +249,7 @@ def main() -> None:
     tokenizer = build_tokenizer()
     processor = build_processor(tokenizer)
     model = build_model(tokenizer, SEED)
+    pretrain_captions(model, processor, SEED, args.pretrain_steps)
     save(model, processor, args.out)
     params = sum(p.numel() for p in model.parameters())
     size = sum(p.stat().st_size for p in args.out.iterdir())
