@@ -286,9 +286,6 @@ def build_datasets(
             encoder = VisionEncoder(encoder, *vision)
     num_proc = data_args.preprocessing_num_workers
     images = vision is not None
-    if images and data_args.packing:
-        raise DataError("packing: not supported with images yet; set packing: false (padding-free batches keep "
-                        "samples isolated without it)")
 
     sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
     sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)

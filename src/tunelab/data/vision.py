@@ -34,7 +34,7 @@ import datasets
 from tunelab.data.encode import COUNTER_COLUMNS, IGNORE_INDEX, IMAGE_COUNTERS, SupervisedEncoder
 from tunelab.data.formats import IMAGE_PLACEHOLDER, IMAGES_FEATURE, template_messages
 from tunelab.data.images import fit_pixels, open_images
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -237,6 +237,22 @@ def vision_fingerprint(vision: tuple[Any, ImageSettings] | None) -> str:
     return f"\n#vision {type(processor).__name__} {processor.image_processor.to_json_string()} {settings}"
 
 
-def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings]) -> VisionCollator:
+def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings], padding_free: bool | None = None
+                    ) -> VisionCollator:
+    """The run's collator with images. A family whose processor marks image tokens with token types (Gemma 3:
+    image tokens attend to each other both ways) is not isolated by packed rows (measured: packed != padded loss
+    in tests/train/test_vision_train.py): packing is refused and padding-free batches fall back to padding."""
+    from tunelab.data.collate import PackedCollator, PaddingFreeCollator, SupervisedCollator  # noqa: PLC0415
+
     processor, settings = vision
-    return VisionCollator(inner, processor, settings, token_type_key(model, processor))
+    key = token_type_key(model, processor)
+    if key is not None and isinstance(inner, (PackedCollator, PaddingFreeCollator)):
+        family = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+        why = f"{family} lets image tokens attend both ways ({key}), which packed rows do not isolate yet"
+        if isinstance(inner, PackedCollator):
+            raise ConfigError(f"packing: {why}; set packing: false")
+        if padding_free:
+            raise ConfigError(f"padding_free: {why}; set padding_free: false (or leave it unset)")
+        logger.info("padding-free batches off (%s): examples are padded to the longest of each batch", why)
+        inner = SupervisedCollator(inner.packed.pad_token_id)
+    return VisionCollator(inner, processor, settings, key)

@@ -160,6 +160,9 @@ def load_model(
         return model.eval()
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
+    # A vision-language model's language model reads its own (text) config: with its cache on, packed and
+    # padding-free samples would attend to each other (data/packing.py).
+    model.config.get_text_config().use_cache = False
     quantization.keep_4bit_trainable_on_cpu(model)
     if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
         group_size = finetuning_args.qat_group_size or qat.DEFAULT_GROUP_SIZE

@@ -52,7 +52,7 @@ def run_sft(config: RunConfig) -> dict:
 
     collator = build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free)
     if vision is not None:
-        collator = vision_collator(collator, model, vision)
+        collator = vision_collator(collator, model, vision, config.data.padding_free)
     evals = data.eval or None
     if evals and len(evals) == 1:
         evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
