@@ -310,6 +310,9 @@ def build_datasets(
         stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.answers_dropped,
         stats.dropped_no_supervised,
     )
+    if stats.images:
+        logger.info("train: %d images, %d image tokens (%.1f%% of the tokens)", stats.images, stats.image_tokens,
+                    100 * stats.image_tokens / max(stats.tokens, 1))
     if data_args.packing:
         # Eval sets too: the trainer has one collator, and it takes packed rows.
         report["packing"] = {}

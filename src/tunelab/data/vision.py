@@ -84,6 +84,10 @@ class VisionEncoder:
         object.__setattr__(self, "_mm_ids", frozenset(image_token_ids(self.processor)))
 
     @property
+    def cutoff_len(self) -> int:
+        return self.encoder.cutoff_len
+
+    @property
     def features(self) -> datasets.Features:
         """The encoded columns' types (given to datasets.map: a batch of text-only rows has no image type)."""
         ints = datasets.List(datasets.Value("int64"))
@@ -256,3 +260,21 @@ def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings], p
         logger.info("padding-free batches off (%s): examples are padded to the longest of each batch", why)
         inner = SupervisedCollator(inner.packed.pad_token_id)
     return VisionCollator(inner, processor, settings, key)
+
+
+def save_processor_files(processor: Any, out: str) -> list[str]:
+    """Write the processor's own files (processor_config.json / preprocessor_config.json) beside a trained model,
+    so that AutoProcessor loads from the output folder; the tokenizer files the run saved stay as they are."""
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        processor.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if path.name.startswith(("tokenizer", "special_tokens_map", "chat_template", "added_tokens", "vocab", "merges")):
+                continue
+            shutil.copy(path, Path(out) / path.name)
+            written.append(path.name)
+    return written
