@@ -73,3 +73,11 @@ def test_an_image_larger_than_cutoff_len_is_dropped_and_counted(tmp_path, capsys
     report = json.loads((tmp_path / "out" / "data_report.json").read_text())
     assert code == 0
     assert (report["train"]["images_dont_fit"], report["train"]["examples"], report["train"]["images"]) == (2, 1, 0)
+
+
+def test_stages_other_than_sft_refused_for_a_vision_model(tmp_path, capsys, tiny_vlm_dirs):
+    folder = tiny_vlm_dirs["llava"]
+    code, err = train(tmp_path, capsys, model_name_or_path=str(folder), template="model", stage="dpo",
+                      dataset="demo_preference")
+    assert (code, err) == (2, f"tunelab: error: stage: dpo is not supported for vision-language models yet "
+                              f"(model_name_or_path {folder} is one); train it with stage: sft\n")
