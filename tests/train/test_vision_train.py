@@ -110,3 +110,23 @@ def test_packing_refused_where_images_attend_both_ways(tiny_vlm_dirs, tmp_path):
     fallback = vision_collator(PaddingFreeCollator(PackedCollator.for_model(model, 0)), model, vision)
     assert isinstance(fallback.inner, SupervisedCollator)
     assert _loss(model, fallback(examples)) == pytest.approx(_loss(model, padded), abs=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_kept_logits_give_the_plain_loss_with_images(tiny_vlm_dirs, tmp_path, family):
+    """The trainer passes logits_to_keep (a mask of supervised positions): the VLM families honour it."""
+    from tunelab.train.losses import CausalLMLoss, causal_lm_loss, next_token_mask  # noqa: PLC0415
+    from tunelab.train.trainer import takes_logits_to_keep  # noqa: PLC0415
+
+    folder = tiny_vlm_dirs[family]
+    vlm = (family, AutoTokenizer.from_pretrained(folder), AutoProcessor.from_pretrained(folder),
+           AutoModelForImageTextToText.from_pretrained(folder).eval())
+    _, tokenizer, processor, model = vlm
+    batch = VisionCollator(SupervisedCollator(0), processor, token_type_key=token_type_key(model, processor))(
+        _examples(vlm, tmp_path))
+    labels = batch.pop("labels")
+    assert takes_logits_to_keep(model)
+    with torch.no_grad():
+        plain = causal_lm_loss(model(**batch).logits, labels)
+        kept = CausalLMLoss()(model(**batch, logits_to_keep=next_token_mask(labels)), labels)
+    assert kept.item() == pytest.approx(plain.item(), abs=1e-5)
