@@ -77,7 +77,7 @@ def test_an_image_larger_than_cutoff_len_is_dropped_and_counted(tmp_path, capsys
 
 def test_stages_other_than_sft_refused_for_a_vision_model(tmp_path, capsys, tiny_vlm_dirs):
     folder = tiny_vlm_dirs["llava"]
-    code, err = train(tmp_path, capsys, model_name_or_path=str(folder), template="model", stage="dpo",
+    code, err = train(tmp_path, capsys, model_name_or_path=str(folder), template="model", stage="rm",
                       dataset="demo_preference")
-    assert (code, err) == (2, f"tunelab: error: stage: dpo is not supported for vision-language models yet "
-                              f"(model_name_or_path {folder} is one); train it with stage: sft\n")
+    assert (code, err) == (2, f"tunelab: error: stage: rm is not supported for vision-language models yet "
+                              f"(model_name_or_path {folder} is one); train it with stage: sft or dpo\n")

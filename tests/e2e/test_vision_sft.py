@@ -73,3 +73,31 @@ def test_sft_with_images(tmp_path, tiny_vlm_dirs, options):
         AutoModelForImageTextToText.from_pretrained(out)
     else:
         assert (out / ("adapter_config.json" if options["finetuning_type"] == "lora" else "model.safetensors")).exists()
+
+
+@pytest.mark.slow
+def test_dpo_on_image_pairs(tmp_path, tiny_vlm_dirs):
+    data = tmp_path / "data"
+    (data / "imgs").mkdir(parents=True)
+    rows = []
+    for name, colour in COLOURS.items():
+        Image.new("RGB", (32, 32), colour).save(data / "imgs" / f"{name}.png")
+        wrong = next(other for other in COLOURS if other != name)
+        rows += [{"instruction": "<image>What colour is this?", "chosen": name, "rejected": wrong,
+                  "images": [f"imgs/{name}.png"]}] * 2
+    (data / "pairs.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (data / "dataset_info.json").write_text(json.dumps({"pairs": {"file_name": "pairs.jsonl", "ranking": True, "columns": {
+        "prompt": "instruction", "chosen": "chosen", "rejected": "rejected", "images": "images"}}}))
+    out = tmp_path / "out"
+    config = {
+        "model_name_or_path": str(tiny_vlm_dirs["llava"]), "template": "model", "stage": "dpo",
+        "finetuning_type": "lora", "dataset": "pairs", "dataset_dir": str(data), "cutoff_len": 96, "max_steps": 2,
+        "per_device_train_batch_size": 2, "learning_rate": 1e-3, "output_dir": str(out), "report_to": "none",
+        "disable_tqdm": True, "tokenized_cache_dir": str(tmp_path / "cache"),
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
+    assert main(["train", str(tmp_path / "cfg.yaml")]) == 0
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["train"]["examples"] == 6
+    assert json.loads((out / "all_results.json").read_text())["train_loss"] > 0
+    assert type(AutoProcessor.from_pretrained(out)).__name__ == "LlavaProcessor"

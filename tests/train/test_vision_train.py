@@ -130,3 +130,30 @@ def test_kept_logits_give_the_plain_loss_with_images(tiny_vlm_dirs, tmp_path, fa
         plain = causal_lm_loss(model(**batch).logits, labels)
         kept = CausalLMLoss()(model(**batch, logits_to_keep=next_token_mask(labels)), labels)
     assert kept.item() == pytest.approx(plain.item(), abs=1e-5)
+
+
+def test_pair_log_probs_equal_padded_and_padding_free_with_images(tiny_vlm_dirs, tmp_path):
+    """dpo on image pairs: each sequence's summed log-prob is the same padded or laid side by side."""
+    from tunelab.data.collate import PairedCollator  # noqa: PLC0415
+    from tunelab.data.pairwise import PairwiseEncoder  # noqa: PLC0415
+    from tunelab.train.preference_trainer import batch_log_probs  # noqa: PLC0415
+
+    folder = tiny_vlm_dirs["llava"]
+    tokenizer, processor = AutoTokenizer.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, attn_implementation="sdpa").eval()
+    model.config.use_cache = model.config.get_text_config().use_cache = False
+    inner = SupervisedEncoder(tokenizer, get_template("model", tokenizer), cutoff_len=128, mask_history=True)
+    rows = _rows(tmp_path)
+    pairs = [{**row, "messages": row["messages"][:-1], "chosen": row["messages"][-1]["content"], "rejected": "No."}
+             for row in rows]
+    encoded = PairwiseEncoder(VisionEncoder(inner, processor))({k: [r[k] for r in pairs] for k in pairs[0]})
+    examples = [dict(zip(encoded, values)) for values in zip(*encoded.values())]
+    assert [len(e["images"]) for e in examples] == [1, 2, 0, 1]
+    padded = VisionCollator(PairedCollator(0), processor)(examples)
+    free = VisionCollator(PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator.for_model(model, 0))),
+                          processor)(examples)
+    assert free["input_ids"].shape[0] < 2 * len(examples)
+    with torch.no_grad():
+        expected, _ = batch_log_probs(model, padded)
+        got, _ = batch_log_probs(model, free)
+    assert torch.allclose(got, expected, atol=1e-4)

@@ -267,7 +267,7 @@ def _sum(column: pa.ChunkedArray | pa.Array) -> int:
 
 
 def build_datasets(
-    data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None, vision=None
+    data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None, vision=None, images: bool = False
 ) -> DatasetBundle:
     """`encoder` maps canonical rows to examples; default the SupervisedEncoder of data_args. The
     preference stages pass theirs (data/pairwise.py), which wrap that same SupervisedEncoder.
@@ -285,7 +285,7 @@ def build_datasets(
 
             encoder = VisionEncoder(encoder, *vision)
     num_proc = data_args.preprocessing_num_workers
-    images = vision is not None
+    images = images or vision is not None  # `images`: a given encoder (pairs) takes rows with images
 
     sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
     sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)

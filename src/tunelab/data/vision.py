@@ -184,25 +184,40 @@ class VisionCollator:
     settings: ImageSettings = field(default_factory=ImageSettings)
     token_type_key: str | None = None
 
-    def order(self, examples: list[dict]) -> list[int]:
-        """The examples in the order of their tokens in the batch."""
-        from tunelab.data.collate import PaddingFreeCollator, padding_free_layout  # noqa: PLC0415
+    def images_in_order(self, examples: list[dict]) -> list:
+        """The batch's image references in the order of their tokens in the batch: examples (or, for pairs,
+        every row's first sequence, then every row's second: PairedCollator's order, both with the row's
+        images) laid out as the inner collator lays them out."""
+        from tunelab.data.collate import PairedCollator, PaddingFreeCollator, padding_free_layout  # noqa: PLC0415
 
-        if isinstance(self.inner, PaddingFreeCollator):
-            return [i for row in padding_free_layout([len(e["input_ids"]) for e in examples]) for i in row]
-        return list(range(len(examples)))
+        if isinstance(self.inner, PairedCollator):
+            first, second = self.inner.first, self.inner.second
+            lengths = [len(e[f"{p}input_ids"]) for p in (first, second) for e in examples]
+            images = [e.get("images") or [] for e in examples] * 2
+            padding_free = self.inner.padding_free is not None
+        else:
+            lengths = [len(e["input_ids"]) for e in examples]
+            images = [e.get("images") or [] for e in examples]
+            padding_free = isinstance(self.inner, PaddingFreeCollator)
+        order = [i for row in padding_free_layout(lengths) for i in row] if padding_free else range(len(lengths))
+        return [ref for i in order for ref in images[i]]
 
     def __call__(self, examples: list[dict], **kwargs) -> dict:
         import torch  # noqa: PLC0415
 
-        batch = self.inner(examples, **kwargs)
-        refs = [ref for i in self.order(examples) for ref in examples[i].get("images") or []]
+        refs = self.images_in_order(examples)
+        batch = self.inner([{k: v for k, v in e.items() if k != "images"} for e in examples], **kwargs)
         if refs:
             batch.update(image_inputs(self.processor, prepare_images(refs, self.settings)))
         if self.token_type_key is not None:
             types = self.processor.create_mm_token_type_ids(batch["input_ids"].tolist())
             batch[self.token_type_key] = torch.as_tensor(types, dtype=torch.long)
         return batch
+
+
+# Batch keys the image inputs may add (besides pixel_values), passed to the model by stages that pick inputs.
+IMAGE_INPUT_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids",
+                    "mm_token_type_ids", "image_attention_mask")
 
 
 def image_inputs(processor: Any, images: list) -> dict:

@@ -55,10 +55,10 @@ def run(config: RunConfig) -> dict:
         outputs.write_run_start(config)
     launch.start_deepspeed_comm(config.training)
     stage = config.finetuning.stage
-    if stage != "sft" and is_vision_model_folder(config.model.model_name_or_path):
+    if stage not in ("sft", "dpo") and is_vision_model_folder(config.model.model_name_or_path):
         raise ConfigError(
             f"stage: {stage} is not supported for vision-language models yet (model_name_or_path "
-            f"{config.model.model_name_or_path} is one); train it with stage: sft"
+            f"{config.model.model_name_or_path} is one); train it with stage: sft or dpo"
         )
     if stage == "sft":
         from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
