@@ -325,7 +325,7 @@ class _Converter:
         self.images = images
         self.image_column = spec.columns.get(IMAGE_COLUMN, IMAGE_COLUMN)
         if IMAGE_COLUMN in spec.columns and not images:
-            raise DataError(text_only_refusal(spec, f"maps columns.{IMAGE_COLUMN}", "remove columns.images"))
+            raise DataError(text_only_refusal(spec, f" maps columns.{IMAGE_COLUMN}", "remove columns.images"))
         self.files = files  # the files the rows come from, in order (default: all of the spec's)
         self.skip_bad_rows = skip_bad_rows
         self.row_check = row_check
@@ -442,7 +442,10 @@ class _Converter:
                 f"{IMAGE_PLACEHOLDER} per image, in the order of the images", "placeholders_images_mismatch",
             )
         source = ImageSource(str(where))
-        return [as_storage(ref, self.spec.root or None, source) for ref in refs]
+        try:
+            return [as_storage(ref, self.spec.root or None, source) for ref in refs]
+        except DataError as exc:  # a missing / unreadable image: a bad row (skip_bad_rows skips and counts it)
+            raise RowError(str(exc), "bad_image") from None
 
     def _content(self, content: Any, where: _Where) -> Any:
         """openai content parts ([{"type": "text", ...}, {"type": "image" | "image_url", ...}]) → text with an
@@ -458,7 +461,7 @@ class _Converter:
                 texts.append(self._as_text(part.get("text"), where, "a text part"))
             elif kind in ("image", "image_url"):
                 if not self.images:
-                    raise DataError(text_only_refusal(self.spec, "has image content parts", "remove them"))
+                    raise DataError(text_only_refusal(self.spec, " has image content parts", "remove them"))
                 ref = part.get("image", part.get("url")) if kind == "image" else part.get("image_url")
                 if isinstance(ref, dict):
                     ref = ref.get("url", ref)
@@ -618,7 +621,7 @@ def _check_order(messages: list[dict], where: str, ends_with_answer: bool) -> No
 def text_only_refusal(spec: DatasetSpec, what: str, fix: str) -> str:
     """The one line refusing images to a run whose model is text-only."""
     files = describe_files(spec)
-    return (f"dataset '{spec.name}'{f' ({files})' if files else ''} {what}, but model_name_or_path is a text-only "
+    return (f"dataset '{spec.name}'{f' ({files})' if files else ''}{what}, but model_name_or_path is a text-only "
             f"model and would ignore the images: {fix}, or train a vision-language model (a folder with its processor)")
 
 

@@ -16,6 +16,7 @@ import base64
 import binascii
 import io
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,11 @@ def _decode(data: bytes, what: str, where: ImageSource):
         image = Image.open(io.BytesIO(data))
         image.load()  # decode now: a truncated file fails here, not later in a worker
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        # Pillow names the buffer's address ("cannot identify image file <_io.BytesIO object at 0x...>"): drop it.
+        detail = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc).splitlines()[0] if str(exc) else "")
         raise DataError(
             f"{where.describe()}: image {what} is corrupt or not a supported image format "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'unreadable'}): "
+            f"({type(exc).__name__}: {detail or 'unreadable'}): "
             "replace it with a PNG / JPEG / WebP / GIF / BMP file or drop the row"
         ) from None
     return image

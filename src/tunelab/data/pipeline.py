@@ -267,7 +267,7 @@ def _sum(column: pa.ChunkedArray | pa.Array) -> int:
 
 
 def build_datasets(
-    data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None, vision=None
+    data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None, vision=None, images: bool = False
 ) -> DatasetBundle:
     """`encoder` maps canonical rows to examples; default the SupervisedEncoder of data_args. The
     preference stages pass theirs (data/pairwise.py), which wrap that same SupervisedEncoder.
@@ -285,10 +285,7 @@ def build_datasets(
 
             encoder = VisionEncoder(encoder, *vision)
     num_proc = data_args.preprocessing_num_workers
-    images = vision is not None
-    if images and data_args.packing:
-        raise DataError("packing: not supported with images yet; set packing: false (padding-free batches keep "
-                        "samples isolated without it)")
+    images = images or vision is not None  # `images`: a given encoder (pairs) takes rows with images
 
     sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
     sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)
@@ -313,6 +310,9 @@ def build_datasets(
         stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.answers_dropped,
         stats.dropped_no_supervised,
     )
+    if stats.images:
+        logger.info("train: %d images, %d image tokens (%.1f%% of the tokens)", stats.images, stats.image_tokens,
+                    100 * stats.image_tokens / max(stats.tokens, 1))
     if data_args.packing:
         # Eval sets too: the trainer has one collator, and it takes packed rows.
         report["packing"] = {}
@@ -327,14 +327,14 @@ def build_datasets(
 
 
 def load_canonical_splits(
-    data_args: DataArguments, seed: int, report: dict[str, Any]
+    data_args: DataArguments, seed: int, report: dict[str, Any], images: bool = False
 ) -> tuple[datasets.Dataset, dict[str, datasets.Dataset]]:
     """Canonical (train rows, eval rows by name): registry → formats → mixing → val split, as
     `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo)."""
-    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report), data_args, seed)
+    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report, images=images), data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, images=images)
     return train_rows, eval_rows

@@ -34,7 +34,7 @@ import datasets
 from tunelab.data.encode import COUNTER_COLUMNS, IGNORE_INDEX, IMAGE_COUNTERS, SupervisedEncoder
 from tunelab.data.formats import IMAGE_PLACEHOLDER, IMAGES_FEATURE, template_messages
 from tunelab.data.images import fit_pixels, open_images
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,10 @@ class VisionEncoder:
 
     def __post_init__(self):
         object.__setattr__(self, "_mm_ids", frozenset(image_token_ids(self.processor)))
+
+    @property
+    def cutoff_len(self) -> int:
+        return self.encoder.cutoff_len
 
     @property
     def features(self) -> datasets.Features:
@@ -180,25 +184,40 @@ class VisionCollator:
     settings: ImageSettings = field(default_factory=ImageSettings)
     token_type_key: str | None = None
 
-    def order(self, examples: list[dict]) -> list[int]:
-        """The examples in the order of their tokens in the batch."""
-        from tunelab.data.collate import PaddingFreeCollator, padding_free_layout  # noqa: PLC0415
+    def images_in_order(self, examples: list[dict]) -> list:
+        """The batch's image references in the order of their tokens in the batch: examples (or, for pairs,
+        every row's first sequence, then every row's second: PairedCollator's order, both with the row's
+        images) laid out as the inner collator lays them out."""
+        from tunelab.data.collate import PairedCollator, PaddingFreeCollator, padding_free_layout  # noqa: PLC0415
 
-        if isinstance(self.inner, PaddingFreeCollator):
-            return [i for row in padding_free_layout([len(e["input_ids"]) for e in examples]) for i in row]
-        return list(range(len(examples)))
+        if isinstance(self.inner, PairedCollator):
+            first, second = self.inner.first, self.inner.second
+            lengths = [len(e[f"{p}input_ids"]) for p in (first, second) for e in examples]
+            images = [e.get("images") or [] for e in examples] * 2
+            padding_free = self.inner.padding_free is not None
+        else:
+            lengths = [len(e["input_ids"]) for e in examples]
+            images = [e.get("images") or [] for e in examples]
+            padding_free = isinstance(self.inner, PaddingFreeCollator)
+        order = [i for row in padding_free_layout(lengths) for i in row] if padding_free else range(len(lengths))
+        return [ref for i in order for ref in images[i]]
 
     def __call__(self, examples: list[dict], **kwargs) -> dict:
         import torch  # noqa: PLC0415
 
-        batch = self.inner(examples, **kwargs)
-        refs = [ref for i in self.order(examples) for ref in examples[i].get("images") or []]
+        refs = self.images_in_order(examples)
+        batch = self.inner([{k: v for k, v in e.items() if k != "images"} for e in examples], **kwargs)
         if refs:
             batch.update(image_inputs(self.processor, prepare_images(refs, self.settings)))
         if self.token_type_key is not None:
             types = self.processor.create_mm_token_type_ids(batch["input_ids"].tolist())
             batch[self.token_type_key] = torch.as_tensor(types, dtype=torch.long)
         return batch
+
+
+# Batch keys the image inputs may add (besides pixel_values), passed to the model by stages that pick inputs.
+IMAGE_INPUT_KEYS = ("pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids",
+                    "mm_token_type_ids", "image_attention_mask")
 
 
 def image_inputs(processor: Any, images: list) -> dict:
@@ -237,6 +256,40 @@ def vision_fingerprint(vision: tuple[Any, ImageSettings] | None) -> str:
     return f"\n#vision {type(processor).__name__} {processor.image_processor.to_json_string()} {settings}"
 
 
-def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings]) -> VisionCollator:
+def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings], padding_free: bool | None = None
+                    ) -> VisionCollator:
+    """The run's collator with images. A family whose processor marks image tokens with token types (Gemma 3:
+    image tokens attend to each other both ways) is not isolated by packed rows (measured: packed != padded loss
+    in tests/train/test_vision_train.py): packing is refused and padding-free batches fall back to padding."""
+    from tunelab.data.collate import PackedCollator, PaddingFreeCollator, SupervisedCollator  # noqa: PLC0415
+
     processor, settings = vision
-    return VisionCollator(inner, processor, settings, token_type_key(model, processor))
+    key = token_type_key(model, processor)
+    if key is not None and isinstance(inner, (PackedCollator, PaddingFreeCollator)):
+        family = type(model.get_base_model() if hasattr(model, "get_base_model") else model).__name__
+        why = f"{family} lets image tokens attend both ways ({key}), which packed rows do not isolate yet"
+        if isinstance(inner, PackedCollator):
+            raise ConfigError(f"packing: {why}; set packing: false")
+        if padding_free:
+            raise ConfigError(f"padding_free: {why}; set padding_free: false (or leave it unset)")
+        logger.info("padding-free batches off (%s): examples are padded to the longest of each batch", why)
+        inner = SupervisedCollator(inner.packed.pad_token_id)
+    return VisionCollator(inner, processor, settings, key)
+
+
+def save_processor_files(processor: Any, out: str) -> list[str]:
+    """Write the processor's own files (processor_config.json / preprocessor_config.json) beside a trained model,
+    so that AutoProcessor loads from the output folder; the tokenizer files the run saved stay as they are."""
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    written = []
+    with tempfile.TemporaryDirectory() as tmp:
+        processor.save_pretrained(tmp)
+        for path in sorted(Path(tmp).iterdir()):
+            if path.name.startswith(("tokenizer", "special_tokens_map", "chat_template", "added_tokens", "vocab", "merges")):
+                continue
+            shutil.copy(path, Path(out) / path.name)
+            written.append(path.name)
+    return written

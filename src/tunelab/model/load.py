@@ -119,7 +119,12 @@ def load_model(
     if attn is not None:
         kwargs["attn_implementation"] = attn
     quantization_config = quantization.build_quantization_config(model_args, dtype)
-    if quantization_config is not None:
+    if quantization_config is not None and not reward_head and vision.is_vision_model_folder(path):
+        # QLoRA on a vision-language model quantizes the language model only (as LlamaFactory does): the tower
+        # and projector stay in full precision, and so does the output head (bitsandbytes' default skip).
+        # (transformers matches these from the start of a module's name, or as regular expressions)
+        parts = [f".*{name}" for name in (*vision.TOWER_NAMES, *vision.PROJECTOR_NAMES)]
+        quantization_config.llm_int8_skip_modules = [*parts, "lm_head"]
         kwargs["quantization_config"] = quantization_config
 
     hub.fetch_weights(path, model_args.allow_pickle_weights)
@@ -160,6 +165,9 @@ def load_model(
         return model.eval()
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
+    # A vision-language model's language model reads its own (text) config: with its cache on, packed and
+    # padding-free samples would attend to each other (data/packing.py).
+    model.config.get_text_config().use_cache = False
     quantization.keep_4bit_trainable_on_cpu(model)
     if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
         group_size = finetuning_args.qat_group_size or qat.DEFAULT_GROUP_SIZE

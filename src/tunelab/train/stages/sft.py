@@ -17,7 +17,7 @@ from tunelab.data.streaming import build_streaming_supervised
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
-from tunelab.data.vision import vision_collator, vision_fingerprint, vision_inputs
+from tunelab.data.vision import save_processor_files, vision_collator, vision_fingerprint, vision_inputs
 from tunelab.errors import ConfigError
 from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
 from tunelab.train import outputs
@@ -52,7 +52,7 @@ def run_sft(config: RunConfig) -> dict:
 
     collator = build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free)
     if vision is not None:
-        collator = vision_collator(collator, model, vision)
+        collator = vision_collator(collator, model, vision, config.data.padding_free)
     evals = data.eval or None
     if evals and len(evals) == 1:
         evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
@@ -74,6 +74,8 @@ def run_sft(config: RunConfig) -> dict:
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics.update(result.metrics)
     outputs.save_model(trainer, tokenizer, template, config)
+    if processor is not None and trainer.is_world_process_zero():
+        save_processor_files(processor, args.output_dir)
 
     if data.eval:
         metrics.update(_final_eval_metrics(trainer))
