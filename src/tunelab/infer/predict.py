@@ -92,14 +92,18 @@ def eval_rows(config: RunConfig) -> dict:
 
 
 def predict(model, tokenizer, template: Template, rows_by_name: dict, output_dir: str | Path,
-            max_new_tokens: int, batch_size: int, template_vars: dict[str, Any] | None = None) -> dict[str, float]:
-    """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics."""
+            max_new_tokens: int, batch_size: int, template_vars: dict[str, Any] | None = None,
+            vision: tuple[Any, Any] | None = None) -> dict[str, float]:
+    """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics.
+    `vision`: a vision-language model's (processor, image settings), for rows with images."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
     with (out / PREDICTIONS_FILE).open("w", encoding="utf-8") as handle:
         for name, rows in rows_by_name.items():
-            predictions = generate_predictions(model, tokenizer, template, rows, max_new_tokens, batch_size, template_vars)
+            predictions = generate_predictions(
+                model, tokenizer, template, rows, max_new_tokens, batch_size, template_vars, vision
+            )
             for p in predictions:
                 record = {"dataset": name, "prompt": p.prompt, "reference": p.reference, "prediction": p.prediction}
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -115,7 +119,8 @@ def score(predictions: list[Prediction]) -> dict[str, float]:
 
 def run_predict(config: RunConfig) -> dict[str, float]:
     """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
-    from tunelab.model.load import load_model  # noqa: PLC0415
+    from tunelab.data.vision import vision_inputs  # noqa: PLC0415
+    from tunelab.model.load import load_model, load_processor  # noqa: PLC0415
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
@@ -127,7 +132,7 @@ def run_predict(config: RunConfig) -> dict[str, float]:
     metrics = predict(
         model, tokenizer, template, rows, config.training.output_dir,
         max_new_tokens=config.generation.max_new_tokens, batch_size=config.training.per_device_eval_batch_size,
-        template_vars=template_vars,
+        template_vars=template_vars, vision=vision_inputs(load_processor(config.model), config.model),
     )
     logger.info("predictions: %s", Path(config.training.output_dir) / PREDICTIONS_FILE)
     return metrics

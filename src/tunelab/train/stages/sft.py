@@ -69,7 +69,9 @@ def run_sft(config: RunConfig) -> dict:
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
     generation_rows = held_out_rows(data.eval_rows, config)
     if generation_rows is not None:
-        metrics["exact_match_before"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_before"] = held_out_exact_match(
+            trainer.model, tokenizer, template, generation_rows, config, vision
+        )
 
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics.update(result.metrics)
@@ -80,7 +82,9 @@ def run_sft(config: RunConfig) -> dict:
     if data.eval:
         metrics.update(_final_eval_metrics(trainer))
     if generation_rows is not None:
-        metrics["exact_match_after"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_after"] = held_out_exact_match(
+            trainer.model, tokenizer, template, generation_rows, config, vision
+        )
         logger.info(
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
@@ -89,7 +93,7 @@ def run_sft(config: RunConfig) -> dict:
         metrics.update(predict(
             trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
             max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
-            template_vars=config.data.template_kwargs,
+            template_vars=config.data.template_kwargs, vision=vision,
         ))
     outputs.finish(trainer, metrics, config)
     return metrics
