@@ -122,3 +122,21 @@ def test_api_answers_image_url_parts_through_the_openai_client(engine, picture, 
         assert info.value.body["message"] == ("the conversation has 1 <image> placeholders and 0 images; "
                                               "give one image per placeholder")
         assert info.value.body["code"] is None
+
+
+@pytest.mark.slow
+def test_tunelab_eval_answers_the_image_test_set(tmp_path):
+    import json  # noqa: PLC0415
+
+    out = tmp_path / "eval"
+    assert main(["eval", "model_name_or_path=tiny-vision", "dataset=demo_shapes", "eval_dataset=demo_shapes_test",
+                 "template=chatml", "max_samples=8", "max_new_tokens=4", f"output_dir={out}"]) == 0
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    expected = synthetic.generate("shapes", "test", 8)
+    assert [r["reference"] for r in rows] == [e["output"] for e in expected]
+    assert [r["prompt"] for r in rows] == [
+        f"<|im_start|>user\n{e['instruction']}<|im_end|>\n<|im_start|>assistant\n" for e in expected
+    ]
+    results = json.loads((out / "predict_results.json").read_text())
+    assert results["predict_samples"] == 8
+    assert results["predict_exact_match"] == sum(r["prediction"] == r["reference"] for r in rows) / 8

@@ -87,7 +87,10 @@ def eval_rows(config: RunConfig) -> dict:
     """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
     from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
 
-    _, rows = load_canonical_splits(config.data, config.training.seed, report={})
+    from tunelab.model.vision import is_vision_model_folder  # noqa: PLC0415
+
+    images = is_vision_model_folder(config.model.model_name_or_path)  # rows may carry images for such a model
+    _, rows = load_canonical_splits(config.data, config.training.seed, report={}, images=images)
     return rows
 
 
