@@ -112,10 +112,12 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     warmup = max(1, int(0.05 * args.steps))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (args.steps - warmup))),
-    )
+    def lr_factor(step: int) -> float:  # linear warmup, then cosine to 0 (the quickstart's schedule)
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (args.steps - warmup)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     start, cpu_start = time.time(), time.process_time()
     for step in range(args.steps):

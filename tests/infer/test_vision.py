@@ -91,7 +91,8 @@ def test_bad_image_input_is_one_line(engine, tmp_path):
 
 def test_chat_attaches_an_image_to_the_next_message(engine, picture, monkeypatch, capsys):
     _, path = picture
-    expected = engine.complete(_ask({"type": "image", "path": str(path)}), SamplingOptions(temperature=0, max_new_tokens=4))
+    options = SamplingOptions(temperature=0, max_new_tokens=4)
+    expected = engine.complete(_ask({"type": "image", "path": str(path)}), options)
     script = f"/image {path}\n{QUESTION}\n/image nowhere.png\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO(script))
     assert main(["chat", "tiny-vision", "--temperature", "0", "--max-new-tokens", "4"]) == 0
