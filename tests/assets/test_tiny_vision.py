@@ -60,7 +60,7 @@ def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.slow  # reruns the recipe with its 300 caption-pretraining steps: about 2 min on one idle core
+@pytest.mark.slow  # reruns the recipe with its 300 caption-pretraining steps: 5 min on the shared 2-core machine
 def test_recipe_rebuilds_the_committed_files_byte_for_byte(tmp_path):
     out = tmp_path / "tiny-llava"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "build_vision_asset.py"), "--out", str(out)],
