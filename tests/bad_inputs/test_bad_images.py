@@ -81,3 +81,24 @@ def test_stages_other_than_sft_refused_for_a_vision_model(tmp_path, capsys, tiny
                       dataset="demo_preference")
     assert (code, err) == (2, f"tunelab: error: stage: rm is not supported for vision-language models yet "
                               f"(model_name_or_path {folder} is one); train it with stage: sft or dpo\n")
+
+
+def test_dedup_refused_with_images(tmp_path, capsys, tiny_vlm_dirs):
+    data = dataset(tmp_path / "data", [GOOD, GOOD])
+    code, err = train(tmp_path, capsys, model_name_or_path=str(tiny_vlm_dirs["llava"]), template="model",
+                      dataset="mine", dataset_dir=str(data), dedup="exact")
+    assert (code, err) == (2, "tunelab: error: dedup: exact compares the rows' text, not their images; set dedup: none "
+                              "for a vision-language model\n")
+
+
+def test_image_content_parts_refused_for_a_text_only_model(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    parts = [{"type": "image_url", "image_url": {"url": "red.png"}}, {"type": "text", "text": "Colour?"}]
+    row = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "red"}]}
+    (folder / "data.jsonl").write_text(json.dumps(row))
+    (folder / "dataset_info.json").write_text(json.dumps({"mine": {"file_name": "data.jsonl", "formatting": "openai"}}))
+    code, err = train(tmp_path, capsys, dataset="mine", dataset_dir=str(folder))
+    assert (code, err) == (2, f"tunelab: error: dataset 'mine' ({folder}/data.jsonl) has image content parts, but "
+                              "model_name_or_path is a text-only model and would ignore the images: remove them, or "
+                              "train a vision-language model (a folder with its processor)\n")

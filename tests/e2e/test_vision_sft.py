@@ -101,3 +101,13 @@ def test_dpo_on_image_pairs(tmp_path, tiny_vlm_dirs):
     assert report["train"]["examples"] == 6
     assert json.loads((out / "all_results.json").read_text())["train_loss"] > 0
     assert type(AutoProcessor.from_pretrained(out)).__name__ == "LlavaProcessor"
+
+
+@pytest.mark.slow
+def test_sft_with_images_on_gemma3(tmp_path, tiny_vlm_dirs):
+    """The second family end to end: token_type_ids from the processor, padding-free falling back to padding."""
+    out, report = train(tmp_path, tiny_vlm_dirs["gemma3"])
+    # Gemma 3 (fixture): <start_of_image> + 4 soft tokens + <end_of_image> per image.
+    assert (report["train"]["images"], report["train"]["image_tokens"]) == (12, 12 * 6)
+    assert json.loads((out / "all_results.json").read_text())["train_loss"] > 0
+    assert type(AutoProcessor.from_pretrained(out)).__name__ == "Gemma3Processor"

@@ -19,6 +19,9 @@ Canonical row (what templates and encoders read):
     tools:    str ("" when none; a JSON list of tool schemas)
     chosen / rejected: str ("" unless the dataset is a ranking set; then either may be "": an empty answer)
     kto_tag:  bool, only for datasets that map a kto_tag column (stage kto: is the last answer desirable?)
+    images:   only in vision runs: the row's images as {"bytes", "path"} dicts (an `images` column, or openai
+              image / image_url content parts, which become <image> placeholders in the text), each opened once
+              here to check it; one <image> per image in the prompt turns (data/vision.py encodes them)
 
 sharegpt function_call turns become assistant turns with tool_calls, observation turns become tool
 turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages`` turns a

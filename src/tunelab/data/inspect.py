@@ -97,17 +97,18 @@ def load_run_data(config: RunConfig) -> RunData:
     from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
     from tunelab.data.templates import get_template  # noqa: PLC0415
 
-    template = get_template(config.data.template, tokenizer)
-    if stage in PREFERENCE_STAGES:
-        from tunelab.data.pairwise import preference_encoder  # noqa: PLC0415
-
-        encoder = preference_encoder(stage, tokenizer, template, config.data)
-        bundle = build_datasets(config.data, tokenizer, template, seed=seed, encoder=encoder)
-        return RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report, sides=pair_sides(stage))
     from tunelab.data.vision import vision_inputs  # noqa: PLC0415
     from tunelab.model.load import load_processor  # noqa: PLC0415
 
+    template = get_template(config.data.template, tokenizer)
     vision = vision_inputs(load_processor(config.model), config.model)
+    if stage in PREFERENCE_STAGES:
+        from tunelab.data.pairwise import preference_encoder  # noqa: PLC0415
+
+        encoder = preference_encoder(stage, tokenizer, template, config.data, vision)
+        bundle = build_datasets(config.data, tokenizer, template, seed=seed, encoder=encoder, images=vision is not None)
+        # (stats / verify read the pairs' text; the images of pairs are checked by training's own collator)
+        return RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report, sides=pair_sides(stage))
     # Packed here, not in the pipeline, to keep each row's sample lengths (the rows are the same).
     unpacked = dataclasses.replace(config.data, packing=False)
     bundle = build_datasets(unpacked, tokenizer, template, seed=seed, vision=vision)

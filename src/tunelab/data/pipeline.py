@@ -30,7 +30,7 @@ from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, describe_files, load_registry, load_rows
 from tunelab.data.templates import Template
 
-from tunelab.errors import DataError
+from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,12 @@ def build_datasets(
     num_proc = data_args.preprocessing_num_workers
     images = images or vision is not None  # `images`: a given encoder (pairs) takes rows with images
 
-    sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
+    sft_encoder = encoder
+    while hasattr(sft_encoder, "encoder"):  # the preference and vision encoders wrap the sft one
+        sft_encoder = sft_encoder.encoder
+    if images and data_args.dedup != "none":
+        raise ConfigError(f"dedup: {data_args.dedup} compares the rows' text, not their images; set dedup: none for a "
+                          "vision-language model")
     sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)
     if data_args.dedup != "none":  # before mixing and the val split: no duplicate straddles train and val
         sources, dedup = deduplicate_training_rows(sources, data_args, encoder)
