@@ -78,3 +78,11 @@ def pytest_sessionfinish(session, exitstatus):
 
     if official.RECORDING and exitstatus == 0:
         official.write_recording()
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dirs(tmp_path_factory) -> dict[str, Path]:
+    """Tiny random vision-language model folders (model + processor) by family: llava, gemma3 (tests/vision_models.py)."""
+    from tests.vision_models import build_gemma3, build_llava  # noqa: PLC0415
+
+    return {name: build(tmp_path_factory.mktemp(name)) for name, build in (("llava", build_llava), ("gemma3", build_gemma3))}

@@ -139,7 +139,7 @@ def test_chat_with_a_yaml_talks_to_its_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO("/exit\n"))
     code, out, err = run(capsys, ["chat", str(cfg), "--temperature", "0"])
     assert (code, out) == (0, ">>> ")
-    assert err.splitlines()[0] == "chatting with tiny-llama (template qwen3); /clear resets the history, /exit or Ctrl-D quits"
+    assert err.splitlines()[0] == "chatting with tiny-llama (template qwen3); /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits"
 
 
 def test_serving_errors_are_one_line(tmp_path, capsys):

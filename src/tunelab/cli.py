@@ -417,7 +417,7 @@ def _cmd_api(ns: argparse.Namespace) -> int:
 def _add_serving_commands(sub) -> None:
     def model_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="a trained output folder (model or LoRA adapter), any local Hugging Face "
-                            "model folder, 'tiny' (the embedded tiny Llama), or a YAML file with model_name_or_path, "
+                            "model folder, 'tiny' (the embedded tiny Llama), 'tiny-vision' (the embedded tiny LLaVA), or a YAML file with model_name_or_path, "
                             "adapter_name_or_path and template (the flags below win over it)")
         parser.add_argument("--model", help="base model folder for an adapter (default: base_model_name_or_path "
                             "in its adapter_config.json)")

@@ -29,5 +29,9 @@ class InferenceError(TunelabError):
     """A chat or API request the loaded model cannot answer as given (e.g. a prompt longer than its context)."""
 
 
+class ImageInputError(InferenceError):
+    """A chat or API request's images cannot be used: unreadable, more or fewer than placeholders, a text-only model."""
+
+
 class TrainingError(TunelabError):
     """Training stopped on a condition the user can fix (a non-finite loss or gradient norm)."""

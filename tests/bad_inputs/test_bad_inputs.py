@@ -97,11 +97,13 @@ ERRORS = [
     ("non-UTF-8 bytes", {"dataset": "mine", "dataset_dir": "{data}/not_utf8"},
      "{data}/not_utf8/data.jsonl:2: not UTF-8 (byte 0xe9); re-encode the file as UTF-8"),
     ("images column mapped", {"dataset": "mine", "dataset_dir": "{data}/images_mapped"},
-     "{data}/images_mapped/dataset_info.json: dataset 'mine' maps columns.images, but tunelab trains text-only "
-     "models and would ignore the images: remove columns.images (and the images from the rows)"),
+     "dataset 'mine' ({data}/images_mapped/data.jsonl) maps columns.images, but model_name_or_path is a text-only "
+     "model and would ignore the images: remove columns.images, or train a vision-language model (a folder with its "
+     "processor)"),
     ("images in sharegpt rows", {"dataset": "mine", "dataset_dir": "{data}/images_in_rows"},
-     "dataset 'mine' ({data}/images_in_rows/data.jsonl): 1 rows have images, but tunelab trains text-only models and would ignore them: remove the "
-     "'images' field from the rows (or use a multimodal trainer)"),
+     "dataset 'mine' ({data}/images_in_rows/data.jsonl): 1 rows have images, but model_name_or_path is a text-only "
+     "model and would ignore the images: remove the 'images' field from the rows, or train a vision-language model (a "
+     "folder with its processor)"),
     ("unknown template", {"template": "chatml2"},
      "template: 'chatml2' does not exist; did you mean 'chatml'? built-ins: {templates}"),
     ("missing model folder", {"model_name_or_path": "{tmp}/no-model"},

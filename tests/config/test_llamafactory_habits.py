@@ -82,15 +82,16 @@ def test_llamafactory_options_say_what_to_do_instead_of_a_distant_guess(tmp_path
         "remove it"
     )
     assert error_of(tmp_path, base, ["freeze_language_model=true"]) == (
-        "unknown key 'freeze_language_model' on the command line; LlamaFactory option: tunelab trains text-only "
-        "models (image, video and audio columns are refused): remove it"
+        "unknown key 'freeze_language_model' on the command line; LlamaFactory option: use train_mm_proj_only: true "
+        "(only the projector trains) or finetuning_type: lora, whose adapters never touch the vision tower unless "
+        "lora_target names it"
     )
     assert error_of(tmp_path, base, ["enable_thinking=false"]) == (
         "unknown key 'enable_thinking' on the command line; LlamaFactory option: use template_kwargs: "
         "{enable_thinking: false}, which reaches training, eval, chat, the API and export alike "
         "(or template: qwen3_nothink)"
     )
-    for key in ("image_max_pixels", "vllm_maxlen", "galore_rank", "export_quantization_bit"):  # families by prefix
+    for key in ("image_do_pan_and_scan", "vllm_maxlen", "galore_rank", "export_quantization_bit"):  # families by prefix
         assert "LlamaFactory option: " in error_of(tmp_path, base, [f"{key}=1"])
     assert error_of(tmp_path, base, ["export_quantization_bit=4"]).endswith(
         "tunelab export quantizes with torchao, without calibration data: use export_quantization: int8-int4, "

@@ -178,7 +178,7 @@ def test_a_file_entry_has_only_the_train_split(tmp_path):
 def test_registry_checks_only_the_entries_a_run_uses(tmp_path):
     # One multimodal entry in the folder's dataset_info.json must not stop runs on the other datasets.
     (tmp_path / "dataset_info.json").write_text(json.dumps({
-        "pictures": {"file_name": "p.jsonl", "formatting": "sharegpt", "columns": {"images": "images"}},
+        "pictures": {"file_name": "p.jsonl", "formatting": "sharegpt", "columns": {"videos": "videos"}},
         "text": {"file_name": "t.jsonl"},
     }))
     registry = load_registry(str(tmp_path))
@@ -187,8 +187,8 @@ def test_registry_checks_only_the_entries_a_run_uses(tmp_path):
     with pytest.raises(ConfigError) as info:
         registry["pictures"]
     assert str(info.value) == (
-        f"{tmp_path}/dataset_info.json: dataset 'pictures' maps columns.images, but tunelab trains text-only models "
-        "and would ignore the images: remove columns.images (and the images from the rows)"
+        f"{tmp_path}/dataset_info.json: dataset 'pictures' maps columns.videos, but tunelab trains text and image "
+        "models and would ignore the videos: remove columns.videos (and the videos from the rows)"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tunelab.data import synthetic
@@ -166,3 +168,104 @@ def test_rows_survive_dataset_from_list(name: str) -> None:
     datasets = pytest.importorskip("datasets")
     rows = synthetic.generate(name, "train", 20)
     assert datasets.Dataset.from_list(rows).to_list() == rows
+
+
+# --- shapes: the answer is read back from the pixels, not from the generator's own scene ---------------------
+
+
+def _read_scene(png: bytes) -> list[tuple[int, str, str]]:
+    """(cell, kind, colour) of each shape in the image, found per grid cell: the colour is the only non-background
+    colour in the cell, the kind follows from how much of its bounding box the shape fills (square 1, circle
+    pi/4, triangle 1/2)."""
+    import io  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    from PIL import Image  # noqa: PLC0415
+
+    image = Image.open(io.BytesIO(png))
+    assert image.mode == "RGB" and image.size == (synthetic.SHAPE_CANVAS, synthetic.SHAPE_CANVAS)
+    pixels = np.asarray(image)
+    names = {rgb: name for name, rgb in synthetic.SHAPE_COLOURS.items()}
+    size = synthetic.SHAPE_CANVAS // synthetic.SHAPE_CELLS
+    found = []
+    for cell in range(synthetic.SHAPE_CELLS**2):
+        top, left = (cell // synthetic.SHAPE_CELLS) * size, (cell % synthetic.SHAPE_CELLS) * size
+        block = pixels[top : top + size, left : left + size]
+        ys, xs = np.nonzero((block != synthetic.SHAPE_BACKGROUND).any(axis=2))
+        if not len(ys):
+            continue
+        colour = tuple(int(v) for v in block[ys[0], xs[0]])
+        assert (block[ys, xs] == colour).all()  # solid fill, no anti-aliased edge colours
+        fill = len(ys) / ((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1))
+        kind = "square" if fill > 0.95 else "circle" if fill > 0.68 else "triangle"
+        found.append((cell, kind, names[colour]))
+    return found
+
+
+@pytest.mark.parametrize("split", synthetic.SPLITS)
+def test_shapes_answers_match_what_the_image_shows(split: str) -> None:
+    rows = synthetic.generate("shapes", split, 300, seed=2)
+    kinds = "|".join(synthetic.SHAPE_KINDS)
+    for row in rows:
+        assert set(row) == {"instruction", "input", "output", "images"} and row["input"] == ""
+        assert len(row["images"]) == 1 and row["images"][0]["path"] is None
+        scene = _read_scene(row["images"][0]["bytes"])
+        question = row["instruction"].removeprefix("<image>")
+        count = re.fullmatch(rf"How many ({kinds})s are there\?", question)
+        colour = re.fullmatch(rf"What colour is the ({kinds})\?", question)
+        if count:
+            assert row["output"] == str(sum(kind == count.group(1) for _, kind, _ in scene))
+        else:
+            assert colour, question
+            assert [c for _, kind, c in scene if kind == colour.group(1)] == [row["output"]]
+    # Every kind of question and every answer occurs.
+    outputs = {row["output"] for row in rows}
+    assert {"0", "1", "2", "3", *synthetic.SHAPE_COLOURS} <= outputs
+    assert {row["instruction"] for row in rows} == {
+        f"<image>{q}" for kind in synthetic.SHAPE_KINDS
+        for q in (f"How many {kind}s are there?", f"What colour is the {kind}?")
+    }
+
+
+def test_shapes_test_images_never_appear_in_train_whatever_the_seeds() -> None:
+    # The split follows the scene layout (read back from the pixels here), so no test picture is trained on.
+    def layouts(split: str, seed: int, n: int) -> set[tuple]:
+        return {tuple(_read_scene(row["images"][0]["bytes"])) for row in synthetic.generate("shapes", split, n, seed)}
+
+    train = layouts("train", 0, 1000) | layouts("train", 7, 1000)
+    test = layouts("test", 0, 200) | layouts("test", 5, 200)
+    assert len(test) > 100 and len(train) > 800
+    assert not train & test
+
+
+def test_shapes_split_follows_the_scene_key() -> None:
+    import random  # noqa: PLC0415
+
+    rng = random.Random(0)
+    scenes = [synthetic._shapes_scene(rng) for _ in range(2000)]
+    keys = {synthetic.shapes_scene_key(s) for s in scenes}
+    test_keys = {k for k in keys if synthetic.split_of("shapes", k) == "test"}
+    assert 0.05 < len(test_keys) / len(keys) < 0.15  # about TEST_PERCENT
+    assert synthetic.shapes_scene_key(()) == "empty|empty|empty|empty"
+    scene = (synthetic.Shape(0, "circle", "red"), synthetic.Shape(3, "triangle", "blue"))
+    assert synthetic.shapes_scene_key(scene) == "red circle|empty|empty|blue triangle"
+    assert synthetic.shapes_answer(scene, "How many circles are there?") == "1"
+    assert synthetic.shapes_answer(scene, "How many squares are there?") == "0"
+    assert synthetic.shapes_answer(scene, "What colour is the triangle?") == "blue"
+    with pytest.raises(ValueError, match="needs exactly one square in the scene, got 0"):
+        synthetic.shapes_answer(scene, "What colour is the square?")
+
+
+def test_pinned_shapes_rows_do_not_drift() -> None:
+    import hashlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from PIL import Image  # noqa: PLC0415
+
+    rows = synthetic.generate("shapes", "test", 2)
+    assert [(r["instruction"], r["output"]) for r in rows] == [
+        ("<image>How many circles are there?", "0"), ("<image>How many triangles are there?", "0")
+    ]
+    # Pixels, not PNG bytes: the compressed bytes may differ with the zlib build.
+    pixels = [hashlib.sha256(Image.open(io.BytesIO(r["images"][0]["bytes"])).tobytes()).hexdigest()[:16] for r in rows]
+    assert pixels == ["e07e237d1b76ee59", "9d2f08fd7d11f063"]

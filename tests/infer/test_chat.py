@@ -36,8 +36,8 @@ def test_scripted_session_keeps_history_and_clears_it(chat_model, reference, mon
         ">>> >>> >>> (history cleared)\n>>> one two three\n>>> \n"
     )
     assert err.splitlines() == [
-        "chatting with adapter (template chatml); /clear resets the history, /exit or Ctrl-D quits",
-        "unknown command /nonsense; /clear resets the history, /exit or Ctrl-D quits",
+        "chatting with adapter (template chatml); /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits",
+        "unknown command /nonsense; /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits",
     ]
 
 
@@ -112,6 +112,6 @@ def test_interactive_session_in_a_terminal(chat_model):
     # The banner (stderr) and the conversation share the terminal; the typed lines are echoed. What libraries
     # print while they are imported (e.g. bitsandbytes on some CPUs) comes before the banner and is not ours.
     shown = terminal.seen.decode().replace("\r\n", "\n")
-    banner = "chatting with adapter (template chatml); /clear resets the history, /exit or Ctrl-D quits\n"
+    banner = "chatting with adapter (template chatml); /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits\n"
     assert shown.count(banner) == 1
     assert shown[shown.index(banner) :] == banner + ">>> Say hi\nHi! 你好 🙂\n>>> Again\nHi again!\n>>> \n"

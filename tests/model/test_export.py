@@ -91,3 +91,37 @@ def test_export_errors_are_one_line(causal_adapter, tmp_path, capsys):
     assert "is not empty" in capsys.readouterr().err
     assert main(["export", f"export_dir={tmp_path / 'o'}", "export_size=lots"]) == 2
     assert "export_size: cannot read 'lots'" in capsys.readouterr().err
+
+
+def test_vision_lora_export_saves_model_and_processor_that_load_with_plain_transformers(tmp_path):
+    from PIL import Image  # noqa: PLC0415
+    from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: PLC0415
+
+    from tunelab.assets import TINY_VISION_DIR  # noqa: PLC0415
+
+    # LoRA on the language model's linears only (the tower's are named q_proj... too: scope them by path).
+    torch.manual_seed(0)
+    adapter = tmp_path / "adapter"
+    peft_model = get_peft_model(
+        AutoModelForImageTextToText.from_pretrained(TINY_VISION_DIR),
+        LoraConfig(r=4, target_modules=r".*language_model.*\.(q_proj|v_proj|down_proj)", init_lora_weights=False),
+    )
+    peft_model.save_pretrained(adapter)
+    out = tmp_path / "merged"
+    assert main(["export", "model_name_or_path=tiny-vision", f"adapter_name_or_path={adapter}", f"export_dir={out}",
+                 "template=chatml", "export_dtype=float32"]) == 0
+    assert not (out / "adapter_config.json").exists()
+
+    processor = AutoProcessor.from_pretrained(out)
+    exported = AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert type(processor).__name__ == "LlavaProcessor" and type(exported).__name__ == "LlavaForConditionalGeneration"
+    text = processor.apply_chat_template([{"role": "user", "content": "<image>How many circles are there?"}],
+                                         add_generation_prompt=True)
+    assert text == "<|im_start|>user\n<image>How many circles are there?<|im_end|>\n<|im_start|>assistant\n"
+    batch = processor(images=[Image.new("RGB", (64, 64), (30, 170, 50))], text=text, return_tensors="pt")
+    reference = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(TINY_VISION_DIR), adapter).eval()
+    base = AutoModelForImageTextToText.from_pretrained(TINY_VISION_DIR).eval()
+    with torch.no_grad():
+        got, want, before = exported(**batch).logits, reference(**batch).logits, base(**batch).logits
+    assert (got - want).abs().max().item() < 1e-4
+    assert (want - before).abs().max().item() > 1e-2

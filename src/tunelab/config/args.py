@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import transformers
 
-from tunelab.assets import TINY_MODEL_DIR
+from tunelab.assets import EMBEDDED_MODELS
 
 
 def _help(text: str, **kwargs):
@@ -23,7 +23,8 @@ def _help(text: str, **kwargs):
 class ModelArguments:
     model_name_or_path: str = _help(
         "A Hugging Face model folder (config.json + weights), or a Hub id (org/name) fetched into the Hugging Face "
-        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama.",
+        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama, "
+        "'tiny-vision' the embedded tiny LLaVA.",
         default="tiny",
     )
     model_revision: str = _help(
@@ -55,10 +56,18 @@ class ModelArguments:
     quantization_bit: int | None = _help("Load the base weights in 4 or 8 bits with bitsandbytes (QLoRA).", default=None)
     quantization_type: Literal["nf4", "fp4"] = _help("4-bit data type.", default="nf4")
     double_quantization: bool = _help("Quantize the 4-bit quantization constants too.", default=True)
+    image_max_pixels: int = _help(
+        "Vision-language models: an image with more pixels (width x height) is scaled down to this many, keeping "
+        "its aspect ratio, before the model's processor sees it.", default=768 * 768,
+    )
+    image_min_pixels: int = _help(
+        "Vision-language models: an image with fewer pixels is scaled up to this many before the processor.",
+        default=32 * 32,
+    )
 
     def __post_init__(self):
-        if self.model_name_or_path == "tiny":
-            self.model_name_or_path = str(TINY_MODEL_DIR)
+        if self.model_name_or_path in EMBEDDED_MODELS:
+            self.model_name_or_path = str(EMBEDDED_MODELS[self.model_name_or_path])
 
 
 @dataclass
@@ -241,6 +250,18 @@ class FinetuningArguments:
         "qat / export_quantization: input columns that share one weight scale; must divide every linear layer's "
         "input width. Default 32; tunelab export: the group size the model trained with.",
         default=None,
+    )
+    freeze_vision_tower: bool = _help(
+        "Vision-language models: the vision tower stays frozen (full / freeze; LoRA never targets it unless "
+        "lora_target names its modules).", default=True,
+    )
+    freeze_multi_modal_projector: bool = _help(
+        "Vision-language models: the projector from image features to the language model stays frozen (full / "
+        "freeze; LoRA leaves it alone unless lora_target names it).", default=True,
+    )
+    train_mm_proj_only: bool = _help(
+        "Vision-language models: train the multi-modal projector only (everything else frozen; finetuning_type "
+        "full).", default=False,
     )
     qat_start_step: int = _help(
         "qat: optimizer steps trained in full precision before fake quantisation switches on.", default=0

@@ -9,7 +9,11 @@ docs/config.md ("Coming from LlamaFactory") lists the same table for people.
 
 from __future__ import annotations
 
-_TEXT_ONLY = "tunelab trains text-only models (image, video and audio columns are refused): remove it"
+_TEXT_ONLY = "tunelab trains text and image models (video and audio are refused): remove it"
+_IMAGE_OPTIONS = (
+    "tunelab's image options are image_max_pixels and image_min_pixels (the model's own processor does the rest): "
+    "remove it"
+)
 _NOT_SERVING_ENGINE = "tunelab chat and tunelab api generate with transformers: remove it"
 _NO_PROFILER = "tunelab has no built-in profiler: remove it (torch.profiler around a short run measures the same)"
 _KTRANSFORMERS = "KTransformers is not supported: remove it"
@@ -31,7 +35,7 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "data_shared_file_system": "the tokenized cache is safe on shared file systems (one process builds, the others "
     "wait): remove it",
     "eval_num_beams": "generation-based evaluation is greedy: remove it",
-    "media_dir": _TEXT_ONLY,
+    "media_dir": "image paths are read relative to dataset_dir (or give absolute paths): remove it",
     # model
     "infer_backend": _NOT_SERVING_ENGINE,
     "infer_dtype": "use tunelab chat / tunelab api --dtype: remove it",
@@ -67,17 +71,16 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "quantization_device_map": "quantized weights are placed by bitsandbytes: remove it",
     "device_map": "placement follows the launcher (one device per process): remove it",
     "adapter_folder": "use adapter_name_or_path",
-    "image_do_pan_and_scan": _TEXT_ONLY,
-    "crop_to_patches": _TEXT_ONLY,
+    "image_do_pan_and_scan": _IMAGE_OPTIONS,
+    "crop_to_patches": _IMAGE_OPTIONS,
     "use_audio_in_video": _TEXT_ONLY,
     "export_device": "tunelab export merges on the CPU in float32: remove it",
     "export_legacy_format": "tunelab export writes safetensors only: remove it",
     "export_hub_model_id": "tunelab export writes a local folder: upload it with `hf upload` and remove export_hub_model_id",
     "export_hf_on_finish": "run tunelab export after training: remove it",
     # fine-tuning
-    "freeze_vision_tower": _TEXT_ONLY,
-    "freeze_multi_modal_projector": _TEXT_ONLY,
-    "freeze_language_model": _TEXT_ONLY,
+    "freeze_language_model": "use train_mm_proj_only: true (only the projector trains) or finetuning_type: lora, "
+    "whose adapters never touch the vision tower unless lora_target names it",
     "create_new_adapter": "adapter_name_or_path always continues training that adapter: remove it",
     "module_dropout": "use lora_dropout",
     "loraplus_lr_ratio": "LoRA+ is not supported: remove it",
@@ -163,7 +166,7 @@ LLAMAFACTORY_PREFIXES: dict[str, str] = {
     "profiler_": _NO_PROFILER,
     "export_quantization_": "tunelab export quantizes with torchao, without calibration data: use "
     "export_quantization: int8-int4, int4-weight or int8-weight (docs/quantization.md)",
-    "image_": _TEXT_ONLY,
+    "image_": _IMAGE_OPTIONS,
     "video_": _TEXT_ONLY,
     "audio_": _TEXT_ONLY,
 }

@@ -136,7 +136,8 @@ class PackedCollator:
         base = _base_model(model)
         attn = getattr(base.config, "_attn_implementation", None) or "eager"
         native = _native(base)
-        if getattr(base.config, "use_cache", False):
+        text_config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        if getattr(base.config, "use_cache", False) or getattr(text_config, "use_cache", False):
             raise ModelError(
                 "packing needs the model's use_cache=False: with a KV cache, packed samples attend to each other"
             )

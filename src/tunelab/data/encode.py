@@ -75,6 +75,8 @@ Message = dict[str, Any]
 Span = tuple[int, int]
 # Columns an encoded example carries besides input_ids/labels, for the pipeline to sum and remove.
 COUNTER_COLUMNS = ("truncated", "num_supervised", "expanded", "answers_dropped", "split_at_seams", "texts_cut")
+# ... and those of examples with images (data/vision.py).
+IMAGE_COUNTERS = ("num_images", "num_image_tokens", "images_dont_fit")
 
 
 @dataclass
@@ -90,6 +92,9 @@ class EncodeStats:
     expanded_conversations: int = 0  # conversations encoded as one example per answer
     split_at_seams: int = 0  # ... of which because an earlier answer's seam tokenised differently
     texts_cut: int = 0  # messages cut before tokenising: far longer than cutoff_len (bounded work per row)
+    images: int = 0  # vision runs (data/vision.py): images in the kept examples
+    image_tokens: int = 0  # ... and their tokens
+    images_dont_fit: int = 0  # ... examples dropped because an image's tokens did not fit cutoff_len
 
     def merge(self, other: EncodeStats) -> None:
         for name in self.__dataclass_fields__:

@@ -19,6 +19,9 @@ Canonical row (what templates and encoders read):
     tools:    str ("" when none; a JSON list of tool schemas)
     chosen / rejected: str ("" unless the dataset is a ranking set; then either may be "": an empty answer)
     kto_tag:  bool, only for datasets that map a kto_tag column (stage kto: is the last answer desirable?)
+    images:   only in vision runs: the row's images as {"bytes", "path"} dicts (an `images` column, or openai
+              image / image_url content parts, which become <image> placeholders in the text), each opened once
+              here to check it; one <image> per image in the prompt turns (data/vision.py encodes them)
 
 sharegpt function_call turns become assistant turns with tool_calls, observation turns become tool
 turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages`` turns a
@@ -46,7 +49,9 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tunelab.data.registry import MEDIA_COLUMNS, DatasetSpec, RowLocator, describe_files, resolve_files
+from tunelab.data.registry import (
+    IMAGE_COLUMN, UNSUPPORTED_MEDIA_COLUMNS, DatasetSpec, RowLocator, describe_files, resolve_files,
+)
 from tunelab.errors import DataError, TemplateError
 
 if TYPE_CHECKING:
@@ -62,6 +67,11 @@ CANONICAL_FEATURES = datasets.Features({
     }],
     "system": _STRING, "tools": _STRING, "chosen": _STRING, "rejected": _STRING,
 })
+# Vision runs: the canonical rows carry their images (data/vision.py), in the storage form of datasets' Image
+# feature: bytes (data URIs, PIL images, bytes given) or an absolute path (files, read when encoding).
+IMAGE_FEATURE = {"bytes": datasets.Value("binary"), "path": _STRING}
+IMAGES_FEATURE = [IMAGE_FEATURE]
+IMAGE_PLACEHOLDER = "<image>"  # LlamaFactory's: one per image, in order, in the prompt turns
 # Per converted row while converting: why it was left out ("" when kept), the one-line message, and how many of
 # its text values were numbers (taken as their text, counted).
 _DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING, "numbers_as_text": datasets.Value("int32")}
@@ -312,8 +322,13 @@ class _Converter:
     def __init__(
         self, spec: DatasetSpec, column_names: list[str], skip_bad_rows: bool = False,
         row_check: Callable[[dict], tuple[str, str] | None] | None = None, files: list[Path] | None = None,
+        images: bool = False,
     ):
         self.spec = spec
+        self.images = images
+        self.image_column = spec.columns.get(IMAGE_COLUMN, IMAGE_COLUMN)
+        if IMAGE_COLUMN in spec.columns and not images:
+            raise DataError(text_only_refusal(spec, f" maps columns.{IMAGE_COLUMN}", "remove columns.images"))
         self.files = files  # the files the rows come from, in order (default: all of the spec's)
         self.skip_bad_rows = skip_bad_rows
         self.row_check = row_check
@@ -346,7 +361,9 @@ class _Converter:
                 )
         # Optional columns that are mapped by default but absent simply stay empty.
         self.present = {k: v for k, v in self.columns.items() if v in column_names}
-        self.output_columns = [*CANONICAL_COLUMNS, *(["kto_tag"] if "kto_tag" in self.present else [])]
+        self.output_columns = [*CANONICAL_COLUMNS, *(["kto_tag"] if "kto_tag" in self.present else []),
+                               *([IMAGE_COLUMN] if images else [])]
+        self._part_images: list[Any] = []  # images of the row's openai content parts, in order
         self._locator: RowLocator | None = None
         self._numbers = 0  # values of the row being converted that were numbers taken as text
 
@@ -381,6 +398,7 @@ class _Converter:
         """One row converted (raises RowError when it is structurally wrong)."""
         where = _Where(self, index)
         self._numbers = 0
+        self._part_images = []
         if self.spec.formatting == "alpaca":
             messages = self._alpaca_messages(row, where)
             system = self._as_text(self._get(row, "system"), where, f"column '{self.columns['system']}'")
@@ -390,6 +408,8 @@ class _Converter:
                "chosen": "", "rejected": ""}
         if "kto_tag" in self.present:
             out["kto_tag"] = bool(self._get(row, "kto_tag"))
+        if self.images:
+            out[IMAGE_COLUMN] = self._row_images(row, out, where)
         if self.spec.ranking:
             out["chosen"], out["rejected"] = self._pair(row, where)
             if messages and messages[-1]["role"] == "assistant":
@@ -400,6 +420,61 @@ class _Converter:
             raise RowError(f"{where}: {problem[1]}", problem[0])
         return out
 
+    def _row_images(self, row: dict, out: dict, where: _Where) -> list[dict]:
+        """The row's images (column, or openai content parts) opened once to check them, as storage dicts; one
+        <image> placeholder per image, in the prompt turns (the processor puts each image's tokens there)."""
+        from tunelab.data.images import ImageSource, as_storage  # noqa: PLC0415 - Pillow only for vision runs
+
+        given = row.get(self.image_column)
+        if given is not None and not isinstance(given, (list, tuple)):
+            given = [given]
+        if given and self._part_images:
+            raise RowError(f"{where}: images come both from the '{self.image_column}' column and from content parts; "
+                           "give them one way", "images_twice")
+        refs = list(given or self._part_images)
+        texts = [out["system"], *(m["content"] or "" for m in out["messages"] if m["role"] != "assistant")]
+        placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text in texts)
+        answers = sum((m["content"] or "").count(IMAGE_PLACEHOLDER) for m in out["messages"] if m["role"] == "assistant")
+        answers += out["chosen"].count(IMAGE_PLACEHOLDER) + out["rejected"].count(IMAGE_PLACEHOLDER)
+        if answers:
+            raise RowError(f"{where}: an answer holds {IMAGE_PLACEHOLDER}; images go in the prompt (user or system "
+                           "turns): move the placeholder", "image_in_answer")
+        if placeholders != len(refs):
+            raise RowError(
+                f"{where}: {placeholders} {IMAGE_PLACEHOLDER} placeholders for {len(refs)} images; write one "
+                f"{IMAGE_PLACEHOLDER} per image, in the order of the images", "placeholders_images_mismatch",
+            )
+        source = ImageSource(str(where))
+        try:
+            return [as_storage(ref, self.spec.root or None, source) for ref in refs]
+        except DataError as exc:  # a missing / unreadable image: a bad row (skip_bad_rows skips and counts it)
+            raise RowError(str(exc), "bad_image") from None
+
+    def _content(self, content: Any, where: _Where) -> Any:
+        """openai content parts ([{"type": "text", ...}, {"type": "image" | "image_url", ...}]) → text with an
+        <image> placeholder per image (the images kept in order); anything else as it is."""
+        if not (isinstance(content, list) and all(isinstance(p, dict) and "type" in p for p in content)):
+            return content
+        if not self.images and all(p["type"] == "text" for p in content):
+            return content  # text-only runs keep refusing lists as text (as before images were supported)
+        texts = []
+        for part in content:
+            kind = part["type"]
+            if kind == "text":
+                texts.append(self._as_text(part.get("text"), where, "a text part"))
+            elif kind in ("image", "image_url"):
+                if not self.images:
+                    raise DataError(text_only_refusal(self.spec, " has image content parts", "remove them"))
+                ref = part.get("image", part.get("url")) if kind == "image" else part.get("image_url")
+                if isinstance(ref, dict):
+                    ref = ref.get("url", ref)
+                self._part_images.append(ref)
+                texts.append(IMAGE_PLACEHOLDER)
+            else:
+                raise RowError(f"{where}: content part type '{kind}' is not text, image or image_url; remove it",
+                               "unsupported_content_part")
+        return "".join(texts)
+
     def _converted(self, row: dict, index: int) -> dict:
         """The row converted, with its drop columns: why it is left out ("" when kept) and the message."""
         try:
@@ -408,6 +483,7 @@ class _Converter:
             if not self.skip_bad_rows:
                 raise DataError(f"{exc}; or set skip_bad_rows: true to skip such rows (counted per reason)") from None
             return {**_EMPTY_ROW, **({"kto_tag": False} if "kto_tag" in self.present else {}),
+                    **({IMAGE_COLUMN: []} if self.images else {}),
                     "drop_reason": exc.reason, "drop_message": str(exc), "numbers_as_text": 0}
         numbers = {"numbers_as_text": self._numbers}
         if self.spec.ranking and out["chosen"] == out["rejected"]:
@@ -473,8 +549,8 @@ class _Converter:
                     f"{where} turn {turn_index}: role {turn.get(tags['role_tag']) if isinstance(turn, dict) else turn!r} "
                     f"is not one of {', '.join(role_map)} (set tags in dataset_info.json)", "unknown_role",
                 )
-            content = turn.get(content_tag)
             turn_where = where.turn(turn_index)
+            content = self._content(turn.get(content_tag), turn_where)
             if content is None and role in ("user", "tool", "system"):
                 raise RowError(
                     f"{turn_where}: '{content_tag}' is missing (null); write the {role} turn's text", "missing_content"
@@ -545,16 +621,26 @@ def _check_order(messages: list[dict], where: str, ends_with_answer: bool) -> No
         raise RowError(f"{where}: the conversation must end with an assistant turn", "ends_without_answer")
 
 
-def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec) -> None:
-    """Rows that carry images / videos / audio (multimodal data) would train on their text alone: refuse."""
-    for column in MEDIA_COLUMNS:
+def text_only_refusal(spec: DatasetSpec, what: str, fix: str) -> str:
+    """The one line refusing images to a run whose model is text-only."""
+    files = describe_files(spec)
+    return (f"dataset '{spec.name}'{f' ({files})' if files else ''}{what}, but model_name_or_path is a text-only "
+            f"model and would ignore the images: {fix}, or train a vision-language model (a folder with its processor)")
+
+
+def _refuse_media(dataset: datasets.Dataset, spec: DatasetSpec, images: bool) -> None:
+    """Rows that carry videos / audio (or images, for a text-only model) would train on their text alone: refuse."""
+    image_column = spec.columns.get(IMAGE_COLUMN, IMAGE_COLUMN)
+    for column in (*([] if images else [image_column]), *UNSUPPORTED_MEDIA_COLUMNS):
         if column in dataset.column_names:
             used = sum(1 for value in dataset[column] if value)
+            if used and column == image_column:
+                raise DataError(text_only_refusal(spec, f": {used} rows have {column}", f"remove the '{column}' field from the rows"))
             if used:
                 files = describe_files(spec)
                 raise DataError(
-                    f"dataset '{spec.name}'{f' ({files})' if files else ''}: {used} rows have {column}, but tunelab trains text-only models and "
-                    f"would ignore them: remove the '{column}' field from the rows (or use a multimodal trainer)"
+                    f"dataset '{spec.name}'{f' ({files})' if files else ''}: {used} rows have {column}, but tunelab "
+                    f"trains text and image models and would ignore them: remove the '{column}' field from the rows"
                 )
 
 
@@ -564,18 +650,20 @@ def _keep(reasons: list[str]) -> list[bool]:
 
 def to_canonical(
     dataset: datasets.Dataset, spec: DatasetSpec, num_proc: int | None = None, skip_bad_rows: bool = False,
-    row_check: Callable[[dict], tuple[str, str] | None] | None = None,
+    row_check: Callable[[dict], tuple[str, str] | None] | None = None, images: bool = False,
 ) -> tuple[datasets.Dataset, ConversionStats]:
     """Convert rows to the canonical columns; returns the kept rows and what conversion counted.
 
     A structurally wrong row (or one `row_check` faults) raises DataError naming it, or with `skip_bad_rows`
     is left out and counted per reason; ranking rows with identical answers are always left out and counted.
     """
-    _refuse_media(dataset, spec)
-    converter = _Converter(spec, list(dataset.column_names), skip_bad_rows, row_check)
+    _refuse_media(dataset, spec, images)
+    converter = _Converter(spec, list(dataset.column_names), skip_bad_rows, row_check, images=images)
     features = {**CANONICAL_FEATURES, **_DROP_COLUMNS}
     if "kto_tag" in converter.present:
         features["kto_tag"] = datasets.Value("bool")
+    if images:
+        features[IMAGE_COLUMN] = IMAGES_FEATURE
     converted = dataset.map(
         converter.convert_batch, batched=True, with_indices=True, remove_columns=list(dataset.column_names),
         num_proc=num_proc, features=datasets.Features(features), desc=f"Converting {spec.name}",

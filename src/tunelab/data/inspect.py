@@ -69,6 +69,7 @@ class RunData:
     report: dict[str, Any]
     packed: dict[str, "PackedRows"] = field(default_factory=dict)  # split name -> rows, when packing
     sides: tuple[str, str] | None = None  # pair stages: the column prefixes of each row's two sequences
+    vision: tuple[Any, Any] | None = None  # a vision-language model's (processor, ImageSettings) (data/vision.py)
 
     @property
     def splits(self) -> dict[str, datasets.Dataset]:
@@ -96,17 +97,22 @@ def load_run_data(config: RunConfig) -> RunData:
     from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
     from tunelab.data.templates import get_template  # noqa: PLC0415
 
+    from tunelab.data.vision import vision_inputs  # noqa: PLC0415
+    from tunelab.model.load import load_processor  # noqa: PLC0415
+
     template = get_template(config.data.template, tokenizer)
+    vision = vision_inputs(load_processor(config.model), config.model)
     if stage in PREFERENCE_STAGES:
         from tunelab.data.pairwise import preference_encoder  # noqa: PLC0415
 
-        encoder = preference_encoder(stage, tokenizer, template, config.data)
-        bundle = build_datasets(config.data, tokenizer, template, seed=seed, encoder=encoder)
+        encoder = preference_encoder(stage, tokenizer, template, config.data, vision)
+        bundle = build_datasets(config.data, tokenizer, template, seed=seed, encoder=encoder, images=vision is not None)
+        # (stats / verify read the pairs' text; the images of pairs are checked by training's own collator)
         return RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report, sides=pair_sides(stage))
     # Packed here, not in the pipeline, to keep each row's sample lengths (the rows are the same).
     unpacked = dataclasses.replace(config.data, packing=False)
-    bundle = build_datasets(unpacked, tokenizer, template, seed=seed)
-    data = RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report)
+    bundle = build_datasets(unpacked, tokenizer, template, seed=seed, vision=vision)
+    data = RunData(config, tokenizer, bundle.train, bundle.eval, bundle.report, vision=vision)
     if config.data.packing:
         data.packed = {name: pack_rows(ds, config.data.cutoff_len) for name, ds in data.splits.items()}
         data.report["packing"] = {name: packed.stats.as_dict() for name, packed in data.packed.items()}
@@ -150,7 +156,9 @@ def _example_collator(config: RunConfig, pad: int) -> SupervisedCollator | Packe
 
 def _model_skeleton(config: RunConfig) -> torch.nn.Module:
     """The model class, attention backend and dtype training would get, on the meta device (no weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415
+
+    from tunelab.model.vision import is_vision_model_folder  # noqa: PLC0415
 
     from tunelab.model.load import ATTN_IMPLEMENTATIONS, resolve_dtype  # noqa: PLC0415
 
@@ -163,8 +171,10 @@ def _model_skeleton(config: RunConfig) -> torch.nn.Module:
     try:
         model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
         model_config.use_cache = False  # as load_model sets it for training
+        model_config.get_text_config().use_cache = False
+        auto_class = AutoModelForImageTextToText if is_vision_model_folder(path) else AutoModelForCausalLM
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(model_config, **kwargs)
+            return auto_class.from_config(model_config, **kwargs)
     except Exception as exc:  # noqa: BLE001  (unknown architecture, unreadable config.json, ...)
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"model_name_or_path: cannot build the model class from {path}/config.json: {message}") from exc
@@ -456,6 +466,9 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
             f"{batch_size} rows padded to their longest"
         )
         result["packing"] = packed.stats.as_dict()
+    if data.vision is not None:
+        image_lines, result["images"] = image_stats(data.train, data.vision[0])
+        lines += image_lines
     lines += pipeline_lines(data.report, config)
     for name, dataset in data.evals.items():
         eval_lengths = sequence_arrays(dataset, data.sides)[0].reshape(-1)
@@ -472,6 +485,60 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
     (out_dir / "stats.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     lines.append(f"wrote {png} and {out_dir / 'stats.json'}")
     return lines
+
+
+def image_stats(dataset: datasets.Dataset, processor: Any) -> tuple[list[str], dict[str, Any]]:
+    """Images per sample, image tokens per sample and their share of the sequence (vision runs)."""
+    from tunelab.data.vision import image_token_ids  # noqa: PLC0415
+
+    table = dataset.select_columns(["input_ids", "images"]).with_format("arrow")[:]
+    per_sample = pc.list_value_length(table["images"]).to_numpy(zero_copy_only=False)
+    lengths, ids = _flat_column(dataset, "input_ids")
+    owners = np.repeat(np.arange(len(lengths)), lengths)
+    is_image = np.isin(ids, np.array(sorted(image_token_ids(processor)), dtype=ids.dtype))
+    tokens = np.bincount(owners[is_image], minlength=len(per_sample))
+    share = tokens / np.maximum(lengths, 1)
+    with_images = per_sample > 0
+    stats = {
+        "images": int(per_sample.sum()), "samples_with_images": int(with_images.sum()), "samples": len(per_sample),
+        "images_per_sample_max": int(per_sample.max(initial=0)), "image_tokens": int(tokens.sum()),
+        "image_tokens_per_image_sample_mean": float(tokens[with_images].mean()) if with_images.any() else 0.0,
+        "image_token_share": float(tokens.sum() / max(int(lengths.sum()), 1)),
+        "image_token_share_per_image_sample_mean": float(share[with_images].mean()) if with_images.any() else 0.0,
+    }
+    lines = [
+        f"images: {stats['images']} in {stats['samples_with_images']} of {stats['samples']} samples "
+        f"(0-{stats['images_per_sample_max']} per sample)",
+        f"image tokens: {stats['image_tokens']} ({100 * stats['image_token_share']:.1f}% of all tokens); per sample "
+        f"with images: mean {_num(stats['image_tokens_per_image_sample_mean'])} tokens, "
+        f"{100 * stats['image_token_share_per_image_sample_mean']:.1f}% of its sequence",
+    ]
+    return lines, stats
+
+
+def verify_images(data: RunData, max_rows: int) -> tuple[str | None, list[str]]:
+    """Every placeholder got its image: in each sample, the image tokens are exactly those of its images' expansions
+    (asked of the processor again, independently of encoding), and none of them is supervised."""
+    from tunelab.data.vision import expansions, image_token_ids, prepare_images  # noqa: PLC0415
+
+    processor, settings = data.vision
+    mm = image_token_ids(processor)
+    checked = images = 0
+    for name, samples in data.splits.items():
+        for index in range(min(len(samples), max_rows)):
+            sample = samples[index]
+            texts = expansions(processor, prepare_images(sample["images"], settings))
+            wanted = sum(sum(i in mm for i in ids) for ids in
+                         (data.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []))
+            have = sum(i in mm for i in sample["input_ids"])
+            if have != wanted:
+                return (f"{name} sample {index}: {have} image tokens for its {len(sample['images'])} images, whose "
+                        f"expansions hold {wanted}: a placeholder without its image (or the reverse)"), []
+            if any(label != -100 for token, label in zip(sample["input_ids"], sample["labels"]) if token in mm):
+                return f"{name} sample {index}: an image token is supervised", []
+            checked, images = checked + 1, images + len(sample["images"])
+    return None, [f"images: {images} images in {checked} samples: each placeholder holds exactly its image's tokens "
+                  "(the processor's expansion), none supervised"]
 
 
 def default_stats_dir(config: RunConfig) -> Path:
@@ -778,16 +845,22 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             + ("" if attention else ", attention_mask 0 (1 on every real token)")
         )
     if config.finetuning.stage != "pt":
-        problem, encoding_lines = verify_encoding(config, tokenizer, max_batches * args.per_device_train_batch_size)
+        problem, encoding_lines = verify_encoding(config, tokenizer, max_batches * args.per_device_train_batch_size,
+                                                  images=data.vision is not None)
         if problem:
             return problem, lines
         lines += encoding_lines
+    if data.vision is not None:
+        problem, image_lines = verify_images(data, max_batches * args.per_device_train_batch_size)
+        if problem:
+            return problem, lines
+        lines += image_lines
     checked = "dtypes int64, shapes consistent" + (f", every input id < vocab_size {vocab_size}" if vocab_size else "")
     lines.append(f"ok: every check passed ({checked})")
     return None, lines
 
 
-def verify_encoding(config: RunConfig, tokenizer, max_rows: int) -> tuple[str | None, list[str]]:
+def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = False) -> tuple[str | None, list[str]]:
     """Re-encode up to ``max_rows`` training rows (0: all) and check each with ``encoded_row_problem``: answers
     after their exact inference prompts, ending with the end-of-turn token, truncation keeping the last answer."""
     from tunelab.data.encode import SupervisedEncoder, encoded_row_problem  # noqa: PLC0415
@@ -804,7 +877,7 @@ def verify_encoding(config: RunConfig, tokenizer, max_rows: int) -> tuple[str | 
     was_disabled = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # the second reading of the rows: no second set of bars
     try:
-        rows, _ = load_canonical_splits(data_args, config.training.seed, {})
+        rows, _ = load_canonical_splits(data_args, config.training.seed, {}, images=images)
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()

@@ -119,7 +119,9 @@ def pack_lengths(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 def pack_dataset(encoded: datasets.Dataset, cutoff_len: int) -> tuple[datasets.Dataset, PackingStats]:
     """Rows of input_ids, labels and position_ids (restarting per sample), each at most cutoff_len long.
 
-    Only input_ids and labels are read; other columns do not survive packing.
+    Only input_ids and labels are read; other columns do not survive packing, except a vision run's `images`
+    (data/vision.py): a row holds its samples' images in the order of the samples, so the image features the
+    model places at a row's image tokens (in order) are each sample's own.
     """
     table = encoded.select_columns(["input_ids", "labels"]).with_format("arrow")[:]
     # Chunked columns straight to numpy (combine_chunks would copy every token once more).
@@ -149,11 +151,19 @@ def pack_dataset(encoded: datasets.Dataset, cutoff_len: int) -> tuple[datasets.D
     def column(values: np.ndarray) -> pa.LargeListArray:
         return pa.LargeListArray.from_arrays(row_offsets, pa.array(values))
 
-    table = pa.table({
+    columns = {
         "input_ids": column(flat_ids[gather]),
         "labels": column(labels),
         "position_ids": column(offset_in_sample.astype(np.int32)),
-    })
+    }
+    if "images" in encoded.column_names:
+        images = encoded.select_columns(["images"]).with_format("arrow")[:].column("images").combine_chunks()
+        taken = images.take(pa.array(order))  # samples in packed order, then concatenated per row
+        columns["images"] = pa.ListArray.from_arrays(
+            pa.array(np.concatenate(([0], np.cumsum(pc.list_value_length(taken).to_numpy())))[sample_ends].astype(np.int32)),
+            taken.flatten(),
+        )
+    table = pa.table(columns)
     # A given fingerprint spares datasets from hashing every token (over a second per 10M tokens).
     packed = datasets.Dataset(table, fingerprint=generate_random_fingerprint())
     stats = PackingStats(samples=len(lengths), rows=len(bins), tokens=total, cutoff_len=cutoff_len)

@@ -88,6 +88,26 @@ class PairwiseEncoder:
         """The rendered prompt (for dedup): rows with the same prompt are duplicates."""
         return self.encoder.examples(row)
 
+    @property
+    def vision(self) -> bool:
+        """The sft encoder is data/vision.py's VisionEncoder: pairs carry their (shared) prompt's images."""
+        return hasattr(self.encoder, "processor")
+
+    @property
+    def features(self):
+        """The encoded columns' types, given to datasets.map in vision runs (None: inferred, as for text)."""
+        if not self.vision:
+            return None
+        import datasets  # noqa: PLC0415
+
+        from tunelab.data.formats import IMAGES_FEATURE  # noqa: PLC0415
+
+        ints = datasets.List(datasets.Value("int64"))
+        columns = {key: ints for key in PAIR_COLUMNS}
+        columns.update(truncated=datasets.Value("bool"), num_supervised=datasets.Value("int64"),
+                       num_tokens=datasets.Value("int64"), expanded=datasets.Value("int64"), images=IMAGES_FEATURE)
+        return datasets.Features(columns)
+
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         rows = _rows(batch)
         for row in rows:
@@ -98,12 +118,19 @@ class PairwiseEncoder:
             [with_answer(r, _assistant(r["chosen"])) for r in rows]
             + [with_answer(r, _assistant(r["rejected"])) for r in rows]
         )
+        # Vision: an example whose image did not fit comes back as an empty marker (data/vision.py): no side.
+        encoded = [[e for e in examples if e["input_ids"]] for examples in encoded]
         self._same_prompts(rows, encoded)
-        out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "truncated", "num_supervised", "num_tokens", "expanded")}
+        columns = (*PAIR_COLUMNS, "truncated", "num_supervised", "num_tokens", "expanded", *(["images"] if self.vision else []))
+        out: dict[str, list] = {k: [] for k in columns}
         for chosen, rejected in zip(encoded[:n], encoded[n:]):
             if not chosen or not rejected:
                 continue  # a side lost every supervised token to truncation: the pair is dropped
             (chosen,), (rejected,) = chosen, rejected  # mask_history: one example per conversation
+            if self.vision:
+                if chosen["images"] != rejected["images"]:
+                    continue  # truncation left the two sides different images: the pair is dropped
+                out["images"].append(chosen["images"])
             for side, example in (("chosen", chosen), ("rejected", rejected)):
                 out[f"{side}_input_ids"].append(example["input_ids"])
                 out[f"{side}_labels"].append(example["labels"])
@@ -129,7 +156,10 @@ class PairwiseEncoder:
             other = i + n if shorter == 0 else i
             answer = encoded[other][0]["_messages"][-1]
             redo.append((other, [*prompts[shorter], answer], self.encoder.options(rows[i])))
-        if redo:
+        if redo and self.vision:  # the shortened prompt would need its images re-counted: drop such pairs
+            for at, _, _ in redo:
+                encoded[at] = []
+        elif redo:
             again = self.encoder.encode_conversations([(m, o) for _, m, o in redo], fixed_prompt=True)
             for (at, _, _), examples in zip(redo, again):
                 encoded[at] = examples
@@ -188,24 +218,31 @@ class KTOEncoder:
         return out
 
 
-def preference_encoder(stage: str, tokenizer, template, data_args) -> PairwiseEncoder | KTOEncoder:
-    """The encoder of stage rm / dpo (pairs) or kto: the sft encoder, supervising only the final answer."""
+def preference_encoder(stage: str, tokenizer, template, data_args, vision=None) -> PairwiseEncoder | KTOEncoder:
+    """The encoder of stage rm / dpo (pairs) or kto: the sft encoder, supervising only the final answer.
+    `vision` ((processor, ImageSettings), stage dpo): the sft encoder is data/vision.py's VisionEncoder."""
     inner = SupervisedEncoder(
         tokenizer=tokenizer, template=template, cutoff_len=data_args.cutoff_len, mask_history=True,
         template_vars=data_args.template_kwargs or {},
     )
+    if vision is not None:
+        from tunelab.data.vision import VisionEncoder  # noqa: PLC0415
+
+        inner = VisionEncoder(inner, *vision)
     return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
 
 
-def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_main_process: bool = True):
+def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_main_process: bool = True,
+                      vision=None):
     """The encoded datasets of stage rm / dpo / kto, through the tokenized cache (rm and dpo share
     their entries: the same pairs), with the val split and eval sets as for sft."""
     from tunelab.data.cache import cached_bundle  # noqa: PLC0415
     from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
+    from tunelab.data.vision import vision_fingerprint  # noqa: PLC0415
 
-    encoder = preference_encoder(stage, tokenizer, template, data_args)
+    encoder = preference_encoder(stage, tokenizer, template, data_args, vision)
     return cached_bundle(
-        data_args, tokenizer, template.jinja, "kto" if stage == "kto" else "pairwise", seed,
-        build=lambda: build_datasets(data_args, tokenizer, template, seed, encoder=encoder),
+        data_args, tokenizer, template.jinja + vision_fingerprint(vision), "kto" if stage == "kto" else "pairwise", seed,
+        build=lambda: build_datasets(data_args, tokenizer, template, seed, encoder=encoder, images=vision is not None),
         is_main_process=is_main_process,
     )

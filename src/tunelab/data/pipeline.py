@@ -24,12 +24,13 @@ import pyarrow.compute as pc
 
 from tunelab.config.args import DataArguments
 from tunelab.data.dedup import deduplicate_training_rows
-from tunelab.data.encode import COUNTER_COLUMNS, EncodeStats, SupervisedEncoder
+from tunelab.data.encode import COUNTER_COLUMNS, IMAGE_COUNTERS, EncodeStats, SupervisedEncoder
 from tunelab.data.formats import IDENTICAL_PAIR, is_ranking_row, renders_reasoning, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, describe_files, load_registry, load_rows
 from tunelab.data.templates import Template
-from tunelab.errors import DataError
+
+from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,11 @@ def _reasoning_templates() -> list[str]:
 
 
 def _load_canonical(
-    names: list[str], data_args: DataArguments, report: dict, encoder: SupervisedEncoder | None = None
+    names: list[str], data_args: DataArguments, report: dict, encoder: SupervisedEncoder | None = None,
+    images: bool = False,
 ) -> list[datasets.Dataset]:
-    """Canonical rows of each named dataset. `encoder` (the sft encoder of the run): check that reasoning trains."""
+    """Canonical rows of each named dataset. `encoder` (the sft encoder of the run): check that reasoning trains.
+    `images`: the model is a vision-language model, so rows keep their images (else images are refused)."""
     registry = load_registry(data_args.dataset_dir)
     row_check = TrainedReasoning(encoder) if encoder is not None else None
     loaded = []
@@ -107,7 +110,7 @@ def _load_canonical(
             rows = rows.select(range(data_args.max_samples))
         canonical, conversion = to_canonical(
             rows, spec, num_proc=data_args.preprocessing_num_workers, skip_bad_rows=data_args.skip_bad_rows,
-            row_check=row_check,
+            row_check=row_check, images=images,
         )
         identical = conversion.dropped.pop(IDENTICAL_PAIR, 0)
         conversion.first.pop(IDENTICAL_PAIR, None)
@@ -196,8 +199,13 @@ def encode_dataset(
     num_proc = chosen
     encoded = canonical.map(
         encoder, batched=True, batch_size=256, remove_columns=list(canonical.column_names), num_proc=num_proc,
-        desc=f"Tokenising {name}",
+        desc=f"Tokenising {name}", features=getattr(encoder, "features", None),
     )
+    images_dont_fit = 0
+    if "images_dont_fit" in encoded.column_names:  # vision runs (data/vision.py): count, then drop the markers
+        images_dont_fit = _sum(encoded.with_format("arrow")[:]["images_dont_fit"])
+        if images_dont_fit:
+            encoded = encoded.filter(lambda ids: len(ids) > 0, input_columns="input_ids", desc=f"Dropping {name} examples whose images do not fit")
     if len(encoded) == 0:
         raise DataError(f"{name}: every example was dropped; raise cutoff_len (now {encoder.cutoff_len})")
     # Sums in Arrow: iterating a column makes one Python object per row, as slow as the encoding itself.
@@ -208,7 +216,10 @@ def encode_dataset(
         examples=len(encoded),
         truncated=_sum(table["truncated"]),
         answers_dropped=_sum(table["answers_dropped"]) if "answers_dropped" in present else 0,
-        dropped_no_supervised=len(canonical) + _sum(added) - len(encoded),
+        dropped_no_supervised=len(canonical) + _sum(added) - len(encoded) - images_dont_fit,
+        images_dont_fit=images_dont_fit,
+        images=_sum(table["num_images"]) if "num_images" in present else 0,
+        image_tokens=_sum(table["num_image_tokens"]) if "num_image_tokens" in present else 0,
         # pairwise encoders (data/pairwise.py) count their tokens in a num_tokens column
         tokens=_sum(table["num_tokens"]) if "num_tokens" in present else _sum(pc.list_value_length(table["input_ids"])),
         supervised_tokens=_sum(table["num_supervised"]),
@@ -216,7 +227,7 @@ def encode_dataset(
         split_at_seams=_sum(table["split_at_seams"]) if "split_at_seams" in present else 0,
         texts_cut=_sum(table["texts_cut"]) if "texts_cut" in present else 0,
     )
-    encoded = encoded.remove_columns([c for c in (*COUNTER_COLUMNS, "num_tokens") if c in present])
+    encoded = encoded.remove_columns([c for c in (*COUNTER_COLUMNS, *IMAGE_COUNTERS, "num_tokens") if c in present])
     log_encode_stats(name, stats, encoder.cutoff_len)
     return encoded, stats
 
@@ -232,6 +243,11 @@ def log_encode_stats(name: str, stats: EncodeStats, cutoff_len: int) -> None:
         logger.warning(
             "%s: dropped %d examples with no supervised token left after truncation to cutoff_len=%d",
             name, stats.dropped_no_supervised, cutoff_len,
+        )
+    if stats.images_dont_fit:
+        logger.warning(
+            "%s: dropped %d examples whose image tokens do not fit cutoff_len=%d (an image is never cut in half; raise "
+            "cutoff_len or lower image_max_pixels)", name, stats.images_dont_fit, cutoff_len,
         )
     if stats.texts_cut:
         logger.warning(
@@ -250,9 +266,13 @@ def _sum(column: pa.ChunkedArray | pa.Array) -> int:
     return int(pc.sum(column).as_py() or 0)  # booleans count their true values; no rows sum to 0
 
 
-def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None) -> DatasetBundle:
+def build_datasets(
+    data_args: DataArguments, tokenizer, template: Template, seed: int, encoder=None, vision=None, images: bool = False
+) -> DatasetBundle:
     """`encoder` maps canonical rows to examples; default the SupervisedEncoder of data_args. The
-    preference stages pass theirs (data/pairwise.py), which wrap that same SupervisedEncoder."""
+    preference stages pass theirs (data/pairwise.py), which wrap that same SupervisedEncoder.
+    `vision` (a vision-language model's (processor, ImageSettings)): rows keep their images and encode through
+    data/vision.py's VisionEncoder around the supervised encoder."""
     report: dict[str, Any] = {}
     if encoder is None:
         encoder = SupervisedEncoder(
@@ -260,10 +280,20 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
             train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
             template_vars=data_args.template_kwargs or {},
         )
-    num_proc = data_args.preprocessing_num_workers
+        if vision is not None:
+            from tunelab.data.vision import VisionEncoder  # noqa: PLC0415
 
-    sft_encoder = getattr(encoder, "encoder", encoder)  # the preference encoders wrap the sft one
-    sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder)
+            encoder = VisionEncoder(encoder, *vision)
+    num_proc = data_args.preprocessing_num_workers
+    images = images or vision is not None  # `images`: a given encoder (pairs) takes rows with images
+
+    sft_encoder = encoder
+    while hasattr(sft_encoder, "encoder"):  # the preference and vision encoders wrap the sft one
+        sft_encoder = sft_encoder.encoder
+    if images and data_args.dedup != "none":
+        raise ConfigError(f"dedup: {data_args.dedup} compares the rows' text, not their images; set dedup: none for a "
+                          "vision-language model")
+    sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)
     if data_args.dedup != "none":  # before mixing and the val split: no duplicate straddles train and val
         sources, dedup = deduplicate_training_rows(sources, data_args, encoder)
         report["dedup"] = dedup.as_dict()
@@ -272,7 +302,7 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report, sft_encoder)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, sft_encoder, images)
 
     train, stats = encode_dataset(train_rows, encoder, "train", num_proc)
     report["train"] = stats.__dict__
@@ -285,6 +315,9 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
         stats.examples, stats.tokens, stats.supervised_tokens, stats.truncated, stats.answers_dropped,
         stats.dropped_no_supervised,
     )
+    if stats.images:
+        logger.info("train: %d images, %d image tokens (%.1f%% of the tokens)", stats.images, stats.image_tokens,
+                    100 * stats.image_tokens / max(stats.tokens, 1))
     if data_args.packing:
         # Eval sets too: the trainer has one collator, and it takes packed rows.
         report["packing"] = {}
@@ -299,14 +332,14 @@ def build_datasets(data_args: DataArguments, tokenizer, template: Template, seed
 
 
 def load_canonical_splits(
-    data_args: DataArguments, seed: int, report: dict[str, Any]
+    data_args: DataArguments, seed: int, report: dict[str, Any], images: bool = False
 ) -> tuple[datasets.Dataset, dict[str, datasets.Dataset]]:
     """Canonical (train rows, eval rows by name): registry → formats → mixing → val split, as
     `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo)."""
-    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report), data_args, seed)
+    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report, images=images), data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, images=images)
     return train_rows, eval_rows

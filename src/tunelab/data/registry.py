@@ -36,9 +36,11 @@ SPEC_KEYS = {"file_name", "generator", "formatting", "ranking", "split", "num_sa
 # Keys of a Hub dataset only (LlamaFactory's names, `revision` ours): set on a local one, they would do nothing.
 HUB_KEYS = ("subset", "folder", "revision")
 FORMATTINGS = ("alpaca", "sharegpt", "openai", "text")
-# Columns of multimodal datasets (LlamaFactory's names). tunelab trains text-only models: mapping one
-# is refused instead of silently training on the text without its images.
-MEDIA_COLUMNS = ("images", "videos", "audios")
+# Columns of multimodal datasets (LlamaFactory's names). Images train vision-language models (data/images.py,
+# data/vision.py); videos and audio are refused instead of silently training on the text without them.
+IMAGE_COLUMN = "images"
+UNSUPPORTED_MEDIA_COLUMNS = ("videos", "audios")
+MEDIA_COLUMNS = (IMAGE_COLUMN, *UNSUPPORTED_MEDIA_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,10 @@ def _spec(path: Path, name: str, entry: dict[str, Any]) -> DatasetSpec:
         )
     if entry.get("formatting", "alpaca") not in FORMATTINGS:
         raise ConfigError(f"{path}: dataset '{name}': formatting must be one of {', '.join(FORMATTINGS)}")
-    media = [key for key in MEDIA_COLUMNS if key in (entry.get("columns") or {})]
+    media = [key for key in UNSUPPORTED_MEDIA_COLUMNS if key in (entry.get("columns") or {})]
     if media:
         raise ConfigError(
-            f"{path}: dataset '{name}' maps columns.{media[0]}, but tunelab trains text-only models and "
+            f"{path}: dataset '{name}' maps columns.{media[0]}, but tunelab trains text and image models and "
             f"would ignore the {media[0]}: remove columns.{media[0]} (and the {media[0]} from the rows)"
         )
     return DatasetSpec(name=name, root=str(path.parent), formatting_given="formatting" in entry, **entry)

@@ -6,12 +6,14 @@ seed) gives the same rows on every run and machine. Train/test membership is dec
 of the task name and problem input, never by the seed, so a test question never appears in any
 train split, whatever seeds the two were drawn with.
 
-Problem spaces (about 10% of each is test): reverse ~8.3M, sort ~111k, add 10k.
+Problem spaces (about 10% of each is test): reverse ~8.3M, sort ~111k, add 10k, shapes 28561 scenes
+(the split of a shapes question is decided by its scene, so no test image layout is ever trained on).
 
 Row formats:
   alpaca      {"instruction", "input", "output"}             reverse, sort, add
   sharegpt    {"conversations": [{"from", "value"}...], "system"}   multiturn
   ranking     {"instruction", "input", "chosen", "rejected"}  preference
+  alpaca + images  {"instruction": "<image>question", "input": "", "output", "images": [{"bytes", "path"}]}  shapes
 """
 
 from __future__ import annotations
@@ -231,12 +233,117 @@ def prose(num_samples: int, seed: int = 0) -> list[str]:
     return [" ".join(_sentence(rng) for _ in range(rng.randint(2, 6))) for _ in range(num_samples)]
 
 
+# --- shapes: coloured shapes on a small canvas, questions a look at the picture answers --------------------
+
+SHAPE_CANVAS = 64  # the embedded tiny LLaVA's image size: no resizing between generator and model
+SHAPE_CELLS = 2  # a 2x2 grid; each cell holds at most one shape
+SHAPE_KINDS = ("circle", "square", "triangle")
+SHAPE_COLOURS = {"red": (220, 30, 30), "green": (30, 170, 50), "blue": (40, 60, 220), "yellow": (235, 200, 20)}
+SHAPE_BACKGROUND = (255, 255, 255)
+
+
+@dataclass(frozen=True)
+class Shape:
+    cell: int  # 0..3, row-major
+    kind: str
+    colour: str
+
+
+def shapes_scene_key(shapes: tuple[Shape, ...]) -> str:
+    """The layout a split is decided by: which shape in which colour sits in which cell."""
+    by_cell = {s.cell: f"{s.colour} {s.kind}" for s in shapes}
+    return "|".join(by_cell.get(cell, "empty") for cell in range(SHAPE_CELLS**2))
+
+
+def shapes_answer(shapes: tuple[Shape, ...], question: str) -> str:
+    """The exact answer to one of the generator's questions about a scene."""
+    for kind in SHAPE_KINDS:
+        if question == f"How many {kind}s are there?":
+            return str(sum(s.kind == kind for s in shapes))
+        if question == f"What colour is the {kind}?":
+            colours = [s.colour for s in shapes if s.kind == kind]
+            if len(colours) != 1:
+                raise ValueError(f"'{question}' needs exactly one {kind} in the scene, got {len(colours)}")
+            return colours[0]
+    raise ValueError(f"not a shapes question: {question!r}")
+
+
+def draw_shapes(shapes: tuple[Shape, ...], rng: random.Random):
+    """A SHAPE_CANVAS-pixel RGB PIL image of the scene; `rng` jitters each shape's size and place in its cell."""
+    from PIL import Image, ImageDraw  # Pillow comes with matplotlib; imported here to keep text runs lean
+
+    image = Image.new("RGB", (SHAPE_CANVAS, SHAPE_CANVAS), SHAPE_BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    cell_size = SHAPE_CANVAS // SHAPE_CELLS
+    for shape in shapes:
+        size = rng.randint(cell_size // 2, cell_size - 6)
+        left = (shape.cell % SHAPE_CELLS) * cell_size + rng.randint(2, cell_size - size - 2)
+        top = (shape.cell // SHAPE_CELLS) * cell_size + rng.randint(2, cell_size - size - 2)
+        box = (left, top, left + size - 1, top + size - 1)
+        fill = SHAPE_COLOURS[shape.colour]
+        if shape.kind == "circle":
+            draw.ellipse(box, fill=fill)
+        elif shape.kind == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(left + size / 2, top), (left, top + size - 1), (left + size - 1, top + size - 1)], fill=fill)
+    return image
+
+
+def _png_bytes(image) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", optimize=False, compress_level=6)
+    return buffer.getvalue()
+
+
+def _shapes_scene(rng: random.Random) -> tuple[Shape, ...]:
+    shapes = []
+    for cell in range(SHAPE_CELLS**2):
+        if rng.random() < 0.7:  # most cells filled: 2-3 shapes is the common scene
+            shapes.append(Shape(cell, rng.choice(SHAPE_KINDS), rng.choice(sorted(SHAPE_COLOURS))))
+    return tuple(shapes)
+
+
+def _shapes_questions(shapes: tuple[Shape, ...]) -> list[str]:
+    questions = [f"How many {kind}s are there?" for kind in SHAPE_KINDS]
+    questions += [f"What colour is the {kind}?" for kind in SHAPE_KINDS if sum(s.kind == kind for s in shapes) == 1]
+    return questions
+
+
+def _shapes(split: str, num_samples: int, seed: int) -> list[dict]:
+    """One question per row about a fresh scene; the image travels as PNG bytes (datasets' Image storage form)."""
+    rng, seen = _rng("shapes", split, seed), set()
+    rows = []
+    for _ in range(num_samples):
+        for _ in range(MAX_TRIES_PER_ROW):
+            shapes = _shapes_scene(rng)
+            question = rng.choice(_shapes_questions(shapes))
+            key = f"{shapes_scene_key(shapes)}\n{question}"
+            if key not in seen and split_of("shapes", shapes_scene_key(shapes)) == split:
+                seen.add(key)
+                break
+        else:
+            raise DataError(f"generator 'shapes': ran out of distinct {split} questions after {len(seen)}; "
+                            "ask for fewer num_samples")
+        image = draw_shapes(shapes, rng)
+        rows.append({
+            "instruction": f"<image>{question}",
+            "input": "",
+            "output": shapes_answer(shapes, question),
+            "images": [{"bytes": _png_bytes(image), "path": None}],
+        })
+    return rows
+
+
 GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "reverse": _alpaca("reverse"),
     "sort": _alpaca("sort"),
     "add": _alpaca("add"),
     "multiturn": _multiturn,
     "preference": _preference,
+    "shapes": _shapes,
 }
 
 

@@ -39,7 +39,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tunelab.data.templates.builtin import BUILTIN_NAMES
-from tunelab.errors import ConfigError, InferenceError, TemplateError
+from tunelab.errors import ConfigError, ImageInputError, InferenceError, TemplateError
 from tunelab.infer.engine import ChatEngine, Generation, SamplingOptions
 from tunelab.infer.tool_calls import BUILTIN_FAMILIES, ToolCall, ToolCallStream, ToolSyntax
 
@@ -66,6 +66,16 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # e.g. detail
+    url: str  # a data:image/...;base64, URI or a path on the server's machine (infer/images.py)
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
@@ -81,7 +91,7 @@ class ToolCallIn(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")  # e.g. `name`
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
 
@@ -97,7 +107,10 @@ class ChatMessage(BaseModel):
 
     def as_template_message(self, index: int) -> dict[str, Any]:
         """The message as chat templates read it (as training renders it: calls with their arguments as objects)."""
-        content = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content or [])
+        if isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content):
+            content: Any = [part.model_dump() for part in self.content]  # the engine opens the images (infer/images.py)
+        else:
+            content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [
@@ -304,7 +317,8 @@ def create_app(
         try:
             generation = await run_in_threadpool(engine.generate, messages, options, tool_use.tools, tool_use.prefill)
         except (InferenceError, TemplateError) as exc:
-            code = "context_length_exceeded" if isinstance(exc, InferenceError) else None
+            too_long = isinstance(exc, InferenceError) and not isinstance(exc, ImageInputError)
+            code = "context_length_exceeded" if too_long else None
             raise ApiError(400, str(exc), "messages", code) from None
         return generation, tool_use
 

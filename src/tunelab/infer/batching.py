@@ -59,6 +59,7 @@ class BatchRow:
     top_k: int = 0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    image_inputs: dict[str, Any] = field(default_factory=dict)  # a vision model's tensors for this prompt's images
     tokens: queue.Queue = field(default_factory=queue.Queue)  # token ids, then END
     cancel: threading.Event = field(default_factory=threading.Event)  # set by the consumer
     done: threading.Event = field(default_factory=threading.Event)  # set once END is queued
@@ -122,7 +123,7 @@ class BatchScheduler:
             input_ids = torch.tensor(padded, device=device)
             attention_mask = torch.tensor([[0] * pad + [1] * (width - pad) for pad in pads], device=device)
             self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask,
+                input_ids=input_ids, attention_mask=attention_mask, **_image_inputs(rows),
                 max_new_tokens=max(row.max_new_tokens for row in rows),
                 do_sample=False, repetition_penalty=1.0,  # sampling and penalties are per row (RowSampler)
                 eos_token_id=self.stop_ids, pad_token_id=self.pad_id,
@@ -136,6 +137,13 @@ class BatchScheduler:
         finally:
             for row in rows:
                 row.finish()
+
+
+def _image_inputs(rows: Sequence[BatchRow]) -> dict[str, torch.Tensor]:
+    """The rows' image tensors joined along the image axis, in row order: the order in which the model meets
+    their image tokens in the batch (as the training collator joins them, data/vision.py)."""
+    keys = sorted({key for row in rows for key in row.image_inputs})
+    return {key: torch.cat([row.image_inputs[key] for row in rows if key in row.image_inputs]) for key in keys}
 
 
 class RowSampler(LogitsProcessor):

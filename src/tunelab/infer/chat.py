@@ -1,7 +1,8 @@
 """`tunelab chat`: a terminal conversation with a loaded ChatEngine, answers streamed as they are generated.
 
 Reads one line per user turn from stdin (a terminal or a script), keeps the history, and understands
-`/clear` (forget the history, keep the system prompt) and `/exit` (or end of input, Ctrl-D). Ctrl-C while
+`/image PATH` (attach an image file to the next message: a vision-language model sees it where that message
+starts), `/clear` (forget the history, keep the system prompt) and `/exit` (or end of input, Ctrl-D). Ctrl-C while
 an answer streams stops that answer and drops the turn. Only the conversation goes to stdout (the `>>> `
 prompt and the answers); the banner and errors go to stderr, so a scripted session's stdout is exact.
 """
@@ -9,13 +10,14 @@ prompt and the answers); the banner and errors go to stderr, so a scripted sessi
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from tunelab.errors import InferenceError
 from tunelab.infer.engine import ChatEngine, Message, SamplingOptions
 
 PROMPT = ">>> "
-COMMANDS = "/clear resets the history, /exit or Ctrl-D quits"
+COMMANDS = "/image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits"
 
 
 def chat_loop(
@@ -26,6 +28,7 @@ def chat_loop(
     print(f"chatting with {engine.name} (template {engine.template.name}); {COMMANDS}", file=err)
     head: list[Message] = [{"role": "system", "content": system}] if system else []
     history: list[Message] = []
+    images: list[str] = []  # attached with /image, sent with the next message
     while True:
         try:
             line = input(PROMPT)  # writes the prompt to stdout; line editing when readline is loaded
@@ -40,19 +43,34 @@ def chat_loop(
             continue
         if text == "/exit":
             return 0
+        if text == "/image" or text.startswith("/image "):
+            path = text.removeprefix("/image").strip()
+            if not path:
+                print("usage: /image PATH", file=err)
+            elif not Path(path).is_file():
+                print(f"error: {path}: no such file", file=err)
+            else:
+                images.append(path)
+                print(f"(image {path} attached to your next message)", file=out)
+            continue
         if text == "/clear":
             history.clear()
+            images.clear()
             print("(history cleared)", file=out)
             continue
         if text.startswith("/") and " " not in text:
             print(f"unknown command {text}; {COMMANDS}", file=err)
             continue
-        turn = {"role": "user", "content": text}
+        turn: Message = {"role": "user", "content": text}
+        if images:
+            turn["content"] = [*({"type": "image", "path": p} for p in images), {"type": "text", "text": text}]
         try:
             generation = engine.generate([*head, *history, turn], options)
         except InferenceError as exc:
             print(f"error: {exc}", file=err)
+            images.clear()  # attached to the message that failed
             continue
+        images.clear()
         try:
             for piece in generation:
                 out.write(piece)

@@ -2,7 +2,9 @@
 
     model folder | adapter folder (+ its base from adapter_config.json, or --model)
       → tokenizer (the adapter's own when it saved one) + chat template (the folder's, or --template NAME)
-      → messages (and tools) rendered with the generation prompt → token ids (prompt_tokens)
+      → messages (and tools) rendered with the generation prompt → token ids (prompt_tokens); a vision-language
+        model's image parts (infer/images.py) become `<image>`, expanded and turned into pixel values by the
+        folder's processor exactly as training encodes them (data/vision.py)
       → the batch scheduler (batching.py): one thread runs model.generate, one request or several together,
         and hands each request its tokens through a queue
       → incremental decode (never splits a multi-byte character) → stop strings → text pieces
@@ -24,21 +26,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tunelab.assets import TINY_MODEL_DIR
+from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.args import ModelArguments
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
-from tunelab.errors import ConfigError, InferenceError, ModelError
+from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError
 from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
+from tunelab.data.formats import IMAGE_PLACEHOLDER
+from tunelab.data.images import open_images
+from tunelab.infer.images import split_images
 from tunelab.model import hub
 from tunelab.infer.predict import inference_template_kwargs
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.model.adapters import first_line, load_adapter
-from tunelab.model.load import load_tokenizer
+from tunelab.model import vision
+from tunelab.model.load import load_processor, load_tokenizer
 
 Message = dict[str, Any]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -79,7 +85,7 @@ def resolve_folders(
     """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
     Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (model/hub.py)."""
     hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
-    folder = TINY_MODEL_DIR if path == "tiny" else Path(hub.resolve_model(path, "", **hub_options))
+    folder = EMBEDDED_MODELS[path] if path in EMBEDDED_MODELS else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
         raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
     adapter_config = folder / "adapter_config.json"
@@ -151,8 +157,11 @@ def load_engine(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
     hub.fetch_weights(model_dir, allow_pickle_weights, key="")
+    is_vision = vision.is_vision_model_folder(model_dir)
+    processor = load_processor(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
+    auto_class = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = auto_class.from_pretrained(
             model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
         )
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, a hub id offline)
@@ -166,7 +175,7 @@ def load_engine(
         model = load_adapter(model, adapter_dir, is_trainable=False)
     model.to(device).eval()
     name = Path(adapter_dir or model_dir).resolve().name
-    return ChatEngine(model, tokenizer, chat_template, name, template_kwargs)
+    return ChatEngine(model, tokenizer, chat_template, name, template_kwargs, processor)
 
 
 # ---- generation ----------------------------------------------------------------------------------------------
@@ -241,6 +250,7 @@ class Generation:
     max_new_tokens: int
     prefill: str = ""
     keep_tokens: dict[int, str] = field(default_factory=dict)  # special tokens to decode as text (IncrementalDecoder)
+    image_inputs: dict[str, Any] = field(default_factory=dict, repr=False)  # pixel_values etc. (vision models)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length"
     completion_tokens: int = 0
@@ -311,6 +321,7 @@ class Generation:
         return BatchRow(
             prompt_ids=self.prompt_ids, max_new_tokens=self.max_new_tokens, temperature=options.temperature,
             top_p=options.top_p, top_k=options.top_k, repetition_penalty=options.repetition_penalty, seed=options.seed,
+            image_inputs=self.image_inputs,
         )
 
 
@@ -321,8 +332,10 @@ class ChatEngine:
     them one after another).
     """
 
-    def __init__(self, model, tokenizer, template: Template, name: str, template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, model, tokenizer, template: Template, name: str, template_kwargs: dict[str, Any] | None = None,
+                 processor: Any = None):
         self.model, self.tokenizer, self.template, self.name = model, tokenizer, template, name
+        self.processor = processor  # a vision-language model's (images in messages); None: text only
         self.template_kwargs = template_kwargs or {}  # the template variables the model trained with
         self.device = next(model.parameters()).device
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -360,14 +373,28 @@ class ChatEngine:
     def prompt_ids(
         self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = ""
     ) -> list[int]:
-        """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it.
+        """The conversation rendered with the generation prompt (+ `prefill`), tokenised as training tokenised it."""
+        return self.prompt_inputs(messages, tools, prefill)[0]
+
+    def prompt_inputs(
+        self, messages: Sequence[Message], tools: Sequence[dict] | None = None, prefill: str = ""
+    ) -> tuple[list[int], dict[str, Any]]:
+        """(prompt ids, image tensors for the model: {} without images). Image parts (infer/images.py) become
+        the processor's expansion of each image, as data/vision.py encodes training rows.
 
         InferenceError, without tokenising, when the text has more characters than `context_length` tokens can
-        spell (see longest_token_chars)."""
+        spell (see longest_token_chars); when images reach a text-only model, or placeholders and images differ."""
         tok = self.tokenizer
+        messages, refs = split_images(messages)
+        if refs and self.processor is None:
+            raise ImageInputError(f"{self.name} is a text-only model and cannot read images; "
+                                 "send text only, or load a vision-language model")
         prompt = self.template.prompt(
             messages, tools, bos_token=tok.bos_token or "", eos_token=tok.eos_token or "", **self.template_kwargs
         )
+        image_inputs: dict[str, Any] = {}
+        if self.processor is not None and (refs or IMAGE_PLACEHOLDER in prompt):
+            prompt, image_inputs = self._with_images(prompt, refs)
         text = prompt + prefill
         if self.context_length and len(text) > self.longest_token_chars * self.context_length:
             # No token covers more characters than its vocabulary string has, so this many characters are more
@@ -380,7 +407,27 @@ class ChatEngine:
         with self.tokenizer_lock:
             # The prompt alone, then what the answer starts with: the ids training gave this prompt (data/encode.py).
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            return ids + (tok(prefill, add_special_tokens=False)["input_ids"] if prefill else [])
+            return ids + (tok(prefill, add_special_tokens=False)["input_ids"] if prefill else []), image_inputs
+
+    def _with_images(self, prompt: str, refs: list[Any]) -> tuple[str, dict[str, Any]]:
+        """The prompt with each `<image>` replaced by the processor's expansion of its image, and the image tensors."""
+        from tunelab.data.vision import expansions, image_inputs  # noqa: PLC0415  (datasets, only for images)
+
+        pieces = prompt.split(IMAGE_PLACEHOLDER)
+        if len(pieces) - 1 != len(refs):
+            raise ImageInputError(f"the conversation has {len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholders and "
+                                 f"{len(refs)} images; give one image per placeholder")
+        try:
+            images = open_images(refs)
+        except DataError as exc:
+            raise ImageInputError(str(exc)) from None
+        with self.tokenizer_lock:
+            texts = expansions(self.processor, images)
+            tensors = {k: v.to(self.device) for k, v in image_inputs(self.processor, images).items()}
+        prompt = pieces[0] + "".join(text + piece for text, piece in zip(texts, pieces[1:], strict=True))
+        if tensors.get("pixel_values") is not None:
+            tensors["pixel_values"] = tensors["pixel_values"].to(next(self.model.parameters()).dtype)
+        return prompt, tensors
 
     def generate(
         self, messages: Sequence[Message], options: SamplingOptions, tools: Sequence[dict] | None = None,
@@ -391,7 +438,7 @@ class ChatEngine:
         `tools` (OpenAI's function schemas) are rendered by the template; the answer then keeps the tool-call
         opening tokens in its text even when they are special tokens, so that tool_calls.py can find the calls.
         """
-        ids = self.prompt_ids(messages, tools, prefill)
+        ids, image_inputs = self.prompt_inputs(messages, tools, prefill)
         room = self.context_length - len(ids) if self.context_length else None
         if room is not None and room < 1:
             raise InferenceError(
@@ -400,7 +447,8 @@ class ChatEngine:
             )
         max_new = options.max_new_tokens or room or 2048
         keep = self._opening_tokens if tools else {}
-        return Generation(self, ids, options, min(max_new, room) if room else max_new, prefill, keep)
+        return Generation(self, ids, options, min(max_new, room) if room else max_new, prefill, keep,
+                          image_inputs=image_inputs)
 
     def start(self, generations: Sequence[Generation]) -> None:
         """Queue several generations at once: they share batches as far as max_batch_size allows."""

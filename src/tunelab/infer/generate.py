@@ -2,7 +2,8 @@
 
 Prompts are rendered by the same Template that training used (with the generation prompt) and
 generation stops at the template's end-of-turn token(s), so what is measured is what a user serving
-the model sees.
+the model sees. Rows with images (a vision-language model: `vision` = (processor, image settings)) are expanded
+and turned into image tensors by data/vision.py's helpers, exactly as training encodes them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tunelab.data.formats import prompt_and_reference
+from tunelab.data.formats import IMAGE_PLACEHOLDER, prompt_and_reference
 from tunelab.data.templates import Template
 
 
@@ -42,10 +43,11 @@ def stop_token_ids(tokenizer, template: Template) -> list[int]:
 @torch.no_grad()
 def generate_predictions(
     model, tokenizer, template: Template, rows, max_new_tokens: int = 64, batch_size: int = 32,
-    template_vars: dict[str, Any] | None = None,
+    template_vars: dict[str, Any] | None = None, vision: tuple[Any, Any] | None = None,
 ) -> list[Prediction]:
     """Greedy answers for canonical rows (the reference: a ranking row's chosen answer, else the last assistant turn).
-    `template_vars`: the template variables the model trained with (template_kwargs)."""
+    `template_vars`: the template variables the model trained with (template_kwargs); `vision`: a vision-language
+    model's (processor, ImageSettings) (data/vision.py's vision_inputs), None for a text-only model."""
     was_training = model.training
     model.eval()
     stops = stop_token_ids(tokenizer, template)
@@ -56,13 +58,19 @@ def generate_predictions(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     predictions = []
     for start in range(0, len(prompts), batch_size):
-        chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[start : start + batch_size]]
+        texts, image_inputs = prompts[start : start + batch_size], {}
+        if vision is not None:
+            texts, image_inputs = _with_images(texts, [rows[i] for i in range(start, start + len(texts))], vision)
+            dtype = next(model.parameters()).dtype
+            image_inputs = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                            for k, v in image_inputs.items()}
+        chunk = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in texts]
         width = max(len(ids) for ids in chunk)
         # Left padding so every prompt ends where generation begins.
         input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in chunk], device=device)
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in chunk], device=device)
         output = model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, **image_inputs,
             do_sample=False, eos_token_id=stops, pad_token_id=pad_id,
         )
         for row_index, generated in enumerate(output[:, width:].tolist()):
@@ -73,6 +81,24 @@ def generate_predictions(
     if was_training:
         model.train()
     return predictions
+
+
+def _with_images(prompts: list[str], rows: list, vision: tuple[Any, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The prompts with each `<image>` replaced by the processor's expansion of its row's image, and the image
+    tensors of the chunk (its rows' images in order: the order the model meets their image tokens)."""
+    from tunelab.data.vision import expansions, image_inputs, prepare_images  # noqa: PLC0415
+
+    processor, settings = vision
+    texts, images = [], []
+    for prompt, row in zip(prompts, rows, strict=True):
+        row_images = prepare_images(list(row.get("images") or []), settings)
+        pieces = prompt.split(IMAGE_PLACEHOLDER)
+        if len(pieces) - 1 != len(row_images):  # the dataset checks ran on these rows: a broken invariant
+            raise ValueError(f"{len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholders for {len(row_images)} images")
+        expanded = expansions(processor, row_images)
+        texts.append(pieces[0] + "".join(e + piece for e, piece in zip(expanded, pieces[1:], strict=True)))
+        images += row_images
+    return texts, (image_inputs(processor, images) if images else {})
 
 
 def exact_match(predictions: list[Prediction]) -> float:
@@ -88,9 +114,10 @@ def held_out_rows(eval_rows: dict, config):
     return rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
 
 
-def held_out_exact_match(model, tokenizer, template: Template, rows, config) -> float:
+def held_out_exact_match(model, tokenizer, template: Template, rows, config, vision=None) -> float:
     """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
     return exact_match(generate_predictions(
         model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
         batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
+        vision=vision,
     ))

@@ -87,19 +87,26 @@ def eval_rows(config: RunConfig) -> dict:
     """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
     from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
 
-    _, rows = load_canonical_splits(config.data, config.training.seed, report={})
+    from tunelab.model.vision import is_vision_model_folder  # noqa: PLC0415
+
+    images = is_vision_model_folder(config.model.model_name_or_path)  # rows may carry images for such a model
+    _, rows = load_canonical_splits(config.data, config.training.seed, report={}, images=images)
     return rows
 
 
 def predict(model, tokenizer, template: Template, rows_by_name: dict, output_dir: str | Path,
-            max_new_tokens: int, batch_size: int, template_vars: dict[str, Any] | None = None) -> dict[str, float]:
-    """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics."""
+            max_new_tokens: int, batch_size: int, template_vars: dict[str, Any] | None = None,
+            vision: tuple[Any, Any] | None = None) -> dict[str, float]:
+    """Generate for every eval set, write predictions.jsonl and predict_results.json; returns the metrics.
+    `vision`: a vision-language model's (processor, image settings), for rows with images."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
     with (out / PREDICTIONS_FILE).open("w", encoding="utf-8") as handle:
         for name, rows in rows_by_name.items():
-            predictions = generate_predictions(model, tokenizer, template, rows, max_new_tokens, batch_size, template_vars)
+            predictions = generate_predictions(
+                model, tokenizer, template, rows, max_new_tokens, batch_size, template_vars, vision
+            )
             for p in predictions:
                 record = {"dataset": name, "prompt": p.prompt, "reference": p.reference, "prediction": p.prediction}
                 handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -115,7 +122,8 @@ def score(predictions: list[Prediction]) -> dict[str, float]:
 
 def run_predict(config: RunConfig) -> dict[str, float]:
     """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
-    from tunelab.model.load import load_model  # noqa: PLC0415
+    from tunelab.data.vision import vision_inputs  # noqa: PLC0415
+    from tunelab.model.load import load_model, load_processor  # noqa: PLC0415
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
@@ -127,7 +135,7 @@ def run_predict(config: RunConfig) -> dict[str, float]:
     metrics = predict(
         model, tokenizer, template, rows, config.training.output_dir,
         max_new_tokens=config.generation.max_new_tokens, batch_size=config.training.per_device_eval_batch_size,
-        template_vars=template_vars,
+        template_vars=template_vars, vision=vision_inputs(load_processor(config.model), config.model),
     )
     logger.info("predictions: %s", Path(config.training.output_dir) / PREDICTIONS_FILE)
     return metrics

@@ -23,6 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from tunelab.config.args import FinetuningArguments, TrainingArguments
 from tunelab.errors import ConfigError, ModelError
+from tunelab.model import vision
 
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
 LORA_LAYER_TYPES = (nn.Linear, Conv1D)
@@ -50,8 +51,13 @@ def setup_finetuning(
         )
     # No enable_input_require_grads here: transformers' activation_checkpointing_enable (called by Trainer) and
     # peft already make the embeddings' output require grad, which frozen-embedding checkpointing needs.
+    parts = vision.vision_parts(model)
+    vision.check_options(finetuning_args, parts is not None)
+    frozen = vision.frozen_parts(finetuning_args) if parts is not None else set()
     if kind == "full":
         model.requires_grad_(True)
+        if parts is not None:
+            vision.apply_freeze(model, parts, frozen)
         if training_args.fp16:
             _upcast_trainable(model, only=torch.float16)
         return model
@@ -62,6 +68,9 @@ def setup_finetuning(
         if new_token_ids:
             embeddings = {id(p) for layer in _embedding_layers(model).values() for p in layer.parameters()}
             trainable |= {name for name, p in model.named_parameters() if id(p) in embeddings}
+        if parts is not None:  # an unfrozen tower / projector trains whole beside the chosen decoder layers
+            trainable |= {name for name, _ in model.named_parameters()
+                          if parts.part_of(name) in {"tower", "projector"} - frozen}
         for name, param in model.named_parameters():
             param.requires_grad_(name in trainable)
     elif kind == "lora":
@@ -89,7 +98,10 @@ def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The decoder layer stack: the first ModuleList holding config.num_hidden_layers modules."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     count = getattr(config, "num_hidden_layers", None)
+    parts = vision.vision_parts(model)
     for name, module in model.named_modules():
+        if parts is not None and parts.part_of(name) != "language":
+            continue  # a vision tower's layer stack is not the decoder's
         if isinstance(module, nn.ModuleList) and len(module) == count:
             return name, module
     raise ModelError(
@@ -167,7 +179,9 @@ def _segment_names(param_names: Iterable[str]) -> list[str]:
 LORA_TARGET_GROUPS = {"attention": ("attn", "attention"), "mlp": ("mlp", "feed_forward", "ffn")}
 
 
-def lora_target_modules(model: nn.Module, lora_target: list[str]) -> list[str]:
+def lora_target_modules(
+    model: nn.Module, lora_target: list[str], frozen_parts: tuple[vision.VisionParts, set[str]] | None = None
+) -> list[str]:
     """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's
     (a reward model's `score` head trains in full instead, see build_lora_config); 'attention' / 'mlp' = the
     linear layers of the attention / MLP blocks of this model's family (Llama: q_proj, k_proj, v_proj, o_proj /
@@ -177,6 +191,9 @@ def lora_target_modules(model: nn.Module, lora_target: list[str]) -> list[str]:
     if is_reward_model(model):
         head = getattr(model, "score", None) or getattr(model, "classifier", None)
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, LORA_LAYER_TYPES)]
+    if frozen_parts is not None:  # a vision-language model: only the parts that train are candidates
+        parts, frozen = frozen_parts
+        linears = [(name, module) for name, module in linears if parts.part_of(name) not in frozen]
     family = type(model).__name__
     if "all" in lora_target:
         if len(lora_target) > 1:
@@ -231,13 +248,18 @@ def build_lora_config(model: nn.Module, finetuning_args: FinetuningArguments) ->
             raise ConfigError(
                 f"additional_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(tops)}"
             )
+    # A vision-language model: LoRA stays out of the frozen parts (the vision tower by default).
+    parts = vision.vision_parts(model)
+    frozen = (parts, vision.frozen_parts(ft)) if parts is not None else None
+    exclude = vision.lora_excluded_modules(model, *frozen) if frozen is not None else None
     # SEQ_CLS: peft trains and saves the reward head (`score`) in full with the adapter (modules_to_save).
     return LoraConfig(
+        exclude_modules=exclude or None,
         task_type=TaskType.SEQ_CLS if is_reward_model(model) else TaskType.CAUSAL_LM,
         r=ft.lora_rank,
         lora_alpha=ft.lora_alpha if ft.lora_alpha is not None else 2 * ft.lora_rank,
         lora_dropout=ft.lora_dropout,
-        target_modules=lora_target_modules(model, ft.lora_target),
+        target_modules=lora_target_modules(model, ft.lora_target, frozen),
         use_dora=ft.use_dora,
         use_rslora=ft.use_rslora,
         modules_to_save=ft.additional_target,

@@ -9,7 +9,9 @@
 The folder loads with `AutoModelForCausalLM.from_pretrained` alone (no peft, no tunelab). The merge runs
 in float32 so rounding happens once, when casting to export_dtype. A reward model (an adapter with
 task_type SEQ_CLS, or a base whose architecture is *ForSequenceClassification) is loaded and saved as
-AutoModelForSequenceClassification, so its `score` head (saved by PEFT as a module to save) is kept.
+AutoModelForSequenceClassification, so its `score` head (saved by PEFT as a module to save) is kept. A
+vision-language model loads and saves as AutoModelForImageTextToText, with its processor (image processor
+config beside the tokenizer), so AutoProcessor + AutoModelForImageTextToText load the folder alone.
 
 export_quantization (int8-int4, int4-weight, int8-weight; model/qat.py) quantizes the merged model with
 torchao through transformers' TorchAoConfig: the merged weights go to a scratch folder inside export_dir,
@@ -32,13 +34,16 @@ from pathlib import Path
 
 import torch
 import yaml
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification,
+)
 from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.errors import ConfigError, ModelError
-from tunelab.model import hub, qat, zero_checkpoint
+from tunelab.model import hub, qat, vision, zero_checkpoint
 from tunelab.model.adapters import first_line, load_adapter
+from tunelab.model.load import load_processor
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,8 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
     model_args = config.model
     seq_cls = is_sequence_classification(model_args)
     auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
+    if not seq_cls and vision.is_vision_model_folder(model_args.model_name_or_path):
+        auto = AutoModelForImageTextToText
     kwargs: dict = {"dtype": torch.float32, "trust_remote_code": model_args.trust_remote_code}
     if seq_cls:
         kwargs["pad_token_id"] = pad_token_id  # sequence classifiers find each row's last token by it
@@ -140,6 +147,10 @@ def export_model(config: RunConfig) -> Path:
     if model.can_generate():
         tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
     tokenizer.save_pretrained(out)
+    processor = load_processor(config.model)
+    if processor is not None:  # a vision-language model: its image processor beside the tokenizer, as it came
+        processor.tokenizer, processor.chat_template = tokenizer, tokenizer.chat_template
+        processor.save_pretrained(out)
     record = {**resolved_dict(config), "template_kwargs": template_vars or None}
     (out / RUN_RECORD).write_text(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), encoding="utf-8")
     generation_config = getattr(model, "generation_config", None)

@@ -1,5 +1,8 @@
 """Loading a local model folder: the tokenizer, the causal LM (dtype, attention, quantization) and the parameter count.
 
+A vision-language model folder (model/vision.py) loads with AutoModelForImageTextToText, and its processor with
+AutoProcessor (`load_processor`); text-only folders have no processor.
+
 The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's, QAT's (the
 fake-quantized layers, before adapters) qat.py's; a Hub id is already a folder of the Hugging Face cache when it
 gets here (hub.py, at config time), whose weights are fetched just before they load. Every loading failure
@@ -13,12 +16,15 @@ import logging
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification, AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
 from transformers.utils import is_flash_attn_2_available
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ModelError
-from tunelab.model import hub, qat, quantization, sharding
+from tunelab.model import hub, qat, quantization, sharding, vision
 from tunelab.model.adapters import first_line, load_adapter, setup_finetuning
 
 logger = logging.getLogger(__name__)
@@ -52,6 +58,30 @@ def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
                 "add a pad_token to its tokenizer_config.json"
             )
     return tokenizer
+
+
+def load_processor(model_args: ModelArguments):
+    """The folder's own processor (AutoProcessor) of a vision-language model, None for a text-only model. Its
+    tokenizer is set up as load_tokenizer's; the run encodes text with load_tokenizer's and images with this."""
+    path = model_args.model_name_or_path
+    if not vision.is_vision_model_folder(path):
+        return None
+    from transformers import AutoProcessor  # noqa: PLC0415
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    except Exception as exc:  # noqa: BLE001  (missing processor files, a processor class that cannot load here)
+        raise ModelError(
+            f"model_name_or_path: {path} is a vision-language model but its processor cannot load: {first_line(exc)}; "
+            "the folder needs its processor files (processor_config.json / preprocessor_config.json)"
+        ) from exc
+    if not hasattr(processor, "image_processor") or getattr(processor, "image_token", None) is None:
+        raise ModelError(
+            f"model_name_or_path: the processor in {path} ({type(processor).__name__}) has no image processor or image "
+            "token; tunelab trains vision-language models whose processor expands an image token"
+        )
+    processor.tokenizer.padding_side = "right"
+    return processor
 
 
 def resolve_dtype(model_args: ModelArguments, training_args: TrainingArguments) -> torch.dtype:
@@ -89,7 +119,12 @@ def load_model(
     if attn is not None:
         kwargs["attn_implementation"] = attn
     quantization_config = quantization.build_quantization_config(model_args, dtype)
-    if quantization_config is not None:
+    if quantization_config is not None and not reward_head and vision.is_vision_model_folder(path):
+        # QLoRA on a vision-language model quantizes the language model only (as LlamaFactory does): the tower
+        # and projector stay in full precision, and so does the output head (bitsandbytes' default skip).
+        # (transformers matches these from the start of a module's name, or as regular expressions)
+        parts = [f".*{name}" for name in (*vision.TOWER_NAMES, *vision.PROJECTOR_NAMES)]
+        quantization_config.llm_int8_skip_modules = [*parts, "lm_head"]
         kwargs["quantization_config"] = quantization_config
 
     sharded = sharding.load_kwargs(training_args) if is_trainable else {}  # fsdp on CPU: FSDP2 shards while loading
@@ -99,6 +134,8 @@ def load_model(
         if reward_head:
             kwargs.update(num_labels=1, pad_token_id=tokenizer.pad_token_id)  # the reward is read at the last non-pad token
         auto_class = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
+        if not reward_head and vision.is_vision_model_folder(path):
+            auto_class = AutoModelForImageTextToText
         model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
@@ -133,11 +170,17 @@ def load_model(
         return model.eval()
 
     model.config.use_cache = False  # the KV cache only serves generation; training would just hold it in memory
+    # A vision-language model's language model reads its own (text) config: with its cache on, packed and
+    # padding-free samples would attend to each other (data/packing.py).
+    model.config.get_text_config().use_cache = False
     quantization.keep_4bit_trainable_on_cpu(model)
     if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
         group_size = finetuning_args.qat_group_size or qat.DEFAULT_GROUP_SIZE
         qat.prepare_qat(model, finetuning_args.qat, group_size, enabled=finetuning_args.qat_start_step == 0)
     model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
+    parts = vision.vision_parts(model)
+    if parts is not None:
+        vision.log_parts(model, parts)
     if snapshot is not None:
         for peft_config in (getattr(model, "peft_config", None) or {}).values():
             peft_config.revision = snapshot.commit

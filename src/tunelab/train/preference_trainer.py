@@ -45,6 +45,9 @@ KTO_REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")
 # (data/collate.py's packed keys); labels, sequence_ids and per-pair columns stay with the loss.
 MODEL_INPUTS = (
     "input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    # vision-language models (data/vision.py's VisionCollator): the pairs' images
+    "pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids",
+    "image_attention_mask",
 )
 
 

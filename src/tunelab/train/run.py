@@ -8,6 +8,8 @@ import logging
 import transformers
 
 from tunelab.config.args import RunConfig
+from tunelab.errors import ConfigError
+from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
@@ -53,6 +55,11 @@ def run(config: RunConfig) -> dict:
         outputs.write_run_start(config)
     launch.start_deepspeed_comm(config.training)
     stage = config.finetuning.stage
+    if stage not in ("sft", "dpo") and is_vision_model_folder(config.model.model_name_or_path):
+        raise ConfigError(
+            f"stage: {stage} is not supported for vision-language models yet (model_name_or_path "
+            f"{config.model.model_name_or_path} is one); train it with stage: sft or dpo"
+        )
     if stage == "sft":
         from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunelab.assets import EMBEDDED_MODELS
 from tunelab.errors import ConfigError
 
 # Keys whose values are local paths that a run reads or writes.
@@ -58,7 +59,7 @@ class Roots:
             if value is None or str(value).strip() == "" or isinstance(value, bool):
                 continue
             text = str(value).strip()
-            if key == "model_name_or_path" and text == "tiny":
+            if key == "model_name_or_path" and text in EMBEDDED_MODELS:
                 continue
             if key == "resume_from_checkpoint" and text.lower() in ("true", "false", "1", "0", "yes", "no"):
                 continue

@@ -16,7 +16,8 @@ from tunelab.data.pairwise import pair_sides, preference_bundle
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.data.vision import save_processor_files, token_type_key, vision_collator, vision_inputs
+from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import (
@@ -36,7 +37,9 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     args, ft = config.training, config.finetuning
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
-    data = preference_bundle(config.data, tokenizer, template, stage, args.seed, args.local_process_index == 0)
+    vision = vision_inputs(load_processor(config.model), config.model)  # dpo on image pairs (data/vision.py)
+    data = preference_bundle(config.data, tokenizer, template, stage, args.seed, args.local_process_index == 0,
+                             vision=vision)
     outputs.write_json(args.output_dir, "data_report.json", data.report)
 
     model = load_model(config.model, ft, args, tokenizer, is_trainable=True)
@@ -45,6 +48,10 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     collator = build_paired_collator(
         model, tokenizer.pad_token_id, *pair_sides(stage), padding_free=config.data.padding_free,
     )
+    if vision is not None:
+        if collator.padding_free is not None and token_type_key(model, vision[0]) is not None:
+            collator.padding_free = None  # images attending both ways: padded (vision_collator's reason)
+        collator = vision_collator(collator, model, vision)
 
     # LoRA: the reference is the policy with its adapter disabled; full / freeze: a frozen copy, except
     # when precomputing, where the policy before training is the reference.
@@ -83,6 +90,8 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
 
     metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
     outputs.save_model(trainer, tokenizer, template, config)
+    if vision is not None and trainer.is_world_process_zero():
+        save_processor_files(vision[0], args.output_dir)
 
     if held_out is not None:
         after = trainer.evaluate(held_out, metric_key_prefix="after")

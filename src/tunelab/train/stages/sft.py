@@ -17,7 +17,9 @@ from tunelab.data.streaming import build_streaming_supervised
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.data.vision import save_processor_files, vision_collator, vision_fingerprint, vision_inputs
+from tunelab.errors import ConfigError
+from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.generation_metrics import GenerationMetricsCallback
@@ -30,12 +32,16 @@ def run_sft(config: RunConfig) -> dict:
     args = config.training
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
+    processor = load_processor(config.model)  # vision-language models only (data/vision.py)
+    vision = vision_inputs(processor, config.model)
     if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
+        if processor is not None:
+            raise ConfigError("streaming: not supported for vision-language models yet; set streaming: false")
         data = build_streaming_supervised(config.data, tokenizer, template, args)
     else:
         data = cached_bundle(
-            config.data, tokenizer, template.jinja, "sft", args.seed,
-            build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
+            config.data, tokenizer, template.jinja + vision_fingerprint(vision), "sft", args.seed,
+            build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed, vision=vision),
             is_main_process=args.local_process_index == 0,
         )
     outputs.write_json(args.output_dir, "data_report.json", data.report)
@@ -45,6 +51,8 @@ def run_sft(config: RunConfig) -> dict:
     logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
 
     collator = build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free)
+    if vision is not None:
+        collator = vision_collator(collator, model, vision, config.data.padding_free)
     evals = data.eval or None
     if evals and len(evals) == 1:
         evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
@@ -61,16 +69,22 @@ def run_sft(config: RunConfig) -> dict:
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
     generation_rows = held_out_rows(data.eval_rows, config)
     if generation_rows is not None:
-        metrics["exact_match_before"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_before"] = held_out_exact_match(
+            trainer.model, tokenizer, template, generation_rows, config, vision
+        )
 
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     metrics.update(result.metrics)
     outputs.save_model(trainer, tokenizer, template, config)
+    if processor is not None and trainer.is_world_process_zero():
+        save_processor_files(processor, args.output_dir)
 
     if data.eval:
         metrics.update(_final_eval_metrics(trainer))
     if generation_rows is not None:
-        metrics["exact_match_after"] = held_out_exact_match(trainer.model, tokenizer, template, generation_rows, config)
+        metrics["exact_match_after"] = held_out_exact_match(
+            trainer.model, tokenizer, template, generation_rows, config, vision
+        )
         logger.info(
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
@@ -79,7 +93,7 @@ def run_sft(config: RunConfig) -> dict:
         metrics.update(predict(
             trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
             max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
-            template_vars=config.data.template_kwargs,
+            template_vars=config.data.template_kwargs, vision=vision,
         ))
     outputs.finish(trainer, metrics, config)
     return metrics
