@@ -42,8 +42,8 @@ class ImageSource:
 def _pil():
     try:
         from PIL import Image
-    except ImportError as exc:  # Pillow is a dependency of the vision extra
-        raise DataError("images need Pillow: pip install 'tunelab[vision]'") from exc
+    except ImportError as exc:  # a declared dependency (matplotlib needs it too): only a broken install lacks it
+        raise DataError("images need Pillow: pip install Pillow") from exc
     return Image
 
 
