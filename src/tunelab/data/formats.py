@@ -465,10 +465,9 @@ class _Converter:
             elif kind in ("image", "image_url"):
                 if not self.images:
                     raise DataError(text_only_refusal(self.spec, " has image content parts", "remove them"))
-                ref = part.get("image", part.get("url")) if kind == "image" else part.get("image_url")
-                if isinstance(ref, dict):
-                    ref = ref.get("url", ref)
-                self._part_images.append(ref)
+                from tunelab.data.images import part_image  # noqa: PLC0415 - as above: vision runs only
+
+                self._part_images.append(part_image(part))
                 texts.append(IMAGE_PLACEHOLDER)
             else:
                 raise RowError(f"{where}: content part type '{kind}' is not text, image or image_url; remove it",

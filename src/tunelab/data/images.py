@@ -47,6 +47,16 @@ def _pil():
     return Image
 
 
+def part_image(part: dict) -> Any:
+    """The image reference of an image content part, None when it holds none: {"type": "image", "image" | "path" |
+    "url": REF} (processors' chat form) or {"type": "image_url", "image_url": {"url": REF} | REF} (OpenAI's).
+    Training rows (data/formats.py) and inference requests (infer/images.py) both read parts through this."""
+    if part.get("type") == "image_url":
+        ref = part.get("image_url")
+        return ref.get("url") if isinstance(ref, dict) else ref
+    return next((part[key] for key in ("image", "path", "url") if part.get(key) is not None), None)
+
+
 def describe_ref(ref: Any) -> str:
     """A short, printable name for an image reference (never the whole base64 payload or bytes)."""
     if isinstance(ref, str):

@@ -11,7 +11,7 @@ per row, through its public call (`return_text_replacement_offsets`), and never 
     2. the row's <image> placeholders become E, in order, and the text encoder (data/encode.py) encodes the
        conversation as any other: per segment, the template deciding what trains. E sits in a user turn, so
        image tokens are never supervised (and their ids are masked again here, to be sure).
-    3. the example keeps its images (the storage dicts of the canonical row); the collator (data/vision_collate.py)
+    3. the example keeps its images (the storage dicts of the canonical row); the collator (VisionCollator below)
        runs the processor's image processor on them again at batch time. Same image, same processor: the same
        tensors the expansion was computed for.
 

@@ -15,17 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tunelab.data.formats import IMAGE_PLACEHOLDER
+from tunelab.data.images import part_image
 from tunelab.errors import ImageInputError
 
-IMAGE_KEYS = ("image", "path", "url")
-
-
 def _image_ref(part: dict, where: str) -> Any:
-    if part.get("type") == "image_url":
-        ref = part.get("image_url")
-        ref = ref.get("url") if isinstance(ref, dict) else ref
-    else:
-        ref = next((part[key] for key in IMAGE_KEYS if part.get(key) is not None), None)
+    ref = part_image(part)
     if ref is None or ref == "":
         raise ImageInputError(f"{where}: an image part without its image; give image_url.url (a data URI or a path)")
     return ref
