@@ -1,9 +1,9 @@
 """The tokenized-dataset cache: same inputs ⇒ reuse, any change ⇒ rebuild.
 
 A run's datasets are keyed by a fingerprint of everything that can change them: the data files
-(path, size, mtime), the registry entries (and a generator's source code), the tokenizer (its serialized vocabulary, merges and
-special tokens), the chat template source, the stage, every data option that shapes examples, the
-seed (splits, interleaving) and the cache format version. The first launch builds and saves the
+(path, size, mtime), the registry entries (and a generator's source code), the tokenizer (its
+serialized vocabulary, merges and special tokens), the chat template source, the stage, every data
+option that shapes examples, the seed (splits, interleaving) and the cache format version. The first launch builds and saves the
 datasets as Arrow files under `<cache_dir>/<fingerprint>/`; the next launch with the same inputs
 memory-maps them and starts training without tokenising again.
 
