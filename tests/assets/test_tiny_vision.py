@@ -64,5 +64,5 @@ def _digests(folder: Path) -> dict[str, str]:
 def test_recipe_rebuilds_the_committed_files_byte_for_byte(tmp_path):
     out = tmp_path / "tiny-llava"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "build_vision_asset.py"), "--out", str(out)],
-                   check=True, capture_output=True, timeout=300)
+                   check=True, capture_output=True, timeout=1200)  # 304-813 s measured on the loaded machine
     assert _digests(out) == _digests(TINY_VISION_DIR)

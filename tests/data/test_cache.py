@@ -123,3 +123,17 @@ def test_other_processes_wait_for_the_main_one(tmp_path, tiny_tokenizer):
     load_or_build(inputs, slow_build, cache)
     thread.join(timeout=10)
     assert seen == {"value": [[7]], "hit": True}
+
+
+def test_generator_datasets_are_keyed_by_the_generators_source(tiny_tokenizer, user_data):
+    """A generator's rows come from its code: editing synthetic.py must not reuse rows tokenized before the edit."""
+    import hashlib  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from tunelab.data import synthetic  # noqa: PLC0415
+
+    inputs = inputs_for(tiny_tokenizer, DataArguments(dataset=["demo_shapes"], cutoff_len=64))
+    source = hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()
+    assert inputs["sources"]["demo_shapes"]["generator_source"] == source
+    file_backed = inputs_for(tiny_tokenizer, DataArguments(dataset=["mine"], dataset_dir=str(user_data), cutoff_len=64))
+    assert "generator_source" not in file_backed["sources"]["mine"]

@@ -205,26 +205,37 @@ def _read_scene(png: bytes) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize("split", synthetic.SPLITS)
 def test_shapes_answers_match_what_the_image_shows(split: str) -> None:
     rows = synthetic.generate("shapes", split, 300, seed=2)
-    kinds = "|".join(synthetic.SHAPE_KINDS)
+    cells = "|".join(synthetic.SHAPE_CELL_NAMES)
     for row in rows:
         assert set(row) == {"instruction", "input", "output", "images"} and row["input"] == ""
         assert len(row["images"]) == 1 and row["images"][0]["path"] is None
         scene = _read_scene(row["images"][0]["bytes"])
         question = row["instruction"].removeprefix("<image>")
-        count = re.fullmatch(rf"How many ({kinds})s are there\?", question)
-        colour = re.fullmatch(rf"What colour is the ({kinds})\?", question)
-        if count:
-            assert row["output"] == str(sum(kind == count.group(1) for _, kind, _ in scene))
+        colour = re.fullmatch(rf"What colour is the shape in the ({cells})\?", question)
+        if colour:
+            cell = synthetic.SHAPE_CELL_NAMES.index(colour.group(1))
+            assert [c for at, _, c in scene if at == cell] == [row["output"]]
         else:
-            assert colour, question
-            assert [c for _, kind, c in scene if kind == colour.group(1)] == [row["output"]]
-    # Every kind of question and every answer occurs.
-    outputs = {row["output"] for row in rows}
-    assert {"0", "1", "2", "3", *synthetic.SHAPE_COLOURS} <= outputs
-    assert {row["instruction"] for row in rows} == {
-        f"<image>{q}" for kind in synthetic.SHAPE_KINDS
-        for q in (f"How many {kind}s are there?", f"What colour is the {kind}?")
+            assert question == "How many shapes are there?"
+            assert row["output"] == str(len(scene))
+    # Every question occurs, and every answer of a question equally often (the no-look guess stays near 25%).
+    assert {row["instruction"] for row in rows} == {"<image>How many shapes are there?"} | {
+        f"<image>What colour is the shape in the {cell}?" for cell in synthetic.SHAPE_CELL_NAMES
     }
+
+
+def test_shapes_answers_are_balanced() -> None:
+    import collections  # noqa: PLC0415
+
+    rows = synthetic.generate("shapes", "train", 4000)
+    counts = collections.Counter(r["output"] for r in rows if r["instruction"] == "<image>How many shapes are there?")
+    colours = collections.Counter(r["output"] for r in rows if "colour" in r["instruction"])
+    assert sorted(counts) == ["1", "2", "3", "4"] and sorted(colours) == sorted(synthetic.SHAPE_COLOURS)
+    # Answer shares within 4 points of a quarter; the most common answer per question is then a near-blind guess.
+    for counter in (counts, colours):
+        total = sum(counter.values())
+        assert all(abs(n / total - 0.25) < 0.04 for n in counter.values()), counter
+    assert 0.45 < sum(counts.values()) / len(rows) < 0.55
 
 
 def test_shapes_test_images_never_appear_in_train_whatever_the_seeds() -> None:
@@ -249,11 +260,13 @@ def test_shapes_split_follows_the_scene_key() -> None:
     assert synthetic.shapes_scene_key(()) == "empty|empty|empty|empty"
     scene = (synthetic.Shape(0, "circle", "red"), synthetic.Shape(3, "triangle", "blue"))
     assert synthetic.shapes_scene_key(scene) == "red circle|empty|empty|blue triangle"
-    assert synthetic.shapes_answer(scene, "How many circles are there?") == "1"
-    assert synthetic.shapes_answer(scene, "How many squares are there?") == "0"
-    assert synthetic.shapes_answer(scene, "What colour is the triangle?") == "blue"
-    with pytest.raises(ValueError, match="needs exactly one square in the scene, got 0"):
-        synthetic.shapes_answer(scene, "What colour is the square?")
+    assert synthetic.shapes_answer(scene, "How many shapes are there?") == "2"
+    assert synthetic.shapes_answer(scene, "What colour is the shape in the top left?") == "red"
+    assert synthetic.shapes_answer(scene, "What colour is the shape in the bottom right?") == "blue"
+    with pytest.raises(ValueError, match="needs a shape in the top right cell, got none"):
+        synthetic.shapes_answer(scene, "What colour is the shape in the top right?")
+    with pytest.raises(ValueError, match="not a shapes question: 'How many circles are there\\?'"):
+        synthetic.shapes_answer(scene, "How many circles are there?")
 
 
 def test_pinned_shapes_rows_do_not_drift() -> None:
@@ -264,8 +277,8 @@ def test_pinned_shapes_rows_do_not_drift() -> None:
 
     rows = synthetic.generate("shapes", "test", 2)
     assert [(r["instruction"], r["output"]) for r in rows] == [
-        ("<image>How many circles are there?", "0"), ("<image>How many triangles are there?", "0")
+        ("<image>How many shapes are there?", "3"), ("<image>What colour is the shape in the bottom left?", "green")
     ]
     # Pixels, not PNG bytes: the compressed bytes may differ with the zlib build.
     pixels = [hashlib.sha256(Image.open(io.BytesIO(r["images"][0]["bytes"])).tobytes()).hexdigest()[:16] for r in rows]
-    assert pixels == ["e07e237d1b76ee59", "9d2f08fd7d11f063"]
+    assert pixels == ["245924b72bd8ad23", "4f7dadaeb8766285"]

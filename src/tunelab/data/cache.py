@@ -1,9 +1,9 @@
 """The tokenized-dataset cache: same inputs ⇒ reuse, any change ⇒ rebuild.
 
 A run's datasets are keyed by a fingerprint of everything that can change them: the data files
-(path, size, mtime), the registry entries, the tokenizer (its serialized vocabulary, merges and
-special tokens), the chat template source, the stage, every data option that shapes examples, the
-seed (splits, interleaving) and the cache format version. The first launch builds and saves the
+(path, size, mtime), the registry entries (and a generator's source code), the tokenizer (its
+serialized vocabulary, merges and special tokens), the chat template source, the stage, every data
+option that shapes examples, the seed (splits, interleaving) and the cache format version. The first launch builds and saves the
 datasets as Arrow files under `<cache_dir>/<fingerprint>/`; the next launch with the same inputs
 memory-maps them and starts training without tokenising again.
 
@@ -69,6 +69,13 @@ def files_fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
+def generator_fingerprint(spec) -> str:
+    """sha256 of the source file of the module that generates a generator dataset's rows."""
+    from tunelab.data.registry import _generator_module  # noqa: PLC0415
+
+    return hashlib.sha256(Path(_generator_module(spec).__file__).read_bytes()).hexdigest()
+
+
 def fingerprint(inputs: dict[str, Any]) -> str:
     from tunelab import __version__  # noqa: PLC0415
 
@@ -91,6 +98,8 @@ def dataset_inputs(data_args, tokenizer, template_source: str | None, stage: str
         entry = {k: v for k, v in dataclasses.asdict(spec).items() if k != "root"}
         if spec.file_name:
             entry["files"] = files_fingerprint(resolve_files(spec))
+        if spec.generator:  # the rows are the generator code's: a change to it must not reuse old rows
+            entry["generator_source"] = generator_fingerprint(spec)
         sources[name] = entry
     return {
         "stage": stage,
