@@ -150,20 +150,24 @@ def pretrain(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: 
     model.eval()
 
 
-def _sort_json(path: Path) -> None:
+def sort_json(path: Path) -> None:
     # Rewrite with sorted keys so field order never depends on dict insertion history.
     data = json.loads(path.read_text(encoding="utf-8"))
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
-    # Start from an empty folder so no stale file (say an old chat template) survives a rebuild;
-    # only plain files are removed, so a mistyped --out cannot wipe a tree.
+def empty_folder(out_dir: Path) -> None:
+    """Start from an empty folder so no stale file (say an old chat template) survives a rebuild; only plain files
+    are removed, so a mistyped --out cannot wipe a tree."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if any(p.is_dir() for p in out_dir.iterdir()):
         raise SystemExit(f"{out_dir} holds folders; pass --out an asset folder or a new path")
     for path in out_dir.iterdir():
         path.unlink()
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
+    empty_folder(out_dir)
     tokenizer.save_pretrained(out_dir)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -173,7 +177,7 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: P
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
         if (out_dir / name).is_file():
-            _sort_json(out_dir / name)
+            sort_json(out_dir / name)
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors files arrive 0600; installed package data must be readable
 

@@ -46,6 +46,8 @@ from transformers import (
 )
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
+from build_assets import empty_folder, sort_json  # scripts/, beside this file
+
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.data import synthetic
 
@@ -205,17 +207,8 @@ def pretrain_captions(model: LlavaForConditionalGeneration, processor: LlavaProc
     model.eval()
 
 
-def _sort_json(path: Path) -> None:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
 def save(model: LlavaForConditionalGeneration, processor: LlavaProcessor, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if any(p.is_dir() for p in out_dir.iterdir()):
-        raise SystemExit(f"{out_dir} holds folders; pass --out an asset folder or a new path")
-    for path in out_dir.iterdir():
-        path.unlink()
+    empty_folder(out_dir)
     tokenizer = processor.tokenizer
     processor.save_pretrained(out_dir)
     model.generation_config = GenerationConfig(
@@ -232,7 +225,7 @@ def save(model: LlavaForConditionalGeneration, processor: LlavaProcessor, out_di
     config_path.write_text(json.dumps(config), encoding="utf-8")
     for path in sorted(out_dir.glob("*.json")):
         if path.name != "tokenizer.json":
-            _sort_json(path)
+            sort_json(path)
     for path in out_dir.iterdir():
         path.chmod(0o644)
 
