@@ -119,12 +119,13 @@ def load_model(
     if attn is not None:
         kwargs["attn_implementation"] = attn
     quantization_config = quantization.build_quantization_config(model_args, dtype)
-    if quantization_config is not None and not reward_head and vision.is_vision_model_folder(path):
-        # QLoRA on a vision-language model quantizes the language model only (as LlamaFactory does): the tower
-        # and projector stay in full precision, and so does the output head (bitsandbytes' default skip).
-        # (transformers matches these from the start of a module's name, or as regular expressions)
-        parts = [f".*{name}" for name in (*vision.TOWER_NAMES, *vision.PROJECTOR_NAMES)]
-        quantization_config.llm_int8_skip_modules = [*parts, "lm_head"]
+    if quantization_config is not None:
+        if not reward_head and vision.is_vision_model_folder(path):
+            # QLoRA on a vision-language model quantizes the language model only (as LlamaFactory does): the tower
+            # and projector stay in full precision, and so does the output head (bitsandbytes' default skip).
+            # (transformers matches these from the start of a module's name, or as regular expressions)
+            parts = [f".*{name}" for name in (*vision.TOWER_NAMES, *vision.PROJECTOR_NAMES)]
+            quantization_config.llm_int8_skip_modules = [*parts, "lm_head"]
         kwargs["quantization_config"] = quantization_config
 
     sharded = sharding.load_kwargs(training_args) if is_trainable else {}  # fsdp on CPU: FSDP2 shards while loading
