@@ -46,7 +46,7 @@ from transformers import (
 )
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from build_assets import empty_folder, sort_json  # scripts/, beside this file
+from build_assets import EMBED_STD, MODEL_SHAPE, empty_folder, sort_json  # scripts/, beside this file
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.data import synthetic
@@ -70,15 +70,7 @@ VISION_SHAPE = dict(
     num_channels=3,
     vision_use_head=False,  # LLaVA takes the patch features; the pooling head would be dead weight
 )
-TEXT_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=512,
-)
-EMBED_STD = TEXT_SHAPE["hidden_size"] ** -0.5
+TEXT_SHAPE = MODEL_SHAPE  # the language model has tiny-llama's shape (and its embedding scale, EMBED_STD)
 PRETRAIN = dict(steps=300, batch_size=32, lr=2e-3, warmup=15)
 CELL_NAMES = ("top left", "top right", "bottom left", "bottom right")
 
