@@ -160,7 +160,7 @@ class TunelabTrainer(transformers.Trainer):
         if self.train_start_time is None:
             self.train_start_time = time.time()
         self._count_tokens(inputs)
-        loss = super().training_step(model, self._with_kept_positions(model, inputs), num_items_in_batch)
+        loss = super().training_step(model, self._with_kept_logits(model, inputs), num_items_in_batch)
         self.nonfinite.observe_loss(loss)
         return loss
 
@@ -235,26 +235,19 @@ class TunelabTrainer(transformers.Trainer):
             self._eval_token_stats += token_stats(logits.detach(), labels, self._with_token_accuracy)
         return (loss, outputs) if return_outputs else loss
 
-    def _with_kept_positions(self, model, inputs: dict) -> dict:
-        """A one-row batch (padding-free, or packed into one row) still on the host gets `logits_to_keep` as a 1-D index of positions,
-        counted here on the CPU: selecting with a bool mask would make a GPU report the count back every
-        micro-batch (losses.py's docstring). Batches of several rows keep the bool mask (_with_kept_logits)."""
-        labels = inputs.get("labels")
-        if (not isinstance(self.compute_loss_func, CausalLMLoss) or not torch.is_tensor(labels) or labels.dim() != 2
-                or labels.shape[0] != 1 or labels.device.type != "cpu" or "logits_to_keep" in inputs):
-            return inputs
-        if not self._keeps_logits(model):
-            return inputs
-        return {**inputs, "logits_to_keep": next_token_positions(labels)}
-
     def _with_kept_logits(self, model, inputs: dict) -> dict:
         """The batch with `logits_to_keep`: only positions whose next label is supervised get logits, when our
-        causal-LM loss reads them and the model's forward takes the argument (losses.py's docstring)."""
+        causal-LM loss reads them and the model's forward takes the argument (losses.py's docstring). Called
+        before the batch moves to the device (training_step) and again after (compute_loss, which evaluation
+        reaches directly). A one-row batch still on the host gets a 1-D index of positions, counted there: a
+        bool mask would make a GPU report the count back every micro-batch. Other batches get the bool mask."""
         labels = inputs.get("labels")
         if not isinstance(self.compute_loss_func, CausalLMLoss) or labels is None or "logits_to_keep" in inputs:
             return inputs
         if not self._keeps_logits(model):
             return inputs
+        if labels.dim() == 2 and labels.shape[0] == 1 and labels.device.type == "cpu":
+            return {**inputs, "logits_to_keep": next_token_positions(labels)}
         return {**inputs, "logits_to_keep": next_token_mask(labels)}
 
     def _keeps_logits(self, model) -> bool:
