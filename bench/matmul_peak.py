@@ -5,10 +5,15 @@ and divides each run's 6·N·tokens/s by it (MFU). Square matmuls of a size larg
 compute-bound; the best of several timed repeats after a warm-up.
 
     python bench/matmul_peak.py            # prints JSON {"threads", "fp32_gflops", "bf16_gflops"}
+    python bench/matmul_peak.py --dtypes fp32
+
+Where bf16 is emulated (CPUs without avx512_bf16 / AMX) one 2048² bf16 matmul takes minutes: bench/run.py
+measures only the dtype it trains in.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -21,9 +26,16 @@ def peak_gflops(dtype: torch.dtype) -> float:
     return matmul_gflops(dtype, size=2048, budget_s=3.0, max_repeats=5)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def main() -> None:
-    result = {"threads": torch.get_num_threads(), "fp32_gflops": peak_gflops(torch.float32),
-              "bf16_gflops": peak_gflops(torch.bfloat16)}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma separated: fp32, bf16")
+    args = parser.parse_args()
+    result = {"threads": torch.get_num_threads()}
+    for name in args.dtypes.split(","):
+        result[f"{name}_gflops"] = peak_gflops(DTYPES[name])
     print(json.dumps(result))
 
 

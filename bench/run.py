@@ -500,14 +500,15 @@ def main() -> None:
            "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": "0"}
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    peak = json.loads(subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "matmul_peak.py")], env=env, check=True,
+    dtype = "bf16" if args.bf16 else "fp32"
+    peak = json.loads(subprocess.run([str(TUNELAB_PYTHON), str(BENCH / "matmul_peak.py"), "--dtypes", dtype], env=env, check=True,
                                      capture_output=True, text=True).stdout)
     peak_key = "bf16_gflops" if args.bf16 else "fp32_gflops"
     if args.peak_tflops:
         peak_key, peak["nominal_gflops"] = "nominal_gflops", args.peak_tflops * 1000
     params = flop_params(model_dir(settings))
-    print(f"matmul peak ({peak['threads']} threads): fp32 {peak['fp32_gflops']:.1f} GFLOP/s, "
-          f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s; MFU against {peak[peak_key]:,.0f} GFLOP/s; model: "
+    print(f"matmul peak ({peak['threads']} threads): {dtype} {peak[f'{dtype}_gflops']:.1f} GFLOP/s; "
+          f"MFU against {peak[peak_key]:,.0f} GFLOP/s; model: "
           f"{non_embedding_params(model_dir(settings)):,} non-embedding parameters, N = {params:,} with the "
           "output layer", flush=True)
 

@@ -39,7 +39,11 @@ def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
     assert torchao.logger.name == "torchao"
     assert "is an Enum subclass and is now natively supported" in inspect.getsource(pytree)
     assert pytree.log.name == "torch.utils._pytree"
-    before = (list(torchao.logger.filters), list(pytree.log.filters))
+    import torchao.kernel.intmm as intmm  # noqa: PLC0415
+
+    assert "Detected no triton, on systems without Triton certain kernels will not work" in inspect.getsource(intmm)
+    assert intmm.logger.name == "torchao.kernel.intmm"
+    before = (list(torchao.logger.filters), list(pytree.log.filters), list(intmm.logger.filters))
     try:
         quiet_optional_kernel_notes()
         quiet_optional_kernel_notes()  # every command calls it; each filter is added once
@@ -51,8 +55,11 @@ def test_torchao_kernel_notes_are_dropped_and_its_other_warnings_kept() -> None:
         enum_note = "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by torch.compile"
         assert not pytree.log.filter(_warning(pytree.log, enum_note))
         assert pytree.log.filter(_warning(pytree.log, "some other pytree warning"))
+        triton = "Warning: Detected no triton, on systems without Triton certain kernels will not work"
+        assert not intmm.logger.filter(_warning(intmm.logger, triton))
+        assert intmm.logger.filter(_warning(intmm.logger, "some other intmm warning"))
     finally:
-        torchao.logger.filters[:], pytree.log.filters[:] = before
+        torchao.logger.filters[:], pytree.log.filters[:], intmm.logger.filters[:] = before
 
 
 def test_deepspeed_cpu_accelerator_note_is_dropped_and_its_other_warnings_kept() -> None:
@@ -77,18 +84,31 @@ def test_deepspeed_cpu_accelerator_note_is_dropped_and_its_other_warnings_kept()
         logger.filters[:] = before
 
 
-@pytest.mark.parametrize("argv", [["template", "list"], ["template", "show", "chatml"], ["--help"], ["data", "--help"], ["env"]])
-def test_light_commands_import_no_training_stack(argv: list[str]) -> None:
+QUICK_DATA = ["examples/quickstart.yaml", "max_samples=64"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["template", "list"], ["template", "show", "chatml"], ["--help"], ["data", "--help"], ["env"],
+    # `tunelab data` reads the whole config, training options included (config/training_values.py)
+    ["data", "stats", *QUICK_DATA, "output_dir=OUT"], ["data", "verify", *QUICK_DATA], ["data", "coverage", *QUICK_DATA],
+    ["data", "stats", "examples/pretrain.yaml", "max_samples=64", "output_dir=OUT"],
+    ["data", "verify", "examples/dpo.yaml", "max_samples=64", "model_name_or_path=tiny"],
+], ids=lambda argv: " ".join(argv[:2]) + (f" {argv[2].split('/')[-1]}" if len(argv) > 2 else ""))
+def test_light_commands_import_no_training_stack(argv: list[str], tmp_path) -> None:
     # train's --help lists every TrainingArguments option; building that text imports transformers' training
     # arguments, and through them peft and bitsandbytes: only `train --help` pays for it.
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
 
+    repo = Path(__file__).resolve().parents[1]
+    argv = [str(repo / a) if a.startswith("examples/") else a.replace("OUT", str(tmp_path)) for a in argv]
     code = (
         "import sys\nfrom tunelab.cli import main\n"
-        f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
-        "print(sorted(m for m in ('peft', 'bitsandbytes', 'transformers.trainer', 'transformers.training_args') "
+        f"try:\n    code = main({argv!r})\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print(code, sorted(m for m in ('peft', 'bitsandbytes', 'transformers.trainer', 'transformers.training_args') "
         "if m in sys.modules), file=sys.stderr)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert result.stderr.strip().splitlines()[-1] == "[]"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                            cwd=tmp_path)
+    assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr[-2000:]

@@ -43,13 +43,14 @@ def _options_help() -> str:
     """Every option with its default (tunelab's where it changes transformers') and, for choices, the values."""
     import typing  # noqa: PLC0415
 
-    from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments  # noqa: PLC0415
+    from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments, TrainingOptions  # noqa: PLC0415
     from tunelab.config.loader import ALIASES, PRECISION_KEYS  # noqa: PLC0415
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
     for group in ARGUMENT_GROUPS:
         hints = typing.get_type_hints(group)
-        theirs = {f.name for f in dataclasses.fields(group.__mro__[1])} if group is TrainingArguments else set()
+        ours = {f.name for f in dataclasses.fields(TrainingOptions)}
+        theirs = {f.name for f in dataclasses.fields(group)} - ours if group is TrainingArguments else set()
         lines.append(f"\n  {group.__name__}:")
         if group is TrainingArguments:
             lines.append("    transformers.TrainingArguments (first sentence of its help; defaults tunelab changes are "
@@ -79,7 +80,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
     launch.check_node_shares()  # a torchrun worker whose nodes brought unequal shares: stop before the heavy imports
     from tunelab.config.loader import load_config  # noqa: PLC0415
-    from tunelab.train.run import run, setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
+    from tunelab.train.run import run  # noqa: PLC0415
     from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
 
@@ -168,7 +170,7 @@ def _cmd_data(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.data import inspect as data_inspect  # noqa: PLC0415
     from tunelab.errors import ConfigError  # noqa: PLC0415
-    from tunelab.train.run import setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
     out, overrides = _take_option(overrides, "--out")
@@ -251,7 +253,7 @@ def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]
 def _cmd_eval(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.infer.predict import PREDICTIONS_FILE, run_predict  # noqa: PLC0415
-    from tunelab.train.run import setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
     config = load_config(path, overrides, purpose="eval")
@@ -266,7 +268,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 def _cmd_export(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.model.export import export_model  # noqa: PLC0415
-    from tunelab.train.run import setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
     config = load_config(path, overrides, purpose="export")
@@ -278,7 +280,7 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 def _cmd_estimate(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.train.estimate import estimate, format_estimate  # noqa: PLC0415
-    from tunelab.train.run import setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
 
     from tunelab.errors import ConfigError  # noqa: PLC0415
 
@@ -368,7 +370,7 @@ def _load_engine(ns: argparse.Namespace):
     import transformers  # noqa: PLC0415
 
     from tunelab.infer.engine import load_engine  # noqa: PLC0415
-    from tunelab.train.run import setup_logging  # noqa: PLC0415
+    from tunelab.log import setup_logging  # noqa: PLC0415
 
     setup_logging(is_main_process=False)  # warnings only
     transformers.utils.logging.disable_progress_bar()
@@ -564,6 +566,7 @@ class _DropMessage:
 # logger name -> the one note of it that stays off the terminal (module-level, so adding them again is a no-op).
 _DROPPED_NOTES = {
     "torchao": _DropMessage("Failed to load "),
+    "torchao.kernel.intmm": _DropMessage("Detected no triton"),
     "torch.utils._pytree": _DropMessage("is an Enum subclass and is now natively supported"),
     "DeepSpeed": _DropMessage("Setting accelerator to CPU. If you have GPU or other accelerator, we were unable"),
 }
@@ -578,8 +581,9 @@ def quiet_optional_kernel_notes() -> None:
     concerns only quantized models, so it goes below the warning level.
     transformers' quantizers likewise import torchao (tunelab[qat]) whenever it is installed: on a CPU build of
     torch it logs "Failed to load .../torchao/_C_*.so" for each of its CUDA kernel libraries, and torch warns
-    about a deprecated call inside torchao ("... is an Enum subclass and is now natively supported ..."). Only
-    those two messages are dropped; torchao's other warnings still show.
+    about a deprecated call inside torchao ("... is an Enum subclass and is now natively supported ..."), and
+    without triton (every CPU machine) "Detected no triton, on systems without Triton certain kernels will not
+    work". Only those messages are dropped; torchao's other warnings still show.
     accelerate's unwrap_model (called by every Trainer's __init__) imports deepspeed whenever it is installed
     (tunelab[deepspeed]), and deepspeed's import picks its accelerator: without a GPU it warns "Setting
     accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, DeepSpeed

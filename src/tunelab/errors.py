@@ -35,3 +35,9 @@ class ImageInputError(InferenceError):
 
 class TrainingError(TunelabError):
     """Training stopped on a condition the user can fix (a non-finite loss or gradient norm)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, short enough for a one-line error."""
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]

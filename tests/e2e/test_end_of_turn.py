@@ -19,7 +19,8 @@ from tunelab.cli import main
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.data.templates import get_template
 from tunelab.errors import TemplateError
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_tokenizer
 
 
 def write_config(tmp_path: Path, **options) -> Path:

@@ -11,9 +11,10 @@ from transformers import AutoModelForCausalLM
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ConfigError
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
 
 # tiny_llama_dir by hand (see test_load.py): V=256, H=64, I=128, 2 layers, K/V width 32.
+from tunelab.model.tokenizer import load_tokenizer
 V, H, I, KV = 256, 64, 128, 32
 LAYER = H * H + 2 * H * KV + H * H + 3 * H * I + 2 * H  # 36992
 TOTAL = V * H + 2 * LAYER + H + V * H  # 106816

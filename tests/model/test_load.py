@@ -14,9 +14,11 @@ from transformers import PreTrainedTokenizerFast
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ModelError
-from tunelab.model.load import count_parameters, load_model, load_tokenizer, resolve_dtype
+from tunelab.model.load import count_parameters, load_model
 
 # tiny_llama_dir by hand: vocab V=256, hidden H=64, intermediate I=128, 2 layers, 4 heads of 16, 2 KV heads.
+from tunelab.model.tokenizer import load_tokenizer
+from tunelab.model.resolve import resolve_dtype
 V, H, I, KV = 256, 64, 128, 2 * 16
 LLAMA_LAYER = H * H + 2 * H * KV + H * H + 3 * H * I + 2 * H  # q, k+v, o, gate/up/down, two RMSNorms = 36992
 LLAMA_TOTAL = V * H + 2 * LLAMA_LAYER + H + V * H  # embed, layers, final norm, untied lm_head = 106816
@@ -51,11 +53,11 @@ def _save_tokenizer(folder, **special_tokens):
     ],
 )
 def test_pad_token_fallback(tmp_path, caplog, special_tokens, pad, log):
-    caplog.set_level(logging.INFO, logger="tunelab.model.load")
+    caplog.set_level(logging.INFO, logger="tunelab.model.tokenizer")
     tokenizer = load_tokenizer(_save_tokenizer(tmp_path, **special_tokens))
     assert tokenizer.pad_token == pad
     assert tokenizer.padding_side == "right"
-    messages = [r.getMessage() for r in caplog.records if r.name == "tunelab.model.load"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "tunelab.model.tokenizer"]
     assert messages == ([f"The tokenizer has no pad token: {log}."] if log else [])
 
 

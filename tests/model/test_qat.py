@@ -32,10 +32,11 @@ from tunelab.cli import main  # noqa: E402
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments  # noqa: E402
 from tunelab.config.loader import load_config  # noqa: E402
 from tunelab.errors import ConfigError  # noqa: E402
-from tunelab.model.load import load_model, load_tokenizer  # noqa: E402
+from tunelab.model.load import load_model  # noqa: E402
+from tunelab.model.tokenizer import load_tokenizer  # noqa: E402
+from tunelab.train.callbacks import QATStartCallback  # noqa: E402
 from tunelab.model.qat import (  # noqa: E402
     SCHEMES,
-    QATStartCallback,
     fake_quantized_layers,
     prepare_qat,
     ptq_config,

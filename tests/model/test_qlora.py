@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments  # noqa: E402
 from tunelab.model.adapters import setup_finetuning  # noqa: E402
-from tunelab.model.load import count_parameters, load_model, load_tokenizer  # noqa: E402
+from tunelab.model.load import count_parameters, load_model  # noqa: E402
+from tunelab.model.tokenizer import load_tokenizer  # noqa: E402
 from tunelab.model.quantization import (  # noqa: E402
     CPU_PACKING_SWITCH,
     build_quantization_config,

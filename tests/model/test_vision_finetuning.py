@@ -8,7 +8,8 @@ from transformers import AutoModelForImageTextToText
 
 from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
 from tunelab.errors import ConfigError
-from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.model.vision import vision_parts
 
 

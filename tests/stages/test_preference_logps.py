@@ -21,7 +21,7 @@ from tunelab.data.formats import to_canonical
 from tunelab.data.pairwise import PAIR_COLUMNS, preference_encoder
 from tunelab.data.registry import load_registry, load_rows
 from tunelab.data.templates import get_template
-from tunelab.model.load import load_tokenizer
+from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.preference_trainer import (
     PAIR_REFERENCE_COLUMNS, PreferenceTrainer, batch_log_probs, precompute_reference_log_probs, reference_view,
 )

@@ -1,4 +1,6 @@
-"""Configuration: option groups (args), YAML + override loading (loader) and cross-argument checks (checks)."""
+"""Configuration: option groups (args), YAML + override loading (loader) and cross-argument checks (checks).
+
+TrainingArguments lives in tunelab.config.training_args (imported on first use: it imports peft)."""
 
 from tunelab.config.args import (
     DataArguments,
@@ -6,7 +8,6 @@ from tunelab.config.args import (
     GenerationArguments,
     ModelArguments,
     RunConfig,
-    TrainingArguments,
 )
 from tunelab.config.loader import load_config
 
@@ -16,6 +17,5 @@ __all__ = [
     "GenerationArguments",
     "ModelArguments",
     "RunConfig",
-    "TrainingArguments",
     "load_config",
 ]

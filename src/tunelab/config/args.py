@@ -8,11 +8,12 @@ text of every option is its `metadata["help"]`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
-
-import transformers
+from typing import TYPE_CHECKING, Any, Literal
 
 from tunelab.assets import EMBEDDED_MODELS
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 
 def _help(text: str, **kwargs):
@@ -294,8 +295,12 @@ class GenerationArguments:
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments):
-    """transformers.TrainingArguments with its own names, plus what LlamaFactory configs add."""
+class TrainingOptions:
+    """What tunelab adds to transformers.TrainingArguments (LlamaFactory's names where it has them).
+
+    A plain dataclass so that commands reading only a run's data know these options without importing
+    transformers' training arguments (and peft with them): `TrainingArguments` below is both.
+    """
 
     overwrite_output_dir: bool = _help("Allow training into a non-empty output_dir.", default=False)
     plot_loss: bool = _help(
@@ -391,9 +396,26 @@ class ExportArguments:
     )
 
 
-ARGUMENT_GROUPS = (
-    ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, TrainingArguments, ExportArguments
-)
+def __getattr__(name: str) -> Any:
+    """`TrainingArguments` (transformers' with TrainingOptions) and `ARGUMENT_GROUPS`, built on first use:
+    transformers' training arguments import peft, and through it bitsandbytes (config/training_fields.py)."""
+    if name == "TrainingArguments":
+        from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+
+        return TrainingArguments
+    if name == "ARGUMENT_GROUPS":
+        return option_groups("train")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def option_groups(purpose: str = "train") -> tuple[type, ...]:
+    """The option groups a config is read into. `tunelab data` (purpose "data") reads training options into
+    TrainingValues: the same names and defaults, without building transformers' TrainingArguments."""
+    if purpose == "data":
+        from tunelab.config.training_values import TrainingValues as training  # noqa: PLC0415
+    else:
+        from tunelab.config.training_args import TrainingArguments as training  # noqa: PLC0415
+    return ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, training, ExportArguments
 
 # Defaults we change from transformers' own, for a fine-tuning tool run from a terminal. Checkpoints are
 # opt-in (a signal always saves one, and the final model is always saved); an explicit save_steps turns

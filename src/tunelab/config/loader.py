@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
-from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, DataArguments, RunConfig, TrainingArguments
+from tunelab.config.args import TRAINING_DEFAULTS, DataArguments, RunConfig, option_groups
+from tunelab.config.training_fields import OptionField
 from tunelab.config.llamafactory import llamafactory_advice
 from tunelab.errors import ConfigError
 
@@ -76,12 +77,21 @@ def _unknown_keys_message(unknown: list[str], origins: dict[str, str], owners: d
     return f"{len(unknown)} unknown keys {'— ' if len(groups) > 1 else ''}{listed}{tail}"
 
 
-def _fields_by_key() -> dict[str, tuple[type, dataclasses.Field]]:
-    owners: dict[str, tuple[type, dataclasses.Field]] = {}
-    for group in ARGUMENT_GROUPS:
-        for f in dataclasses.fields(group):
-            if f.init and not f.name.startswith("_"):
-                owners.setdefault(f.name, (group, f))
+def _group_fields(group: type) -> dict[str, OptionField]:
+    if not dataclasses.is_dataclass(group):  # TrainingValues (purpose "data"): the options as declared
+        from tunelab.config.training_values import training_value_fields  # noqa: PLC0415
+
+        return training_value_fields()
+    hints = typing.get_type_hints(group)
+    return {f.name: OptionField(f.name, hints[f.name], f.default, f.metadata)
+            for f in dataclasses.fields(group) if f.init and not f.name.startswith("_")}
+
+
+def _fields_by_key(groups: tuple[type, ...]) -> dict[str, tuple[type, OptionField]]:
+    owners: dict[str, tuple[type, OptionField]] = {}
+    for group in groups:
+        for name, option in _group_fields(group).items():
+            owners.setdefault(name, (group, option))
     return owners
 
 
@@ -264,25 +274,26 @@ def load_config(
     for key in PRECISION_KEYS:
         if key in raw and isinstance(raw[key], str) and raw[key].strip().lower() == "auto":
             del raw[key]
-    owners = _fields_by_key()
+    groups = option_groups(purpose)
+    training_group = groups[4]
+    owners = _fields_by_key(groups)
     unknown = [k for k in raw if k not in owners]
     if unknown:
         raise ConfigError(_unknown_keys_message(unknown, origins, owners))
 
-    hints = {group: typing.get_type_hints(group) for group in ARGUMENT_GROUPS}
-    values: dict[type, dict[str, Any]] = {group: {} for group in ARGUMENT_GROUPS}
-    values[TrainingArguments].update(TRAINING_DEFAULTS)
+    values: dict[type, dict[str, Any]] = {group: {} for group in groups}
+    values[training_group].update(TRAINING_DEFAULTS)
     if "use_cpu" not in raw and not _has_accelerator():
         # transformers refuses bf16 on a CPU-only machine unless use_cpu is said explicitly.
-        values[TrainingArguments]["use_cpu"] = True
+        values[training_group]["use_cpu"] = True
     for key, value in raw.items():
-        group, f = owners[key]
-        if f.metadata.get("const") is True and str(value).lower() in ("true", "1", "yes", "on"):
+        group, option = owners[key]
+        if option.metadata.get("const") is True and str(value).lower() in ("true", "1", "yes", "on"):
             values[group][key] = True  # a text option that is also a switch (fsdp: true)
             continue
-        values[group][key] = _coerce(key, value, hints[group][key])
+        values[group][key] = _coerce(key, value, option.annotation)
     _resolve_template_alias(values[DataArguments])
-    training_values = values[TrainingArguments]
+    training_values = values[training_group]
     if "save_steps" in raw and "save_strategy" not in raw:
         training_values["save_strategy"] = "steps"  # a checkpoint interval means checkpoints (LlamaFactory, Trainer)
     if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
@@ -297,23 +308,23 @@ def load_config(
         training_values["dataloader_pin_memory"] = _has_cuda()  # pinning only helps host→GPU copies
     precision = _auto_precision(training_values, purpose)
 
-    if purpose == "train" and not values[TrainingArguments].get("output_dir"):
+    if purpose == "train" and not training_values.get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
-    if purpose == "eval" and not values[TrainingArguments].get("output_dir"):
+    if purpose == "eval" and not training_values.get("output_dir"):
         raise ConfigError("output_dir is not set: tunelab eval writes predictions.jsonl there; add output_dir=...")
 
     from tunelab.config import checks  # noqa: PLC0415 - checks import args, keep the module graph one-way
 
     # Checks on training values that transformers would otherwise report in its own words first.
-    checks.check_training_values(values[TrainingArguments])
-    groups = []
-    for group in ARGUMENT_GROUPS:
+    checks.check_training_values(training_values)
+    built = []
+    for group in groups:
         try:
-            groups.append(group(**values[group]))
+            built.append(group(**values[group]))
         except (ValueError, TypeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(f"invalid {group.__name__} values: {message}") from None
-    config = RunConfig(*groups, source=str(path) if path else None, precision=precision)
+    config = RunConfig(*built, source=str(path) if path else None, precision=precision)
     checks.check_config(config, purpose)
     if warn and purpose == "train":
         checks.warn_ineffective_keys(config, set(raw))
@@ -363,6 +374,8 @@ def _default_training_dict(output_dir: str) -> dict[str, Any]:
     would reset it and silently turn a distributed run into independent single-process runs. The
     existing state is reused instead (transformers' `use_configured_state`).
     """
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+
     try:
         default = TrainingArguments(
             output_dir=output_dir, accelerator_config={"use_configured_state": True}, **TRAINING_DEFAULTS

@@ -84,7 +84,7 @@ class PackedRows:
 
 
 def load_run_data(config: RunConfig) -> RunData:
-    from tunelab.model.load import load_tokenizer  # noqa: PLC0415 - pulls in peft; only the commands need it
+    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     stage = config.finetuning.stage
     tokenizer = load_tokenizer(config.model)
@@ -98,7 +98,7 @@ def load_run_data(config: RunConfig) -> RunData:
     from tunelab.data.templates import get_template  # noqa: PLC0415
 
     from tunelab.data.vision import vision_inputs  # noqa: PLC0415
-    from tunelab.model.load import load_processor  # noqa: PLC0415
+    from tunelab.model.tokenizer import load_processor  # noqa: PLC0415
 
     template = get_template(config.data.template, tokenizer)
     vision = vision_inputs(load_processor(config.model), config.model)
@@ -160,7 +160,7 @@ def _model_skeleton(config: RunConfig) -> torch.nn.Module:
 
     from tunelab.model.vision import is_vision_model_folder  # noqa: PLC0415
 
-    from tunelab.model.load import ATTN_IMPLEMENTATIONS, resolve_dtype  # noqa: PLC0415
+    from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype  # noqa: PLC0415
 
     path = config.model.model_name_or_path
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training),

@@ -33,7 +33,7 @@ from tunelab.config.args import ModelArguments
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.data.templates.template import tokenizer_source
-from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError
+from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError, first_line
 from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
 from tunelab.data.formats import IMAGE_PLACEHOLDER
@@ -42,9 +42,9 @@ from tunelab.infer.images import split_images
 from tunelab.model import hub
 from tunelab.infer.predict import inference_template_kwargs
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
-from tunelab.model.adapters import first_line, load_adapter
+from tunelab.model.adapters import load_adapter
 from tunelab.model import vision
-from tunelab.model.load import load_processor, load_tokenizer
+from tunelab.model.tokenizer import load_processor, load_tokenizer
 
 Message = dict[str, Any]
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -45,7 +45,7 @@ def trained_folder(model_args: ModelArguments) -> Path:
 
 def load_inference_tokenizer(model_args: ModelArguments):
     """The tokenizer saved beside the adapter when there is one (it carries the trained chat template), else the model's."""
-    from tunelab.model.load import load_tokenizer  # noqa: PLC0415
+    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     adapter = model_args.adapter_name_or_path
     if adapter and (Path(adapter) / "tokenizer_config.json").is_file():
@@ -123,7 +123,8 @@ def score(predictions: list[Prediction]) -> dict[str, float]:
 def run_predict(config: RunConfig) -> dict[str, float]:
     """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
     from tunelab.data.vision import vision_inputs  # noqa: PLC0415
-    from tunelab.model.load import load_model, load_processor  # noqa: PLC0415
+    from tunelab.model.load import load_model  # noqa: PLC0415
+    from tunelab.model.tokenizer import load_processor  # noqa: PLC0415
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))

@@ -22,7 +22,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from tunelab.config.args import FinetuningArguments, TrainingArguments
-from tunelab.errors import ConfigError, ModelError
+from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.model import vision
 
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
@@ -316,12 +316,6 @@ def _grow_for_trainable_tokens(model: nn.Module, path: str) -> None:
     rows = model.get_input_embeddings().weight.shape[0]
     if ids and max(ids) >= rows:
         model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)  # the adapter overwrites these rows
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message, short enough for a one-line error."""
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def _checkpointing(training_args: TrainingArguments) -> tuple[bool, dict]:

@@ -40,10 +40,10 @@ from transformers import (
 from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab.config.args import ModelArguments, RunConfig
-from tunelab.errors import ConfigError, ModelError
+from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.model import hub, qat, vision, zero_checkpoint
-from tunelab.model.adapters import first_line, load_adapter
-from tunelab.model.load import load_processor
+from tunelab.model.adapters import load_adapter
+from tunelab.model.tokenizer import load_processor
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
 from tunelab.config.loader import read_run_record
 from tunelab.errors import ConfigError
@@ -127,7 +126,7 @@ def layer_widths(model_folder: str, trust_remote_code: bool = False) -> dict[str
 
 def prepare_qat(model: nn.Module, scheme: str, group_size: int, enabled: bool = True) -> int:
     """Swap every quantized layer for torchao's FakeQuantizedLinear (same weight Parameter, same state_dict
-    keys); returns how many. `enabled`: fake quantisation on from the first forward (see QATStartCallback)."""
+    keys); returns how many. `enabled`: fake quantisation on from the first forward (see train/callbacks.py QATStartCallback)."""
     from torchao.quantization import quantize_  # noqa: PLC0415
     from torchao.quantization.qat import QATConfig  # noqa: PLC0415
 
@@ -157,40 +156,6 @@ def set_fake_quant(model: nn.Module, enabled: bool) -> None:
 
     for module in fake_quantized_layers(model):
         enable_linear_fake_quant(module, enabled)
-
-
-class QATStartCallback(TrainerCallback):
-    """qat_start_step: the first `start_step` optimizer steps train in full precision, then fake quantisation
-    switches on for good. Decided from the step count alone, so a resumed run switches exactly where the
-    uninterrupted one did."""
-
-    def __init__(self, start_step: int):
-        self.start_step = start_step
-        self.on: bool | None = None
-
-    def _sync(self, state, model) -> None:
-        on = state.global_step >= self.start_step
-        if on != self.on and model is not None:
-            set_fake_quant(model, on)
-            if on:
-                logger.info("qat: fake quantisation on from step %d", state.global_step + 1)
-            self.on = on
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.max_steps and self.start_step >= state.max_steps:
-            logger.warning("qat_start_step: %d is not before the run's last step (%d): fake quantisation never "
-                           "switches on; lower qat_start_step", self.start_step, state.max_steps)
-        self._sync(state, model)
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self._sync(state, model)
-
-
-def qat_callbacks(finetuning_args) -> list[TrainerCallback]:
-    """The callbacks a training stage adds for `qat` (none without qat_start_step)."""
-    if finetuning_args.qat and finetuning_args.qat_start_step > 0:
-        return [QATStartCallback(finetuning_args.qat_start_step)]
-    return []
 
 
 def torchao_config(scheme: str, group_size: int, model: nn.Module):

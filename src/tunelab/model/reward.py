@@ -24,9 +24,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from tunelab.errors import ModelError
+from tunelab.errors import ModelError, first_line
 from tunelab.model import hub
-from tunelab.model.adapters import first_line
 
 
 def load_reward_model(

@@ -7,7 +7,7 @@ and the process's memory (train/memory.py). Only the main process writes. A resu
 up to its checkpoint's step and goes on from there, so the file reads as one run.
 
 The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, QAT's start switch
-(`qat_start_step`, model/qat.py), the stage's own, EarlyStopping when `early_stopping_patience` is set, then the
+(`qat_start_step`, QATStartCallback), the stage's own, EarlyStopping when `early_stopping_patience` is set, then the
 user's `callbacks` in their order. User callbacks are imported
 by the opt-in rule of tunelab/user_code.py: nothing runs unless the config names it.
 """
@@ -25,12 +25,46 @@ from typing import Any
 import transformers
 
 from tunelab.errors import ConfigError
-from tunelab.model.qat import qat_callbacks
+from tunelab.model import qat
 from tunelab.train.memory import memory_metrics
 from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
 
 LOG_FILE = "trainer_log.jsonl"
 logger = logging.getLogger(__name__)
+
+
+class QATStartCallback(transformers.TrainerCallback):
+    """qat_start_step: the first `start_step` optimizer steps train in full precision, then fake quantisation
+    switches on for good. Decided from the step count alone, so a resumed run switches exactly where the
+    uninterrupted one did."""
+
+    def __init__(self, start_step: int):
+        self.start_step = start_step
+        self.on: bool | None = None
+
+    def _sync(self, state, model) -> None:
+        on = state.global_step >= self.start_step
+        if on != self.on and model is not None:
+            qat.set_fake_quant(model, on)
+            if on:
+                logger.info("qat: fake quantisation on from step %d", state.global_step + 1)
+            self.on = on
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.max_steps and self.start_step >= state.max_steps:
+            logger.warning("qat_start_step: %d is not before the run's last step (%d): fake quantisation never "
+                           "switches on; lower qat_start_step", self.start_step, state.max_steps)
+        self._sync(state, model)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._sync(state, model)
+
+
+def qat_callbacks(finetuning_args) -> list[transformers.TrainerCallback]:
+    """The callbacks a training stage adds for `qat` (none without qat_start_step)."""
+    if finetuning_args.qat and finetuning_args.qat_start_step > 0:
+        return [QATStartCallback(finetuning_args.qat_start_step)]
+    return []
 
 
 class JsonlLogCallback(transformers.TrainerCallback):

@@ -266,7 +266,7 @@ def meta_model(config: RunConfig) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
 
     from tunelab.model.adapters import setup_finetuning  # noqa: PLC0415
-    from tunelab.model.load import resolve_dtype  # noqa: PLC0415
+    from tunelab.model.resolve import resolve_dtype  # noqa: PLC0415
 
     model_config = AutoConfig.from_pretrained(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
     dtype = resolve_dtype(config.model, config.training)
@@ -282,7 +282,7 @@ def training_shape(
     """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
     `supervised` positions each (default all but the last)."""
     from tunelab.model.adapters import _checkpointing, decoder_layers  # noqa: PLC0415
-    from tunelab.model.load import resolve_dtype  # noqa: PLC0415
+    from tunelab.model.resolve import resolve_dtype  # noqa: PLC0415
 
     _, layers = decoder_layers(model)
     trainable_layers = [i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
@@ -388,7 +388,7 @@ def row_lengths(config: RunConfig):
 
 def _tokenized_train_set(config: RunConfig):
     from tunelab.data.cache import cached_bundle  # noqa: PLC0415
-    from tunelab.model.load import load_tokenizer  # noqa: PLC0415
+    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
 
     args = config.training
     tokenizer = load_tokenizer(config.model)
@@ -439,7 +439,8 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
     import transformers  # noqa: PLC0415
 
     from tunelab.data.collate import build_collator  # noqa: PLC0415
-    from tunelab.model.load import load_model, load_tokenizer  # noqa: PLC0415
+    from tunelab.model.load import load_model  # noqa: PLC0415
+    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
     from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(config.model)

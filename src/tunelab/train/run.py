@@ -5,8 +5,6 @@ from __future__ import annotations
 import errno
 import logging
 
-import transformers
-
 from tunelab.config.args import RunConfig
 from tunelab.errors import ConfigError
 from tunelab.model.vision import is_vision_model_folder
@@ -14,13 +12,6 @@ from tunelab.train import launch, outputs
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
-
-
-def setup_logging(is_main_process: bool = True) -> None:
-    level = logging.INFO if is_main_process else logging.WARNING
-    logging.basicConfig(format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S", level=level)
-    logging.getLogger("tunelab").setLevel(level)
-    transformers.logging.set_verbosity_warning()
 
 
 def explain_error(exc: BaseException) -> str | None:

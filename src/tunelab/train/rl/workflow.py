@@ -23,7 +23,8 @@ from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_token_ids
 from tunelab.model.adapters import is_quantized
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.rl.loop import RLLoop, build_accelerator

@@ -17,7 +17,8 @@ from tunelab.data.templates import get_template
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
 from tunelab.data.vision import save_processor_files, token_type_key, vision_collator, vision_inputs
-from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import (

@@ -15,7 +15,8 @@ from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.stages.sft import _final_eval_metrics

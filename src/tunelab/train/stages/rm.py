@@ -13,7 +13,8 @@ from tunelab.config.args import RunConfig
 from tunelab.data.collate import PairedCollator
 from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
-from tunelab.model.load import count_parameters, load_model, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import PreferenceTrainer

@@ -19,7 +19,8 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
 from tunelab.data.vision import save_processor_files, vision_collator, vision_fingerprint, vision_inputs
 from tunelab.errors import ConfigError
-from tunelab.model.load import count_parameters, load_model, load_processor, load_tokenizer
+from tunelab.model.load import count_parameters, load_model
+from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.generation_metrics import GenerationMetricsCallback
