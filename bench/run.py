@@ -461,6 +461,9 @@ def main() -> None:
     parser.add_argument("--no-second-launch", action="store_true",
                         help="skip the second launch of every run (no ttfs 2nd; saves a launch per run)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="OMP/MKL threads of every tool")
+    parser.add_argument("--tokenizers-parallelism", choices=("default", "off"), default="default",
+                        help="default: as a user runs (the Rust tokenizer may use every core when a tool encodes "
+                        "batches); off: TOKENIZERS_PARALLELISM=false for every tool (one thread)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per launch")
     parser.add_argument("--tunelab-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra key of tunelab's config (YAML value), e.g. padding_free=false or torch_compile=true")
@@ -495,9 +498,12 @@ def main() -> None:
             "pref_mixed.json": manifest["rows"]["pref_mixed"], "corpus.json": manifest["rows"]["corpus_docs"],
             "sft_long.json": manifest["rows"]["sft_long"]}
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
            "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": "0"}
+    env.pop("TOKENIZERS_PARALLELISM", None)
+    if args.tokenizers_parallelism == "off":
+        env["TOKENIZERS_PARALLELISM"] = "false"
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     dtype = "bf16" if args.bf16 else "fp32"
@@ -547,7 +553,8 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
         "label": args.label, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "settings": settings.__dict__, "matmul_peak": peak, "flop_params": params,
+        "settings": settings.__dict__, "tokenizers_parallelism": args.tokenizers_parallelism,
+        "matmul_peak": peak, "flop_params": params,
         "non_embedding_params": non_embedding_params(model_dir(settings)),
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30,
                     "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
