@@ -37,9 +37,11 @@ Workloads (a tool without the mode is listed as n/a):
     sft_lora_packed  LoRA, packing with samples isolated: tunelab packing; LlamaFactory neat_packing;
                      TRL bfd packing (padding-free rows, positions restart per sample)
     sft_full         every parameter, no packing
-    pt               pretraining on cutoff_len windows of the corpus (tunelab: documents packed with
-                     isolation; the peers concatenate documents: LlamaFactory pt, TRL wrapped
-                     packing, HF's group_texts)
+    pt               pretraining on cutoff_len windows of the concatenated corpus, the same work in every
+                     tool (tunelab pt with packing: false; LlamaFactory pt, TRL wrapped packing, HF's
+                     group_texts): a token attends across document boundaries
+    pt_isolated      tunelab's pt with packing: true (documents packed with isolation: a token attends only
+                     to its own document, positions restart) against the same peers' concatenation
     dpo_lora         DPO (sigmoid, beta 0.1), LoRA; the reference is the adapter-free base
     sft_long_lora    LoRA SFT on long documents with short answers (sft_long.json: prompts 94% of the
                      tokens), no packing; with --model real and --cutoff-len 2048 the case where the output
@@ -93,13 +95,15 @@ class Workload:
     rows_file: str  # input file whose rows the preprocessing rate counts
     tools: tuple[str, ...] = TOOLS
     defaults: bool = False  # each tool's own defaults for what the matched settings pin (precision, checkpointing...)
+    isolated: bool | None = None  # pt: tunelab packs documents with isolation (else concatenates, as the peers do)
 
 
 WORKLOADS = {
     "sft_lora": Workload("sft", "lora", False, 2e-4, "sft.json"),
     "sft_lora_packed": Workload("sft", "lora", True, 2e-4, "sft.json", ("tunelab", "llamafactory", "trl")),
     "sft_full": Workload("sft", "full", False, 5e-5, "sft.json"),
-    "pt": Workload("pt", "full", True, 1e-4, "corpus.json"),
+    "pt": Workload("pt", "full", True, 1e-4, "corpus.json", isolated=False),
+    "pt_isolated": Workload("pt", "full", True, 1e-4, "corpus.json", isolated=True),
     "dpo_lora": Workload("dpo", "lora", False, 1e-4, "pref.json", ("tunelab", "llamafactory", "trl")),
     "dpo_lora_mixed": Workload("dpo", "lora", False, 1e-4, "pref_mixed.json", ("tunelab", "llamafactory", "trl")),
     "sft_lora_defaults": Workload("sft", "lora", False, 2e-4, "sft.json", defaults=True),
@@ -145,7 +149,7 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
     config = {
         "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
         "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
-        "packing": w.packing,
+        "packing": w.packing if w.isolated is None else w.isolated,
         "flash_attn": s.attn, "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
         "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
         "max_steps": steps, "seed": s.seed, "bf16": s.bf16, "use_cpu": s.device == "cpu", "gradient_checkpointing": False,

@@ -217,24 +217,27 @@ def test_kept_logits_of_the_wrong_number_of_rows_are_refused() -> None:
         losses.causal_lm_loss(torch.zeros(3, 11), labels)
 
 
-@pytest.mark.parametrize("layout", ["padding_free", "packed"])
+@pytest.mark.parametrize("layout", ["padding_free", "packed", "padded"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_a_one_row_batch_keeps_logits_by_a_host_built_index(family, layout):
-    """A padding-free batch is one row (so is a packed batch of one row): `logits_to_keep` is a 1-D index of
-    positions, the logits come back (1, N, vocab), and loss and gradients equal the plain path."""
+def test_a_batch_keeps_logits_by_a_host_built_index(family, layout):
+    """`logits_to_keep` as a (batch, W) index of positions built on the host: each row's kept positions, then
+    positions with -100 targets up to the widest row; the logits come back (batch, W, vocab), and loss and
+    gradients equal the plain path (padding-free: one row, W = N; packed and padded: several rows, filled)."""
     model = tiny(family)
-    if layout == "packed":
-        packed, _ = pack_dataset(datasets.Dataset.from_list(samples()), 128)
-        b = PackedCollator(0)(packed.to_list()[:1])
-    else:  # one example per micro-batch (the usual GPU set-up for long rows: batch 1 + gradient accumulation)
-        b = PaddingFreeCollator(PackedCollator(0))(samples()[-1:])
-    assert b["labels"].shape[0] == 1
-    positions = losses.next_token_positions(b["labels"])
-    assert positions.tolist() == losses.next_token_mask(b["labels"])[0].nonzero().flatten().tolist()
+    b = batch(layout)
+    index = losses.next_token_index(b["labels"], max_waste=10.0)
+    mask = losses.next_token_mask(b["labels"])
+    counts = mask.sum(dim=1)
+    assert index.shape == (b["labels"].shape[0], int(counts.max()))
+    for row, count in enumerate(counts.tolist()):  # a row's own positions first, in order
+        assert index[row, :count].tolist() == mask[row].nonzero().flatten().tolist()
+        assert not mask[row, index[row, count:]].any()  # then filling positions that predict nothing
+    if layout != "padding_free":
+        assert b["labels"].shape[0] > 1 and len(set(counts.tolist())) > 1  # rows of unequal counts were filled
 
     def by_index(model, b):
-        logits = model(**model_inputs(b), logits_to_keep=positions).logits
-        assert logits.shape == (1, len(positions), VOCAB)
+        logits = model(**model_inputs(b), logits_to_keep=index).logits
+        assert logits.shape == (*index.shape, VOCAB)
         return losses.causal_lm_loss(logits, b["labels"])
 
     loss_plain, grads_plain = loss_and_grads(model, plain_loss, b)
@@ -243,11 +246,34 @@ def test_a_one_row_batch_keeps_logits_by_a_host_built_index(family, layout):
     assert max_diff(grads_plain, grads_index) < TOLERANCE
 
 
-def test_targets_by_count_equal_targets_by_mask():
-    labels = torch.tensor([[-100, 5, 6, -100, -100, 7, 8, 9, -100, 4]])
-    assert losses.next_token_targets(labels, 6).tolist() == losses.next_token_targets(labels).tolist() == [5, 6, 7, 8, 9, 4]
-    with pytest.raises(ValueError, match="^a 1-D index of kept positions serves one row, not 2$"):
-        losses.next_token_positions(torch.zeros(2, 3, dtype=torch.long))
+def test_the_index_is_refused_where_filling_wastes_head_rows():
+    labels = torch.tensor([[-100, 5, 6, 7, 8, 9, 1], [-100, -100, -100, -100, -100, 2, -100]])  # 6 and 1 kept
+    assert losses.next_token_index(labels) is None  # 2 rows x 6 = 12 head rows for 7 kept: 71% more
+    assert losses.next_token_index(labels, max_waste=1.0).tolist() == [[0, 1, 2, 3, 4, 5], [4, 0, 1, 2, 3, 5]]
+    assert losses.next_token_index(torch.full((2, 4), -100)) is None  # nothing kept: the mask path (no logits)
+    even = torch.tensor([[-100, 5, 6, -100], [-100, -100, 7, 8]])
+    assert losses.next_token_index(even).tolist() == [[0, 1], [1, 2]]
+
+
+def test_targets_by_width_equal_targets_by_mask():
+    labels = torch.tensor([[-100, 5, 6, -100, -100, 7, 8, 9, -100, 4], [-100, -100, 3, -100, -100, -100, -100, -100, 2, -100]])
+    assert losses.next_token_targets(labels, 6).tolist() == [[5, 6, 7, 8, 9, 4], [3, 2, -100, -100, -100, -100]]
+    by_width = losses.next_token_targets(labels, 6).flatten()
+    assert by_width[by_width != -100].tolist() == losses.next_token_targets(labels).tolist() == [5, 6, 7, 8, 9, 4, 3, 2]
+
+
+def test_filling_rows_count_for_nothing():
+    logits = torch.randn(4, 11, requires_grad=True)
+    log_p, mean = losses.token_log_probs(logits, torch.tensor([3, -100, 7, -100]))
+    assert log_p[1] == log_p[3] == mean[1] == mean[3] == 0
+    assert torch.allclose(log_p[[0, 2]], torch.log_softmax(logits, -1)[[0, 2], [3, 7]])
+    (log_p.sum() + mean.sum()).backward()
+    assert logits.grad[[1, 3]].abs().max() == 0 and logits.grad[[0, 2]].abs().max() > 0
+    # (1, 4, vocab) kept logits of a 5-token row: targets 3 and 7 in the first two rows, then two filling rows;
+    # the mean is over the counted targets only
+    loss = losses.causal_lm_loss(logits[None], torch.tensor([[-100, 3, -100, 7, -100]]))
+    log_softmax = torch.log_softmax(logits, -1)
+    assert torch.allclose(loss, -(log_softmax[0, 3] + log_softmax[1, 7]) / 2)
 
 
 class CountOps(TorchDispatchMode):
@@ -265,12 +291,13 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_padding_free_training_step_selects_by_no_data_dependent_shape(tmp_path):
-    """One example per micro-batch: the trainer builds the index on the host before the batch moves, and the
-    forward and loss do not wait for the device to count positions (a batch of several rows selects by bool mask: one count each for the logits
-    and the targets)."""
+def test_a_training_step_selects_by_no_data_dependent_shape(tmp_path):
+    """The trainer builds the index on the host before the batch moves, and the forward and loss do not wait for
+    the device to count positions: one example per micro-batch (padding-free) and packed rows. Padded rows of
+    unequal answers would be filled by far more than MAX_INDEX_WASTE: they select by bool mask (one count each
+    for the logits and the targets)."""
 
-    def step_ops(collator, batch_size):
+    def step_ops(collator, batch_size, data=None):
         model = tiny("llama")
         rows_seen = []
         model.lm_head.register_forward_hook(lambda module, args, output: rows_seen.append(tuple(args[0].shape[:-1])))
@@ -285,12 +312,18 @@ def test_a_padding_free_training_step_selects_by_no_data_dependent_shape(tmp_pat
                 with counter:
                     return super().compute_loss(*a, **k)
 
-        trainer = Counted(model=model, args=args, train_dataset=datasets.Dataset.from_list(samples()), data_collator=collator)
+        data = data if data is not None else datasets.Dataset.from_list(samples())
+        trainer = Counted(model=model, args=args, train_dataset=data, data_collator=collator)
         trainer.train()
         return counter.count, rows_seen
 
     per_example = {sum(label != -100 for label in row["labels"][1:]) for row in samples()}
     count, rows_seen = step_ops(PaddingFreeCollator(PackedCollator(0)), 1)
     assert count == 0 and len(rows_seen) == 1 and rows_seen[0][0] == 1 and rows_seen[0][1] in per_example
+    assert losses.next_token_index(batch("padded")["labels"]) is None
     supervised = int((batch("padded")["labels"][:, 1:] != -100).sum())
     assert step_ops(SupervisedCollator(0), 8) == (2, [(supervised,)])
+    uniform = [{"input_ids": list(range(3, 3 + n)), "labels": [-100] * (n - 4) + list(range(n - 1, n + 3))}
+               for n in (12, 9, 20, 15)]  # padded rows of four-token answers: no filling at all
+    count, rows_seen = step_ops(SupervisedCollator(0), 4, datasets.Dataset.from_list(uniform))
+    assert count == 0 and rows_seen == [(4, 4)]

@@ -16,11 +16,14 @@ to the model as `logits_to_keep` (a 2-D bool tensor: transformers' `slice_logits
 returns the (N, vocab) logits of the N kept positions, in row-major order, after the model's own
 logit processing such as Gemma-2's soft-capping). With a real vocabulary (Qwen2.5: 151,936) and long
 prompts this removes most of the output layer's compute and memory. Selecting with a bool mask on a GPU
-makes the host wait for the device to count the kept positions; a one-row batch (padding-free, or packed
-into one row) instead gets a 1-D index of positions built on the host before the batch moves (`next_token_positions`),
-the logits come back (1, N, vocab) and their targets are picked without reading N back
-(`next_token_targets` with the count). All three shapes — (N, vocab), (1, N, vocab) of the kept positions,
-or (batch, seq, vocab) of every position — go through
+makes the host wait for the device to count the kept positions. So a batch still on the host instead gets a
+(batch, W) index of positions built there before it moves (`next_token_index`): each row's kept positions, then
+positions whose targets are -100 up to the widest row's count W; the logits come back (batch, W, vocab) and their
+targets are picked per row by a stable sort, without reading a count back (`next_token_targets` with W). A
+padding-free batch is one row (W = N exactly), packed rows and pt windows keep about the same count each; where
+filling rows to W would add more than MAX_INDEX_WASTE of head rows (padded rows of unequal answers) the mask is
+used. All three shapes — (N, vocab), (batch, W, vocab) of the kept positions, or (batch, seq, vocab) of every
+position — go through
 `token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax
 exist for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the
 logits' own dtype.
@@ -35,6 +38,7 @@ import torch
 from tunelab.data.encode import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 2**24  # float32 logits per chunk (64 MiB): ~110 rows of a 151,936-token vocabulary
+MAX_INDEX_WASTE = 0.25  # next_token_index: at most this share of extra head rows to avoid a device count
 
 
 def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
@@ -44,36 +48,40 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def next_token_positions(labels: torch.Tensor) -> torch.Tensor:
-    """(N,) int64: the positions of a one-row batch whose next-token label is supervised — `logits_to_keep` as a
-    1-D index. Built where the labels are (the host, before the batch moves), so the device never counts N."""
-    if labels.shape[0] != 1:
-        raise ValueError(f"a 1-D index of kept positions serves one row, not {labels.shape[0]}")
-    return next_token_mask(labels)[0].nonzero().squeeze(1)
+def next_token_index(labels: torch.Tensor, max_waste: float = MAX_INDEX_WASTE) -> torch.Tensor | None:
+    """(batch, W) int64 `logits_to_keep` for labels on the host: per row its positions whose next-token label is
+    supervised, in order, then unsupervised positions up to W, the largest count of a row. None when that filling
+    would add more than `max_waste` of the kept rows (or nothing is kept): the caller keeps by mask instead."""
+    mask = next_token_mask(labels)
+    counts = mask.numpy().sum(axis=1)  # host memory, read as such (no tensor scalar read)
+    width, kept = int(counts.max()), int(counts.sum())
+    if kept == 0 or labels.shape[0] * width > (1 + max_waste) * kept:
+        return None
+    return torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :width]
 
 
-def next_token_targets(labels: torch.Tensor, count: int | None = None) -> torch.Tensor:
-    """(N,) the labels the kept positions predict, in the order `hidden[next_token_mask(labels)]` lists them.
+def next_token_targets(labels: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """The labels the kept positions predict.
 
-    With `count` (N, known on the host from the kept logits' shape) the supervised labels are moved to the front
-    by a stable sort and the first N taken: no boolean indexing, so a GPU does not stop to report N."""
+    Without `width`: (N,), in the order `hidden[next_token_mask(labels)]` lists them. With `width` (W, known on the
+    host from the kept logits' shape): (batch, W), in next_token_index's order — each row's supervised labels moved
+    to its front by a stable sort, -100 after them — with no boolean indexing, so a GPU does not stop to count."""
     shifted = labels[:, 1:]
-    if count is None:
+    if width is None:
         return shifted[shifted != IGNORE_INDEX]
-    flat = shifted.reshape(-1)
-    order = torch.argsort((flat == IGNORE_INDEX).to(torch.uint8), stable=True)
-    return flat[order[:count]]
+    order = torch.argsort((shifted == IGNORE_INDEX).to(torch.uint8), dim=1, stable=True)
+    return shifted.gather(1, order[:, :width])
 
 
 def kept_pairs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """((N, vocab) logits, (N,) targets) of the positions that predict a label, from the logits of
+    """((M, vocab) logits, (M,) targets) of the positions that predict a label, from the logits of
     - every position, (batch, seq, vocab): the kept rows are picked here;
     - the kept positions of a bool mask, (N, vocab): the model picked them (transformers' slice);
-    - the kept positions of a 1-D index, (1, N, vocab) (a one-row batch; N < seq, the last position is never
-      kept)."""
+    - the kept positions of an index, (batch, W, vocab) (W < seq: the last position is never kept); targets of
+      the filling positions are -100, which token_log_probs counts as nothing."""
     labels = labels.to(logits.device)
     if logits.dim() == 3 and logits.shape[:2] != labels.shape:
-        return logits[0], next_token_targets(labels, logits.shape[1])
+        return logits.reshape(-1, logits.shape[-1]), next_token_targets(labels, logits.shape[1]).reshape(-1)
     if logits.dim() == 2:  # token_log_probs checks the rows against the targets (no device read here)
         return logits, next_token_targets(labels)
     return logits[next_token_mask(labels)], next_token_targets(labels)
@@ -116,14 +124,18 @@ class _TokenLogProbs(torch.autograd.Function):
 
 
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p[target], mean over the vocabulary of log p), float32, one per row of (N, vocab) logits."""
+    """(log p[target], mean over the vocabulary of log p), float32, one per row of (N, vocab) logits; 0 for both
+    where the target is -100 (the filling rows of next_token_index), which then take no part in the gradient."""
     if logits.shape[0] != targets.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for {targets.shape[0]} supervised positions")
     if logits.shape[0] == 0:
         empty = logits.new_zeros(0, dtype=torch.float32) + logits.sum() * 0  # keeps the graph for backward
         return empty, empty
     chunk = chunk or max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    return _TokenLogProbs.apply(logits, targets.to(logits.device), chunk)
+    targets = targets.to(logits.device)
+    counted = targets != IGNORE_INDEX
+    log_p, mean = _TokenLogProbs.apply(logits, targets.clamp(min=0), chunk)
+    return log_p * counted, mean * counted
 
 
 def causal_lm_loss(
@@ -143,7 +155,7 @@ def causal_lm_loss(
     nll = -log_p.sum()
     total = (1 - label_smoothing) * nll - label_smoothing * mean_log_p.sum() if label_smoothing else nll
     if num_items_in_batch is None:
-        num_items_in_batch = targets.numel()
+        num_items_in_batch = (targets != IGNORE_INDEX).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch

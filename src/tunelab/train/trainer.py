@@ -40,7 +40,7 @@ from tunelab.train.losses import (
     causal_lm_loss_func,
     kept_pairs,
     next_token_mask,
-    next_token_positions,
+    next_token_index,
     token_log_probs,
 )
 from tunelab.train.open_files import check_open_file_budget
@@ -229,8 +229,7 @@ class TunelabTrainer(transformers.Trainer):
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         if torch.is_tensor(logits) and torch.is_tensor(labels) and (
-            (logits.dim() == 3 and (labels.shape == logits.shape[:2] or logits.shape[0] == labels.shape[0] == 1))
-            or logits.dim() == 2
+            (logits.dim() == 3 and logits.shape[0] == labels.shape[0]) or logits.dim() == 2
         ):
             self._eval_token_stats += token_stats(logits.detach(), labels, self._with_token_accuracy)
         return (loss, outputs) if return_outputs else loss
@@ -239,16 +238,16 @@ class TunelabTrainer(transformers.Trainer):
         """The batch with `logits_to_keep`: only positions whose next label is supervised get logits, when our
         causal-LM loss reads them and the model's forward takes the argument (losses.py's docstring). Called
         before the batch moves to the device (training_step) and again after (compute_loss, which evaluation
-        reaches directly). A one-row batch still on the host gets a 1-D index of positions, counted there: a
-        bool mask would make a GPU report the count back every micro-batch. Other batches get the bool mask."""
+        reaches directly). A batch still on the host gets a (batch, W) index of positions counted there (a bool mask
+        would make a GPU report the count back every micro-batch), unless equal widths would waste head rows
+        (losses.next_token_index); it and every other batch get the bool mask."""
         labels = inputs.get("labels")
         if not isinstance(self.compute_loss_func, CausalLMLoss) or labels is None or "logits_to_keep" in inputs:
             return inputs
         if not self._keeps_logits(model):
             return inputs
-        if labels.dim() == 2 and labels.shape[0] == 1 and labels.device.type == "cpu":
-            return {**inputs, "logits_to_keep": next_token_positions(labels)}
-        return {**inputs, "logits_to_keep": next_token_mask(labels)}
+        index = next_token_index(labels) if labels.dim() == 2 and labels.device.type == "cpu" else None
+        return {**inputs, "logits_to_keep": index if index is not None else next_token_mask(labels)}
 
     def _keeps_logits(self, model) -> bool:
         """takes_logits_to_keep of the trained model, looked up once (at its first batch)."""
@@ -286,8 +285,8 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_accuracy: bool)
     kept, targets = kept_pairs(logits, labels)
     nll = -token_log_probs(kept, targets)[0].sum()
     correct = (kept.argmax(-1) == targets).sum() if with_accuracy else torch.zeros((), device=nll.device)
-    return torch.stack([nll.double(), torch.tensor(targets.numel(), dtype=torch.float64, device=nll.device),
-                        correct.double().to(nll.device)])
+    counted = (targets != IGNORE_INDEX).sum()
+    return torch.stack([nll.double(), counted.double().to(nll.device), correct.double().to(nll.device)])
 
 
 def takes_logits_to_keep(model) -> bool:
