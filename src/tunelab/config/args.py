@@ -408,14 +408,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def option_groups(purpose: str = "train") -> tuple[type, ...]:
-    """The option groups a config is read into. `tunelab data` (purpose "data") reads training options into
-    TrainingValues: the same names and defaults, without building transformers' TrainingArguments."""
+def training_group(purpose: str = "train") -> type:
+    """Where a config's training options go. `tunelab data` (purpose "data") reads them into TrainingValues: the
+    same names and defaults, without building transformers' TrainingArguments."""
     if purpose == "data":
-        from tunelab.config.training_values import TrainingValues as training  # noqa: PLC0415
-    else:
-        from tunelab.config.training_args import TrainingArguments as training  # noqa: PLC0415
-    return ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, training, ExportArguments
+        from tunelab.config.training_values import TrainingValues  # noqa: PLC0415
+
+        return TrainingValues
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+
+    return TrainingArguments
+
+
+def option_groups(purpose: str = "train") -> tuple[type, ...]:
+    """The option groups a config is read into, in RunConfig's order."""
+    return ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, training_group(purpose), ExportArguments
 
 # Defaults we change from transformers' own, for a fine-tuning tool run from a terminal. Checkpoints are
 # opt-in (a signal always saves one, and the final model is always saved); an explicit save_steps turns

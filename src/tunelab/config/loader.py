@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from tunelab.config.args import TRAINING_DEFAULTS, DataArguments, RunConfig, option_groups
+from tunelab.config.args import TRAINING_DEFAULTS, DataArguments, RunConfig, option_groups, training_group
 from tunelab.config.training_fields import OptionField
 from tunelab.config.llamafactory import llamafactory_advice
 from tunelab.errors import ConfigError
@@ -274,18 +274,17 @@ def load_config(
     for key in PRECISION_KEYS:
         if key in raw and isinstance(raw[key], str) and raw[key].strip().lower() == "auto":
             del raw[key]
-    groups = option_groups(purpose)
-    training_group = groups[4]
+    groups, training = option_groups(purpose), training_group(purpose)
     owners = _fields_by_key(groups)
     unknown = [k for k in raw if k not in owners]
     if unknown:
         raise ConfigError(_unknown_keys_message(unknown, origins, owners))
 
     values: dict[type, dict[str, Any]] = {group: {} for group in groups}
-    values[training_group].update(TRAINING_DEFAULTS)
+    values[training].update(TRAINING_DEFAULTS)
     if "use_cpu" not in raw and not _has_accelerator():
         # transformers refuses bf16 on a CPU-only machine unless use_cpu is said explicitly.
-        values[training_group]["use_cpu"] = True
+        values[training]["use_cpu"] = True
     for key, value in raw.items():
         group, option = owners[key]
         if option.metadata.get("const") is True and str(value).lower() in ("true", "1", "yes", "on"):
@@ -293,7 +292,7 @@ def load_config(
             continue
         values[group][key] = _coerce(key, value, option.annotation)
     _resolve_template_alias(values[DataArguments])
-    training_values = values[training_group]
+    training_values = values[training]
     if "save_steps" in raw and "save_strategy" not in raw:
         training_values["save_strategy"] = "steps"  # a checkpoint interval means checkpoints (LlamaFactory, Trainer)
     if training_values.get("dataloader_num_workers", 0) > 0 and "dataloader_persistent_workers" not in raw:
