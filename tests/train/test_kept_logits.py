@@ -125,19 +125,24 @@ def test_chunked_cross_entropy_equals_torch_in_every_chunking(smoothing):
     expected = F.cross_entropy(logits, targets, reduction="sum", label_smoothing=smoothing)
     (grad_expected,) = torch.autograd.grad(expected, logits)
     for chunk in (1, 4, 13, 100):
-        log_p, mean_log_p = losses.token_log_probs(logits, targets, chunk)
+        log_p, mean_log_p = losses.token_log_probs(logits, targets, chunk, with_mean=bool(smoothing))
         total = -((1 - smoothing) * log_p + smoothing * mean_log_p).sum()
         (grad,) = torch.autograd.grad(total, logits)
         assert abs(total.item() - expected.item()) < 1e-4
         assert (grad - grad_expected).abs().max().item() < 1e-6
 
 
-def test_chunked_gradient_keeps_the_logits_dtype():
+@pytest.mark.parametrize("with_mean", [False, True])
+def test_chunked_gradient_keeps_the_logits_dtype(with_mean):
     logits = torch.randn(5, VOCAB, dtype=torch.bfloat16, requires_grad=True)
-    log_p, _ = losses.token_log_probs(logits, torch.arange(5), chunk=2)
+    log_p, mean = losses.token_log_probs(logits, torch.arange(5), chunk=2, with_mean=with_mean)
     assert log_p.dtype == torch.float32
-    log_p.sum().backward()
+    (log_p.sum() + 0.5 * mean.sum()).backward()
     assert logits.grad.dtype == torch.bfloat16
+    reference = logits.detach().float().requires_grad_()
+    expected = torch.log_softmax(reference, -1)
+    (expected[torch.arange(5), torch.arange(5)].sum() + (0.5 * expected.mean(-1).sum() if with_mean else 0)).backward()
+    assert (logits.grad.float() - reference.grad).abs().max() < 1e-2  # bf16 rounding of the float32 gradient
 
 
 def test_smoothed_loss_on_kept_logits_equals_torch_on_every_position():
@@ -264,7 +269,7 @@ def test_targets_by_width_equal_targets_by_mask():
 
 def test_filling_rows_count_for_nothing():
     logits = torch.randn(4, 11, requires_grad=True)
-    log_p, mean = losses.token_log_probs(logits, torch.tensor([3, -100, 7, -100]))
+    log_p, mean = losses.token_log_probs(logits, torch.tensor([3, -100, 7, -100]), with_mean=True)
     assert log_p[1] == log_p[3] == mean[1] == mean[3] == 0
     assert torch.allclose(log_p[[0, 2]], torch.log_softmax(logits, -1)[[0, 2], [3, 7]])
     (log_p.sum() + mean.sum()).backward()

@@ -88,44 +88,57 @@ def kept_pairs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor
 
 
 class _TokenLogProbs(torch.autograd.Function):
-    """log p(target) and the mean log p over the vocabulary, per row of (N, V) logits, chunked.
+    """log p(target), and with `with_mean` the mean log p over the vocabulary, per row of (N, V) logits, chunked.
 
     Forward keeps one float32 logsumexp per row; backward recomputes each chunk's softmax and writes
-    d/dlogits = g_target·(onehot − p) + g_mean·(1/V − p) in the logits' dtype.
+    d/dlogits = g_target·(onehot − p) + g_mean·(1/V − p) in the logits' dtype, straight into the gradient when the
+    logits are float32. Without label smoothing the mean is neither computed nor differentiated: every pass over
+    (chunk, V) elements counts where the head runs at every position (pt).
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk: int, with_mean: bool):
         rows, vocab = logits.shape
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        mean = torch.empty(rows, dtype=torch.float32, device=logits.device) if with_mean else None
         for start in range(0, rows, chunk):
             part = logits[start : start + chunk].float()
             lse[start : start + chunk] = torch.logsumexp(part, dim=-1)
-            mean[start : start + chunk] = part.mean(dim=-1)
+            if with_mean:
+                mean[start : start + chunk] = part.mean(dim=-1)
         picked = logits.gather(1, targets[:, None]).squeeze(1).float()
         ctx.save_for_backward(logits, targets, lse)
-        ctx.chunk = chunk
-        return picked - lse, mean - lse
+        ctx.chunk, ctx.with_mean = chunk, with_mean
+        return picked - lse, (mean - lse) if with_mean else torch.zeros_like(lse)
 
     @staticmethod
     def backward(ctx, grad_picked: torch.Tensor, grad_mean: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         rows, vocab = logits.shape
         grad = torch.empty_like(logits)
+        in_place = logits.dtype == torch.float32
         for start in range(0, rows, ctx.chunk):
             end = min(start + ctx.chunk, rows)
-            g_pick, g_mean = grad_picked[start:end, None], grad_mean[start:end, None]
-            probs = (logits[start:end].float() - lse[start:end, None]).exp_()
-            part = probs.mul_(-(g_pick + g_mean)).add_(g_mean / vocab)
+            g_pick = grad_picked[start:end, None]
+            part = grad[start:end] if in_place else torch.empty((end - start, vocab), device=logits.device)
+            torch.sub(logits[start:end].float(), lse[start:end, None], out=part).exp_()  # the softmax
+            if ctx.with_mean:
+                g_mean = grad_mean[start:end, None]
+                part.mul_(-(g_pick + g_mean)).add_(g_mean / vocab)
+            else:
+                part.mul_(-g_pick)
             part.scatter_add_(1, targets[start:end, None], g_pick)
-            grad[start:end] = part
-        return grad, None, None
+            if not in_place:
+                grad[start:end] = part
+        return grad, None, None, None
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def token_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, chunk: int | None = None, with_mean: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p[target], mean over the vocabulary of log p), float32, one per row of (N, vocab) logits; 0 for both
-    where the target is -100 (the filling rows of next_token_index), which then take no part in the gradient."""
+    where the target is -100 (the filling rows of next_token_index), which then take no part in the gradient.
+    The mean (label smoothing's term) only with `with_mean`; zeros otherwise."""
     if logits.shape[0] != targets.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for {targets.shape[0]} supervised positions")
     if logits.shape[0] == 0:
@@ -134,7 +147,7 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor, chunk: int | No
     chunk = chunk or max(1, CHUNK_ELEMENTS // logits.shape[-1])
     targets = targets.to(logits.device)
     counted = targets != IGNORE_INDEX
-    log_p, mean = _TokenLogProbs.apply(logits, targets.clamp(min=0), chunk)
+    log_p, mean = _TokenLogProbs.apply(logits, targets.clamp(min=0), chunk, with_mean)
     return log_p * counted, mean * counted
 
 
@@ -151,7 +164,7 @@ def causal_lm_loss(
     label t+1. Without num_items_in_batch (evaluation), the mean over this batch's supervised tokens.
     """
     kept, targets = kept_pairs(logits, labels)
-    log_p, mean_log_p = token_log_probs(kept, targets)
+    log_p, mean_log_p = token_log_probs(kept, targets, with_mean=bool(label_smoothing))
     nll = -log_p.sum()
     total = (1 - label_smoothing) * nll - label_smoothing * mean_log_p.sum() if label_smoothing else nll
     if num_items_in_batch is None:
