@@ -43,11 +43,11 @@ def _options_help() -> str:
     """Every option with its default (tunelab's where it changes transformers') and, for choices, the values."""
     import typing  # noqa: PLC0415
 
-    from tunelab.config.args import ARGUMENT_GROUPS, TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments, TrainingOptions  # noqa: PLC0415
+    from tunelab.config.args import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments, TrainingOptions, option_groups  # noqa: PLC0415
     from tunelab.config.loader import ALIASES, PRECISION_KEYS  # noqa: PLC0415
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
-    for group in ARGUMENT_GROUPS:
+    for group in option_groups("train"):
         hints = typing.get_type_hints(group)
         ours = {f.name for f in dataclasses.fields(TrainingOptions)}
         theirs = {f.name for f in dataclasses.fields(group)} - ours if group is TrainingArguments else set()

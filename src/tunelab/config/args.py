@@ -397,14 +397,12 @@ class ExportArguments:
 
 
 def __getattr__(name: str) -> Any:
-    """`TrainingArguments` (transformers' with TrainingOptions) and `ARGUMENT_GROUPS`, built on first use:
-    transformers' training arguments import peft, and through it bitsandbytes (config/training_fields.py)."""
+    """`TrainingArguments` (transformers' with TrainingOptions), imported on first use: transformers' training
+    arguments import peft, and through it bitsandbytes (config/training_fields.py)."""
     if name == "TrainingArguments":
         from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
 
         return TrainingArguments
-    if name == "ARGUMENT_GROUPS":
-        return option_groups("train")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from tunelab.config.args import TRAINING_DEFAULTS, DataArguments, RunConfig, option_groups, training_group
-from tunelab.config.training_fields import OptionField
+from tunelab.config.training_fields import OptionField, dataclass_options
 from tunelab.config.llamafactory import llamafactory_advice
 from tunelab.errors import ConfigError
 
@@ -82,9 +82,7 @@ def _group_fields(group: type) -> dict[str, OptionField]:
         from tunelab.config.training_values import training_value_fields  # noqa: PLC0415
 
         return training_value_fields()
-    hints = typing.get_type_hints(group)
-    return {f.name: OptionField(f.name, hints[f.name], f.default, f.metadata)
-            for f in dataclasses.fields(group) if f.init and not f.name.startswith("_")}
+    return dataclass_options(group)
 
 
 def _fields_by_key(groups: tuple[type, ...]) -> dict[str, tuple[type, OptionField]]:

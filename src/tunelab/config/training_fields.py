@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import functools
 import importlib.util
 import typing
@@ -51,6 +52,13 @@ def _literal(node: ast.expr | None, default: Any = None) -> Any:
         return ast.literal_eval(node) if node is not None else default
     except ValueError:  # a computed value (optim's default depends on the torch version)
         return default
+
+
+def dataclass_options(cls: type) -> dict[str, OptionField]:
+    """The init fields of an option dataclass (ours, or the imported TrainingArguments) as OptionFields."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: OptionField(f.name, hints[f.name], f.default, MappingProxyType(dict(f.metadata)))
+            for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")}
 
 
 METADATA = ("help", "const")  # what tunelab reads of an option's metadata (const: a text option that is a switch)

@@ -13,23 +13,16 @@ import copy
 import dataclasses
 import functools
 import types
-import typing
-from types import MappingProxyType
 from typing import Any
 
 from tunelab.config.args import TrainingOptions
-from tunelab.config.training_fields import OptionField, transformers_training_fields
+from tunelab.config.training_fields import OptionField, dataclass_options, transformers_training_fields
 
 
 @functools.cache
 def training_value_fields() -> dict[str, OptionField]:
     """transformers' training options, then tunelab's (which win where both name one, as in TrainingArguments)."""
-    hints = typing.get_type_hints(TrainingOptions)
-    own = {
-        f.name: OptionField(f.name, hints[f.name], f.default, MappingProxyType(dict(f.metadata)))
-        for f in dataclasses.fields(TrainingOptions)
-    }
-    return {**transformers_training_fields(), **own}
+    return {**transformers_training_fields(), **dataclass_options(TrainingOptions)}
 
 
 class TrainingValues(types.SimpleNamespace):
