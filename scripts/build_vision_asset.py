@@ -18,8 +18,10 @@ as `<image>`, a text part as its text, so both `"content": "<image>What..."` and
 list form give the same string.
 
 Reproducible output: every random source is seeded, torch runs single-threaded with deterministic
-algorithms, and JSON files are written with sorted keys, so two runs give byte-identical files on
-the same library versions. Check with:
+algorithms and the same CPU kernels on every x86-64 machine (AVX2: torch's own kernels, MKL and oneDNN
+are told not to pick their AVX-512 paths, whose float sums round differently; the committed files
+were built that way), and JSON files are written with sorted keys, so two runs give byte-identical
+files on the same library versions, whatever the CPU. Check with:
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/a
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/b
     diff /tmp/a /tmp/b && echo identical
@@ -29,11 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
 
-import torch
+# Read by torch, MKL and oneDNN when they load: set before torch is imported. An AVX-512 CPU would otherwise take
+# other kernels than the AVX2 one that built the committed files (the same values, rounded in another order).
+os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+
+import torch  # noqa: E402
 from PIL import Image
 from transformers import (
     AutoTokenizer,

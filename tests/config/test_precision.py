@@ -104,3 +104,55 @@ def test_the_training_log_says_the_choice_and_why(tmp_path, caplog) -> None:
                      "disable_tqdm=true", f"output_dir={tmp_path / 'out'}"]) == 0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision: ")]
     assert lines == [f"precision: {choice.mode} (auto): {choice.reason}"]
+
+
+def test_the_switch_decides_as_on_the_other_cpu_kind() -> None:
+    """TUNELAB_CPU_BF16 overrides the CPU's own facts (flags, probe) in both directions; GPUs are not affected."""
+    no_flags = frozenset({"avx2", "avx512f"})
+    assert choose_precision(DeviceFacts("cpu", XEON, cpu_flags=no_flags, assumed_bf16=True)) == PrecisionChoice(
+        "bf16", f"TUNELAB_CPU_BF16=1 decides as on a CPU with fast native bf16 ({XEON} lacks avx512_bf16 / amx_bf16)")
+    fast = DeviceFacts("cpu", SAPPHIRE, cpu_flags=frozenset({"avx512_bf16"}), probe=CpuProbe(57.0, 262.0, 2),
+                       assumed_bf16=False)
+    assert choose_precision(fast) == PrecisionChoice(
+        "fp32", f"TUNELAB_CPU_BF16=0 decides as on a CPU without fast native bf16 ({SAPPHIRE} has avx512_bf16)")
+    assert choose_precision(DeviceFacts("cuda", "Tesla T4", (7, 5), assumed_bf16=True)).mode == "fp16"
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("", None), (" 1 ", True)])
+def test_the_switch_reads_one_or_zero(value, expected) -> None:
+    assert precision.assumed_cpu_bf16({"TUNELAB_CPU_BF16": value}) is expected
+    assert precision.assumed_cpu_bf16({}) is None
+
+
+def test_a_wrong_switch_value_is_one_line() -> None:
+    from tunelab.errors import ConfigError  # noqa: PLC0415
+
+    with pytest.raises(ConfigError) as error:
+        precision.assumed_cpu_bf16({"TUNELAB_CPU_BF16": "yes"})
+    assert str(error.value) == (
+        "TUNELAB_CPU_BF16='yes': expected 1 (decide bf16 / fp16 auto as on a CPU with fast native bf16) or 0 (as on "
+        "one without); or unset it to read this CPU's own facts")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU branch: this machine trains on its GPU")
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_under_the_switch_the_cpu_is_not_probed(tmp_path, monkeypatch, switch) -> None:
+    monkeypatch.setenv("TUNELAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("TUNELAB_CPU_BF16", switch)
+    facts = precision.device_facts(use_cpu=True)
+    assert (facts.kind, facts.probe, facts.assumed_bf16) == ("cpu", None, switch == "1")
+    assert not (tmp_path / precision.PROBE_FILE).exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU branch: this machine trains on its GPU")
+def test_bf16_auto_on_a_cpu_needs_use_cpu(tmp_path, monkeypatch) -> None:
+    """transformers refuses bf16 on a CPU unless use_cpu is true: auto keeps fp32 when use_cpu: false is said."""
+    monkeypatch.setenv("TUNELAB_CPU_BF16", "1")
+    base = {"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_sort", "output_dir": str(tmp_path / "o")}
+    on = load_config(write(tmp_path, base))
+    assert (on.training.bf16, on.training.use_cpu) == (True, True)
+    assert on.precision.startswith("bf16 (auto): TUNELAB_CPU_BF16=1 decides as on a CPU with fast native bf16 (")
+    off = load_config(write(tmp_path, {**base, "use_cpu": False}))
+    assert (off.training.bf16, off.training.fp16, off.training.use_cpu) == (False, False, False)
+    assert off.precision.startswith("fp32 (auto): TUNELAB_CPU_BF16=1 decides as on a CPU with fast native bf16 (")
+    assert off.precision.endswith("), but use_cpu is false (transformers trains bf16 on a CPU only with use_cpu: true)")

@@ -236,7 +236,12 @@ def _auto_precision(training_values: dict[str, Any], purpose: str) -> str | None
     # The launching process of a multi-process run keeps its hands off the GPUs (train/launch.py): it decides
     # for the CPU, only to check the config; each worker decides again for its own device.
     use_cpu = bool(training_values.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    choice = precision.choose_precision(precision.device_facts(use_cpu))
+    facts = precision.device_facts(use_cpu)
+    choice = precision.choose_precision(facts)
+    if choice.mode == "bf16" and facts.kind == "cpu" and not use_cpu:
+        # use_cpu: false said outright on a machine without a GPU: transformers refuses bf16 on a CPU without it.
+        choice = precision.PrecisionChoice("fp32", f"{choice.reason}, but use_cpu is false (transformers trains bf16 "
+                                           "on a CPU only with use_cpu: true)")
     bf16, fp16 = precision.resolve_flags(given["bf16"], given["fp16"], choice)
     training_values["bf16"], training_values["fp16"] = bf16, fp16
     chosen = "bf16" if bf16 else "fp16" if fp16 else "fp32"

@@ -9,6 +9,10 @@ older CUDA GPUs (compute capability 7.x, and 6.x where fp16 math is native). fp3
 
 `choose_precision` is a pure function of the facts (device kind, compute capability, CPU flags, probe figures),
 so each branch is tested with the facts as data; `device_facts` reads them from this machine.
+
+`TUNELAB_CPU_BF16=1` makes `auto` decide as on a CPU with fast native bf16, `TUNELAB_CPU_BF16=0` as on one without,
+whatever this CPU has (GPUs are not affected). The test suite pins it to 0 and runs its bf16 variants with 1, so
+both paths run on every machine; on a CPU without native bf16 the bf16 path is slower there, not wrong.
 """
 
 from __future__ import annotations
@@ -18,15 +22,19 @@ import json
 import os
 import platform
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from tunelab.errors import ConfigError
 
 Mode = Literal["bf16", "fp16", "fp32"]
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo names of native bf16 matrix instructions
 MIN_CPU_BF16_SPEEDUP = 1.2  # bf16 must beat fp32 matmul by this much on the probe to be worth its rounding
 PROBE_FILE = "precision_probe.json"
+CPU_BF16_ENV = "TUNELAB_CPU_BF16"  # "1" / "0": decide as on a CPU with / without fast native bf16
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,7 @@ class DeviceFacts:
     compute_capability: tuple[int, int] | None = None  # cuda only
     cpu_flags: frozenset[str] = frozenset()
     probe: CpuProbe | None = None
+    assumed_bf16: bool | None = None  # cpu only: TUNELAB_CPU_BF16 said to decide as if it has (or lacks) bf16
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,13 @@ def choose_precision(facts: DeviceFacts) -> PrecisionChoice:
     if facts.kind == "cpu":
         flags = sorted(set(CPU_BF16_FLAGS) & facts.cpu_flags)
         where = facts.name or "this CPU"
+        if facts.assumed_bf16 is not None:
+            has = "has" if flags else "lacks"
+            return PrecisionChoice(
+                "bf16" if facts.assumed_bf16 else "fp32",
+                f"{CPU_BF16_ENV}={int(facts.assumed_bf16)} decides as on a CPU {'with' if facts.assumed_bf16 else 'without'}"
+                f" fast native bf16 ({where} {has} {' / '.join(flags or CPU_BF16_FLAGS)})",
+            )
         if not flags:
             return PrecisionChoice("fp32", f"{where} lacks {' / '.join(CPU_BF16_FLAGS)}: no native bf16 matmul, "
                                    "it runs slower than fp32")
@@ -173,8 +189,21 @@ def cached_cpu_probe(name: str, flags: frozenset[str], path: Path | None = None)
     return probe
 
 
+def assumed_cpu_bf16(environ: Mapping[str, str] | None = None) -> bool | None:
+    """What TUNELAB_CPU_BF16 says to assume of the CPU: True (fast native bf16), False (none), None (unset).
+    os.environ is read at the call: datasets' parallel map replaces the os.environ object."""
+    value = (os.environ if environ is None else environ).get(CPU_BF16_ENV, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ConfigError(f"{CPU_BF16_ENV}={value!r}: expected 1 (decide bf16 / fp16 auto as on a CPU with fast native "
+                          "bf16) or 0 (as on one without); or unset it to read this CPU's own facts")
+    return value == "1"
+
+
 def device_facts(use_cpu: bool) -> DeviceFacts:
-    """This machine's facts for the device training will use: the first CUDA GPU unless `use_cpu` (or no GPU)."""
+    """This machine's facts for the device training will use: the first CUDA GPU unless `use_cpu` (or no GPU).
+    Under TUNELAB_CPU_BF16 a CPU is not probed: the variable decides."""
     import torch  # noqa: PLC0415
 
     if not use_cpu and torch.cuda.is_available():
@@ -183,6 +212,8 @@ def device_facts(use_cpu: bool) -> DeviceFacts:
         (hasattr(torch, "xpu") and torch.xpu.is_available()) or torch.backends.mps.is_available()
     ):
         return DeviceFacts("other", "xpu" if hasattr(torch, "xpu") and torch.xpu.is_available() else "mps")
-    name, flags = cpu_name(), cpu_flags()
+    name, flags, assumed = cpu_name(), cpu_flags(), assumed_cpu_bf16()
+    if assumed is not None:
+        return DeviceFacts("cpu", name, cpu_flags=flags, assumed_bf16=assumed)
     probe = cached_cpu_probe(name, flags) if set(CPU_BF16_FLAGS) & flags else None
     return DeviceFacts("cpu", name, cpu_flags=flags, probe=probe)

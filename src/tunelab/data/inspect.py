@@ -422,8 +422,9 @@ def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
     return lines
 
 
-def stats_report(data: RunData, out_dir: Path) -> list[str]:
-    """The `tunelab data stats` output; writes length_histogram.png and stats.json into out_dir."""
+def stats_report(data: RunData, out_dir: Path | None) -> list[str]:
+    """The `tunelab data stats` output; writes length_histogram.png and stats.json into out_dir (None: the report
+    alone, saying how to get the files)."""
     config = data.config
     args = config.training
     cutoff = config.data.cutoff_len
@@ -480,6 +481,10 @@ def stats_report(data: RunData, out_dir: Path) -> list[str]:
     lines.append(f"length histogram (tokens, {what}s):")
     lines += histogram_lines(hist)
 
+    if out_dir is None:
+        lines.append("length_histogram.png and stats.json not written: no output_dir or --out given; add "
+                     "--out FOLDER (or output_dir=...) to write them")
+        return lines
     png = save_histogram(lengths, cutoff, out_dir / "length_histogram.png", f"train {what} lengths ({stats.count})")
     result.update(histogram=[list(h) for h in hist], pipeline=data.report)
     (out_dir / "stats.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
@@ -541,9 +546,10 @@ def verify_images(data: RunData, max_rows: int) -> tuple[str | None, list[str]]:
                   "(the processor's expansion), none supervised"]
 
 
-def default_stats_dir(config: RunConfig) -> Path:
-    # A subfolder the output_dir check ignores, so training into output_dir still works afterwards.
-    return Path(config.training.output_dir) / DATA_STATS_DIR
+def default_stats_dir(config: RunConfig) -> Path | None:
+    """output_dir/data_stats, or None without an output_dir. A subfolder the output_dir check ignores, so training
+    into output_dir still works afterwards."""
+    return Path(config.training.output_dir) / DATA_STATS_DIR if config.training.output_dir else None
 
 
 # --------------------------------------------------------------------------------------------------
