@@ -1,0 +1,212 @@
+"""write_gguf: llama.cpp's names, layouts, types and metadata, proved by reading the files back.
+
+transformers' GGUF loader is the independent reader: it undoes llama.cpp's conventions on its own (its reverse
+q/k permutation, Gemma's norm offset, tokenizer rebuilt from the metadata), so an f32 file that reloads to the
+same logits was written the way llama.cpp lays models out. Layout details are also checked on the raw file.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+    PreTrainedTokenizerFast, Qwen2Config, Qwen3Config,
+)
+
+from tunelab.assets import TINY_MODEL_DIR
+from tunelab.data.templates import Template, builtin_source
+from tunelab.export import gguf_writer
+from tunelab.export.gguf_writer import ExportError, embedded_chat_template, write_gguf
+from tunelab.errors import TunelabError
+
+TEXT = "<|im_start|>user\nWhat is 12+30? ünï 🙂 the quick brown fox<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+def _reload(path):
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def test_tiny_f32_reloads_to_identical_logits_ids_and_template(tiny, tiny_gguf):
+    model, tokenizer = _reload(tiny_gguf("f32"))
+    ids = tiny.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    assert tokenizer(TEXT, add_special_tokens=False)["input_ids"] == ids
+    assert tokenizer.chat_template == tiny.chat_template
+    with torch.no_grad():
+        assert torch.equal(model(torch.tensor([ids])).logits, tiny.model(torch.tensor([ids])).logits)
+
+
+def test_metadata_follows_llama_cpp(tiny, tiny_gguf):
+    reader = gguf.GGUFReader(tiny_gguf("q8_0"))
+    config = tiny.model.config
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert _field(reader, "llama.block_count") == config.num_hidden_layers
+    assert _field(reader, "llama.embedding_length") == config.hidden_size
+    assert _field(reader, "llama.attention.head_count_kv") == config.num_key_value_heads
+    assert _field(reader, "llama.rope.dimension_count") == config.head_dim
+    assert _field(reader, "llama.rope.freq_base") == pytest.approx(10000.0)
+    assert _field(reader, "tokenizer.ggml.model") == "gpt2"
+    assert _field(reader, "tokenizer.ggml.pre") == "smollm"  # Digits(individual) + ByteLevel, as SmolLM's
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is False
+    assert _field(reader, "tokenizer.ggml.bos_token_id") == tiny.tokenizer.bos_token_id
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == tiny.tokenizer.eos_token_id
+    assert _field(reader, "tokenizer.ggml.eot_token_id") == tiny.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert _field(reader, "tokenizer.chat_template") == tiny.chat_template
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    types = _field(reader, "tokenizer.ggml.token_type")
+    assert len(tokens) == config.vocab_size
+    assert types[tokens.index("<|im_end|>")] == gguf.TokenType.CONTROL
+    assert "output.weight" not in {t.name for t in reader.tensors}  # tied head: llama.cpp reuses token_embd
+
+
+def test_tensor_types_follow_llama_cpp(tiny_gguf):
+    """Norms and other 1-D tensors stay f32; every matrix gets the requested type; in a 4-bit file the tied
+    head/embedding gets q8_0 (llama-quantize's q6_k cannot be written by gguf-py)."""
+    for tensor_type, matrix in (("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0"), ("q4_0", "Q4_0")):
+        types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tiny_gguf(tensor_type)).tensors}
+        assert {name for name, kind in types.items() if kind == "F32"} == {n for n in types if n.endswith("norm.weight")}
+        assert types["blk.0.attn_q.weight"] == matrix
+        assert types["token_embd.weight"] == ("Q8_0" if tensor_type == "q4_0" else matrix)
+
+
+def test_llama_q_and_k_rows_are_permuted_as_llama_cpp_does(tiny, tiny_gguf):
+    """HF rotates half-dimension pairs (i, i + d/2); llama.cpp interleaved pairs (2i, 2i + 1): row 2i of each head
+    is HF row i, row 2i + 1 is HF row i + d/2."""
+    stored = {t.name: t for t in gguf.GGUFReader(tiny_gguf("f32")).tensors}
+    head_dim = tiny.model.config.head_dim
+    for hf_name, gguf_name in (("q_proj", "attn_q"), ("k_proj", "attn_k")):
+        hf = getattr(tiny.model.model.layers[1].self_attn, hf_name).weight.detach().numpy()
+        ours = np.asarray(stored[f"blk.1.{gguf_name}.weight"].data).reshape(hf.shape)
+        for head in range(hf.shape[0] // head_dim):
+            block, rows = hf[head * head_dim:(head + 1) * head_dim], ours[head * head_dim:(head + 1) * head_dim]
+            assert np.array_equal(rows[0::2], block[: head_dim // 2])
+            assert np.array_equal(rows[1::2], block[head_dim // 2:])
+    v = np.asarray(stored["blk.1.attn_v.weight"].data)
+    assert np.array_equal(v.reshape(-1), tiny.model.model.layers[1].self_attn.v_proj.weight.detach().numpy().reshape(-1))
+
+
+_SMALL = dict(vocab_size=864, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Two heads of 256 (Qwen3: 128) where transformers' GGUF loader assumes those head sizes (it reads no
+# query_pre_attn_scalar / head_dim for these families).
+_FEW_HEADS = {**_SMALL, "num_attention_heads": 2, "num_key_value_heads": 1}
+FAMILY_CONFIGS = {
+    "llama (untied head, grouped kv)": LlamaConfig(**_SMALL, tie_word_embeddings=False),
+    "mistral": MistralConfig(**_SMALL, tie_word_embeddings=False),
+    "qwen2 (q/k/v biases, tied head)": Qwen2Config(**_SMALL, tie_word_embeddings=True),
+    "qwen3 (q/k norms)": Qwen3Config(**_FEW_HEADS, head_dim=128, tie_word_embeddings=False),
+    "gemma2 (1 + w norms, soft-capping)": Gemma2Config(**_FEW_HEADS, head_dim=256, query_pre_attn_scalar=256),
+    "gemma3 (sliding layers)": Gemma3TextConfig(**{**_FEW_HEADS, "num_hidden_layers": 7}, head_dim=256,
+                                                query_pre_attn_scalar=256, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+def test_each_family_reloads_to_identical_logits(family, tmp_path):
+    """Random non-trivial weights (norms and biases moved off their initial values), longer than Gemma 3's
+    sliding window: written f32, read back by transformers, the same logits."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILY_CONFIGS[family], dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.02)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    path = write_gguf(model, tokenizer, None, None, tmp_path / "model.gguf", "f32")
+    reloaded, _ = _reload(path)
+    ids = torch.tensor([tokenizer(TEXT * 2, add_special_tokens=False)["input_ids"]])
+    assert ids.shape[1] > 16
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_gemma3_keeps_its_layer_pattern_and_local_rope(tmp_path):
+    config = Gemma3TextConfig(**{**_FEW_HEADS, "num_hidden_layers": 7}, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=8)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = write_gguf(model, AutoTokenizer.from_pretrained(TINY_MODEL_DIR), None, None, tmp_path / "g.gguf", "f16")
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "gemma3.attention.sliding_window") == 8
+    assert _field(reader, "gemma3.attention.sliding_window_pattern") == [
+        kind == "sliding_attention" for kind in config.layer_types]
+    assert _field(reader, "gemma3.rope.freq_base_swa") == pytest.approx(10000.0)
+    assert _field(reader, "gemma3.rope.freq_base") == pytest.approx(1e6)
+    norm = next(t for t in reader.tensors if t.name == "blk.0.attn_norm.weight")
+    assert np.allclose(np.asarray(norm.data), 1.0)  # Gemma's norms start at 0 in HF and are stored as 1 + w
+
+
+def test_unwritable_types_and_architectures_say_what_can_be_written(tiny, tmp_path):
+    with pytest.raises(ExportError, match=r"cannot write 'q4_k_m'; gguf-py writes f32, f16, bf16, q8_0.*llama-quantize"):
+        write_gguf(tiny.model, tiny.tokenizer, None, None, tmp_path / "x.gguf", "q4_k_m")
+    from transformers import GPT2Config  # noqa: PLC0415
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=864))
+    with pytest.raises(ExportError, match=r"cannot write model_type 'gpt2'; tunelab writes GGUF for llama, mistral"):
+        write_gguf(gpt2, tiny.tokenizer, None, None, tmp_path / "x.gguf", "f16")
+    assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob("*.partial"))
+    assert issubclass(ExportError, TunelabError) and issubclass(ExportError, ValueError)  # one line in the CLI
+
+
+def test_a_tokenizer_llama_cpp_cannot_read_is_refused(tiny, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    word_level = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    with pytest.raises(ExportError, match="a WordLevel tokenizer cannot be written; llama.cpp reads byte-level BPE"):
+        write_gguf(tiny.model, word_level, None, None, tmp_path / "x.gguf", "f16")
+
+
+def test_template_variables_are_baked_into_the_embedded_template(tiny, tmp_path):
+    """A runtime renders the GGUF's template without tunelab's template_kwargs: with them set inside, it renders
+    what training rendered (Qwen3 with thinking off pre-fills an empty think block)."""
+    source = builtin_source("qwen3")
+    baked = embedded_chat_template(source, {"enable_thinking": False})
+    messages = [{"role": "user", "content": "Hi"}]
+    trained = Template.from_jinja("qwen3", source).prompt(messages, enable_thinking=False)
+    assert "<think>\n\n</think>" in trained
+    assert Template.from_jinja("baked", baked).prompt(messages) == trained
+    macro = "{% macro m() %}{{ flag }}{% endmacro %}{{ m() }}|{{ flag }}"  # macros see the baked value too
+    assert Template.from_jinja("m", embedded_chat_template(macro, {"flag": True})).render([]) == "True|True"
+    path = write_gguf(tiny.model, tiny.tokenizer, source, {"enable_thinking": False}, tmp_path / "q.gguf", "q8_0")
+    assert _field(gguf.GGUFReader(path), "tokenizer.chat_template") == baked
+    with pytest.raises(ExportError, match="cannot be written into the GGUF's chat template"):
+        embedded_chat_template(source, {"enable_thinking": object()})
+
+
+def test_pre_tokenizer_regexes_are_the_ones_transformers_reads_back():
+    """Our names for tokenizer.json split regexes agree with the table transformers' GGUF loader rebuilds from."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    for name, regex in gguf_writer._SPLIT_REGEXES.items():
+        assert mapping.GGUF_PRE_TOKENIZER_SPLITS[name] == regex, name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("item", "pre", "config"), [
+    ("qwen3", "qwen2", Qwen3Config(**{**_FEW_HEADS, "vocab_size": 151936}, head_dim=128, tie_word_embeddings=True)),
+    ("llama3_1", "llama-bpe", LlamaConfig(**{**_SMALL, "vocab_size": 128256}, tie_word_embeddings=True)),
+])
+def test_real_tokenizers_round_trip(item, pre, config, tmp_path):
+    """Qwen3's and Llama 3's own tokenizers (151k / 128k tokens, their split regexes, hundreds of added tokens) on a
+    tiny random model of the family: the GGUF's tokenizer encodes the probes to the same ids."""
+    from tests.real_assets import real  # noqa: PLC0415
+    from tunelab.export.parity import check_parity  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(real(item))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "m.gguf", "f16")
+    assert _field(gguf.GGUFReader(path), "tokenizer.ggml.pre") == pre
+    report = check_parity(model, tokenizer, tokenizer.chat_template, None, path, "gguf", max_new_tokens=4,
+                          llama_cpp=False)
+    assert report.ok and report.readers[0].ids_identical and report.readers[0].special_tokens_identical
+    assert json.loads(json.dumps(report.to_dict()))["ok"] is True
