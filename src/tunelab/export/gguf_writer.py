@@ -172,6 +172,29 @@ def write_gguf(
     return out
 
 
+def rounded_as_stored(model: torch.nn.Module, tensor_type: str) -> torch.nn.Module:
+    """A float32 copy of `model` whose every weight is rounded exactly as write_gguf stores it (quantized, then
+    dequantized by gguf-py): what a correct reader of the file computes, up to its own arithmetic. Row permutations
+    and norm offsets are left out: they move values without rounding them (quantization blocks run along rows)."""
+    import copy  # noqa: PLC0415
+
+    family = model_family(model.config)
+    qtype, _ = TENSOR_TYPES[tensor_type.lower()]
+    plan = _tensor_plan(model, family)
+    head = "output.weight" if any(item.name == "output.weight" for item in plan) else "token_embd.weight"
+    rounded = copy.deepcopy(model).float().eval()
+    state = rounded.state_dict()
+    with torch.no_grad():
+        for item in plan:
+            ttype = _tensor_qtype(item.name, item.shape, qtype, head)
+            if item.hf_name is None or ttype == Q.F32:
+                continue
+            values = state[item.hf_name].numpy()
+            restored = gguf.quants.dequantize(_encode(values, ttype), ttype).reshape(values.shape)
+            state[item.hf_name].copy_(torch.from_numpy(np.ascontiguousarray(restored, dtype=np.float32)))
+    return rounded
+
+
 def model_family(config: Any) -> Family:
     """The llama.cpp architecture for a Hugging Face config; ExportError naming the supported ones otherwise."""
     model_type = getattr(config, "model_type", None)
@@ -221,6 +244,7 @@ class _Planned:
     source: torch.Tensor | np.ndarray
     rotary_heads: int = 0  # > 0: permute rows for llama.cpp's rotary layout, in this many heads
     shift: float = 0.0
+    hf_name: str | None = None  # the state-dict entry it comes from (None: computed, like rope_freqs)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -263,7 +287,7 @@ def _tensor_plan(model: torch.nn.Module, family: Family) -> list[_Planned]:
         elif family.permute_qk and base.endswith("self_attn.k_proj"):
             heads = config.num_key_value_heads
         shift = family.norm_shift if hf_name.endswith("norm.weight") else 0.0
-        plan.append(_Planned(f"{found[1]}.{suffix}", tensor, heads, shift))
+        plan.append(_Planned(f"{found[1]}.{suffix}", tensor, heads, shift, hf_name))
     rope_factors = _llama3_rope_factors(config)
     if rope_factors is not None:
         plan.append(_Planned(f"{gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS]}.weight", rope_factors))

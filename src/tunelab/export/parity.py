@@ -1,0 +1,512 @@
+"""Every export read back through an independent reader and compared with the model as trained.
+
+    report = check_parity(model, tokenizer, chat_template, template_vars, out / "model-q8_0.gguf", kind="gguf",
+                          report_path=out / "export_report.json")
+    print("\\n".join(report.lines()))
+
+The readers know nothing of tunelab: an exported Hugging Face folder is loaded with plain
+`AutoModelForCausalLM` / `AutoTokenizer.from_pretrained(folder)`; a GGUF with transformers' GGUF loader
+(`from_pretrained(folder, gguf_file=name)`: it rebuilds the tokenizer from the file's metadata and dequantizes the
+tensors), and also with llama.cpp itself when the `llama_cpp` package imports. On a few probe conversations
+rendered with the run's template they must give:
+
+    the chat template     the exported template (a GGUF's with the template variables baked in) renders every
+                          probe exactly as training rendered it
+    the token ids         identical ids for every rendered probe (and the same BOS/EOS added to plain text)
+    next-token logits     at every position of every probe: within float noise of the trained weights rounded
+                          exactly as the file stores them (STORED_TOLERANCE: a wrong layout shows at any type), and
+                          within the tensor type's tolerance of the model as trained (TOLERANCES: what rounding or
+                          quantization may cost; the measured gap is reported)
+    greedy answers        identical for f32 / f16 / bf16; reported for quantized types
+
+The report (ParityReport) serialises to export_report.json and prints short console lines; a mismatch raises
+ParityError, one line naming what differs, after the report is written. Logits are computed in float32 on both
+sides, so the gaps measure what the export changed (rounding, quantization, a wrong transform), not arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tunelab.data.templates import Template
+from tunelab.errors import TemplateError
+from tunelab.export.gguf_writer import FLOAT_TYPES, ExportError, embedded_chat_template, rounded_as_stored
+from tunelab.infer.generate import stop_token_ids
+
+logger = logging.getLogger(__name__)
+
+# Gaps are measured in units of the reference logits' standard deviation at that position, so a model with large
+# logits is not held to a tighter bound than one with small ones.
+#
+# TOLERANCES: the largest gap from the model as trained, per stored type: what rounding / quantization may cost.
+# Measured on the embedded tiny model and SmolLM2-135M-Instruct (docs/deploy.md) with headroom; for 4/5-bit types
+# it is a bound on a model ruined by quantization, not a promise of quality (the report has the measured gap).
+TOLERANCES: dict[str, float] = {
+    "f32": 1e-4,
+    "f16": 0.05,
+    "bf16": 0.25,
+    "q8_0": 1.0,
+    "q5_1": 8.0,
+    "q5_0": 8.0,
+    "q4_1": 12.0,
+    "q4_0": 12.0,
+    "torchao": 12.0,
+}
+# STORED_TOLERANCE: the largest gap from the trained weights rounded exactly as the file stores them
+# (gguf_writer.rounded_as_stored). transformers dequantizes those very values, so whatever the type, anything above
+# float noise means the file is not laid out as written (a tensor transposed, permuted or misnamed).
+STORED_TOLERANCE = 1e-3
+
+Message = dict[str, Any]
+
+PROBES: tuple[list[Message], ...] = (
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Hi!"},
+     {"role": "assistant", "content": "Hello! How can I help you today?"},
+     {"role": "user", "content": "Add 12 and 30, then say 'done'."}],
+    [{"role": "user", "content": "Übersetze «good morning» → 早上好 🙂\n\ttabs,  double  spaces, 3.14159"}],
+)
+PLAIN_PROBES = ("The capital of France is", "def fibonacci(n):\n    ", "Übersetze «good morning» → 早上好 🙂 3.14159")
+
+
+class ParityError(ExportError):
+    """What was written reads back differently from the model as trained."""
+
+
+@dataclass
+class ProbeResult:
+    prompt: str
+    tokens: int
+    ids_identical: bool
+    max_logit_gap: float  # from the model as trained, in reference standard deviations (see TOLERANCES)
+    max_abs_logit_gap: float
+    stored_gap: float  # from the trained weights rounded as stored (see STORED_TOLERANCE)
+    top1_agreement: float  # share of positions whose most likely next token is the same
+    reference_answer: list[int]
+    exported_answer: list[int]
+    reference_text: str = ""
+    exported_text: str = ""
+
+    @property
+    def answers_identical(self) -> bool:
+        return self.reference_answer == self.exported_answer
+
+
+@dataclass
+class ReaderResult:
+    """What one independent reader saw."""
+
+    reader: str  # "transformers" or "llama.cpp"
+    template_identical: bool
+    ids_identical: bool
+    special_tokens_identical: bool  # BOS/EOS added to plain text as the trained tokenizer adds them
+    max_logit_gap: float
+    max_abs_logit_gap: float
+    tolerance: float
+    stored_gap: float
+    stored_tolerance: float
+    greedy_identical: bool
+    greedy_required: bool
+    tokens_per_second: float | None
+    probes: list[ProbeResult] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ParityReport:
+    kind: str  # "hf" or "gguf"
+    path: str
+    tensor_type: str
+    file_bytes: int
+    readers: list[ReaderResult] = field(default_factory=list)
+    skipped_probes: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        return [problem for reader in self.readers for problem in reader.problems]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["ok"] = self.ok
+        for reader, result in zip(data["readers"], self.readers):
+            for probe, probe_result in zip(reader["probes"], result.probes):
+                probe["answers_identical"] = probe_result.answers_identical
+        return data
+
+    def write(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return path
+
+    def lines(self) -> list[str]:
+        """Short console lines: one per reader, then the problems."""
+        size = f"{self.file_bytes / 1e6:.1f} MB"
+        out = [f"export check: {self.kind} {Path(self.path).name} ({self.tensor_type}, {size})"]
+        for r in self.readers:
+            speed = f", {r.tokens_per_second:.1f} tokens/s" if r.tokens_per_second else ""
+            greedy = "identical" if r.greedy_identical else ("DIFFERENT" if r.greedy_required else "differ (reported)")
+            out.append(
+                f"  {r.reader}: template {'same' if r.template_identical else 'DIFFERENT'}, ids "
+                f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
+                f"{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), {r.stored_gap:.2g} "
+                f"sd from the weights as stored, greedy answers "
+                f"{greedy}{speed}"
+            )
+        out.extend(f"  problem: {problem}" for problem in self.problems)
+        return out
+
+
+def check_parity(
+    reference_model: torch.nn.Module,
+    tokenizer: Any,
+    chat_template: str | None,
+    template_vars: Mapping[str, Any] | None,
+    exported: str | Path,
+    kind: str,
+    *,
+    probes: Sequence[list[Message]] | None = None,
+    max_new_tokens: int = 16,
+    llama_cpp: bool | None = None,
+    report_path: str | Path | None = None,
+    raise_on_mismatch: bool = True,
+) -> ParityReport:
+    """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
+    and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
+
+    `llama_cpp`: also read a GGUF with llama.cpp (None: when the llama_cpp package imports). Writes the report to
+    `report_path` when given, then raises ParityError if anything differs beyond tolerance (unless
+    `raise_on_mismatch` is False).
+    """
+    exported = Path(exported)
+    if kind not in ("hf", "gguf"):
+        raise ValueError(f"kind must be 'hf' or 'gguf', not {kind!r}")
+    texts, skipped = _rendered_probes(chat_template, template_vars, tokenizer, probes)
+    tensor_type = _gguf_type(exported) if kind == "gguf" else _hf_type(exported)
+    file_bytes = exported.stat().st_size if exported.is_file() else sum(
+        p.stat().st_size for p in exported.rglob("*") if p.is_file())
+    report = ParityReport(kind, str(exported), tensor_type, file_bytes, skipped_probes=skipped)
+    stops = _stop_ids(tokenizer, chat_template)
+    reference = TransformersReader("reference", reference_model, tokenizer, chat_template)
+    stored = _rounded_reference(reference_model, tokenizer, kind, tensor_type)
+    expected_template = embedded_chat_template(chat_template, template_vars) if kind == "gguf" else chat_template
+    # A GGUF's template has the variables baked in; a folder's is rendered with them (tunelab_config.yaml).
+    reader_vars = {} if kind == "gguf" else dict(template_vars or {})
+
+    readers: list[Any] = [_transformers_reader(exported, kind)]
+    if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
+        readers.append(LlamaCppReader(exported))
+    for reader in readers:
+        result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
+                          reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+        report.readers.append(result)
+        reader.close()
+    if report_path is not None:
+        report.write(report_path)
+    for line in report.lines():
+        logger.info(line)
+    if raise_on_mismatch and report.problems:
+        more = f" (and {len(report.problems) - 1} more problem(s), see export_report.json)" if len(report.problems) > 1 else ""
+        raise ParityError(f"export check failed for {exported.name}: {report.problems[0]}{more}")
+    return report
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001 - a broken build is as good as none
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------- readers
+
+
+class TransformersReader:
+    """A model + tokenizer in this process: the reference, an exported folder, or a GGUF through transformers."""
+
+    def __init__(self, name: str, model: torch.nn.Module, tokenizer: Any, template: str | None):
+        self.name, self.model, self.tokenizer, self.template = name, model.eval(), tokenizer, template
+        self.seconds, self.generated = 0.0, 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        return self.model(torch.tensor([ids], device=device)).logits[0].float().cpu()
+
+    @torch.no_grad()
+    def greedy(self, ids: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+        device = next(self.model.parameters()).device
+        start = time.perf_counter()
+        out = self.model.generate(
+            torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else 0,
+        )[0, len(ids):].tolist()
+        self.seconds += time.perf_counter() - start
+        self.generated += len(out)
+        return out
+
+    def tokens_per_second(self) -> float | None:
+        return self.generated / self.seconds if self.seconds else None
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaCppReader:
+    """A GGUF read by llama.cpp itself (llama-cpp-python): its own tokenizer, graph and kernels, on CPU."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, n_ctx: int = 1024):
+        from llama_cpp import Llama  # noqa: PLC0415 - optional: only where llama-cpp-python is installed
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_gpu_layers=0)
+        self.template = self.llm.metadata.get("tokenizer.chat_template")
+        self.seconds, self.generated = 0.0, 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special_tokens, special=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.llm.detokenize(ids, special=True).decode("utf-8", errors="replace")
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        self.llm.reset()
+        self.llm.eval(ids)
+        return torch.from_numpy(self.llm.scores[: len(ids)].copy()).float()
+
+    def greedy(self, ids: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            out.append(token)
+            if token in stops:
+                break
+            self.llm.eval([token])
+        self.seconds += time.perf_counter() - start
+        self.generated += len(out)
+        return out
+
+    def tokens_per_second(self) -> float | None:
+        return self.generated / self.seconds if self.seconds else None
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _transformers_reader(exported: Path, kind: str) -> TransformersReader:
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    if kind == "hf":
+        model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(exported)
+        name = "transformers"
+    else:
+        model = AutoModelForCausalLM.from_pretrained(exported.parent, gguf_file=exported.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(exported.parent, gguf_file=exported.name)
+        name = "transformers (GGUF loader)"
+    return TransformersReader(name, model, tokenizer, tokenizer.chat_template)
+
+
+# ------------------------------------------------------------------------------------------------- comparison
+
+
+def _rounded_reference(model: torch.nn.Module, tokenizer: Any, kind: str, tensor_type: str) -> TransformersReader:
+    """The trained model with its weights rounded as the export stores them (itself when nothing is rounded)."""
+    if tensor_type == "f32" or tensor_type not in TOLERANCES or tensor_type == "torchao":
+        return TransformersReader("as stored", model, tokenizer, None)
+    if kind == "gguf":
+        rounded = rounded_as_stored(model, tensor_type)
+    else:  # a folder stores every tensor in its dtype
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[tensor_type]
+        rounded = copy.deepcopy(model).to(dtype).float()
+    return TransformersReader("as stored", rounded, tokenizer, None)
+
+
+def _compare(reference: TransformersReader, stored: TransformersReader, reader: Any, tokenizer: Any,
+             texts: list[str], chat_template: str | None, expected_template: str | None, reader_vars: dict[str, Any],
+             tensor_type: str, kind: str, stops: list[int], max_new_tokens: int,
+             probes: Sequence[list[Message]] | None) -> ReaderResult:
+    what = "GGUF" if kind == "gguf" else "exported folder"
+    who = f"the {what}'s" if reader.name.startswith("transformers") else f"llama.cpp's reading of the {what}:"
+    problems: list[str] = []
+    template_ok = reader.template == expected_template
+    if not template_ok:
+        problems.append(f"{who} chat template {_template_difference(reader.template, expected_template)}")
+    elif chat_template is not None:
+        # The exported template, rendered as that runtime would, gives the text training rendered.
+        exported_texts, _ = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        if exported_texts != texts:
+            template_ok = False
+            problems.append(f"{who} chat template renders the probes differently from the trained one")
+
+    bos_probe = "Hello world"
+    special_ok = reference.encode(bos_probe, True) == reader.encode(bos_probe, True)
+    if not special_ok:
+        problems.append(
+            f"{who} tokenizer adds {reader.encode(bos_probe, True)} to 'Hello world', the trained one "
+            f"{reference.encode(bos_probe, True)} (BOS/EOS flags)"
+        )
+
+    tolerance = TOLERANCES.get(tensor_type, TOLERANCES["q4_0"])
+    greedy_required = tensor_type in FLOAT_TYPES
+    results = []
+    for text in texts:
+        ids = reference.encode(text)
+        exported_ids = reader.encode(text)
+        same_ids = ids == exported_ids
+        if not same_ids and not any(p.startswith(f"{who} tokenizer") for p in problems):
+            problems.append(f"{who} tokenizer {_ids_difference(reference, reader, text, ids, exported_ids)}")
+        # Logits and answers are compared on the trained ids, so a tokenizer problem does not hide a weight one.
+        ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
+        if exp_logits.shape[-1] != ref_logits.shape[-1]:
+            problems.append(f"{who} vocabulary has {exp_logits.shape[-1]} rows, the model {ref_logits.shape[-1]}")
+            exp_logits = exp_logits[..., : ref_logits.shape[-1]]
+        gap = (ref_logits - exp_logits).abs()
+        scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
+        stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
+        stored_gap = float(((stored_logits - exp_logits).abs() / scale).max())
+        ref_answer = reference.greedy(ids, max_new_tokens, stops)
+        exp_answer = reader.greedy(ids, max_new_tokens, stops)
+        results.append(ProbeResult(
+            prompt=text, tokens=len(ids), ids_identical=same_ids,
+            max_logit_gap=float((gap / scale).max()), max_abs_logit_gap=float(gap.max()), stored_gap=stored_gap,
+            top1_agreement=float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean()),
+            reference_answer=ref_answer, exported_answer=exp_answer,
+            reference_text=reference.decode(ref_answer), exported_text=_safe_decode(reader, exp_answer),
+        ))
+    max_gap = max(r.max_logit_gap for r in results)
+    max_stored_gap = max(r.stored_gap for r in results)
+    # llama.cpp's kernels also round activations (to q8 in quantized matmuls): from the stored weights it is held to
+    # the type's tolerance only.
+    stored_tolerance = STORED_TOLERANCE if reader.name.startswith("transformers") else tolerance
+    if max_stored_gap > stored_tolerance:
+        worst = max(results, key=lambda r: r.stored_gap)
+        problems.append(
+            f"{who} logits differ by up to {max_stored_gap:.3g} standard deviations from the trained weights rounded "
+            f"as stored ({tensor_type}) on probe {results.index(worst) + 1}, where a faithful file stays within "
+            f"{stored_tolerance:g}: a tensor is not laid out as llama.cpp expects"
+        )
+    if max_gap > tolerance:
+        worst = max(results, key=lambda r: r.max_logit_gap)
+        problems.append(
+            f"{who} logits differ by up to {max_gap:.3g} standard deviations ({worst.max_abs_logit_gap:.3g} in logits) "
+            f"on probe {results.index(worst) + 1}; {tensor_type} is allowed {tolerance:g}"
+        )
+    greedy_ok = all(r.answers_identical for r in results)
+    if greedy_required and not greedy_ok:
+        worst = next(r for r in results if not r.answers_identical)
+        problems.append(
+            f"{who} greedy answer to probe {results.index(worst) + 1} is {worst.exported_text!r}, the trained "
+            f"model's {worst.reference_text!r}"
+        )
+    return ReaderResult(
+        reader=reader.name, template_identical=template_ok, ids_identical=all(r.ids_identical for r in results),
+        special_tokens_identical=special_ok, max_logit_gap=max_gap,
+        max_abs_logit_gap=max(r.max_abs_logit_gap for r in results), tolerance=tolerance,
+        stored_gap=max_stored_gap, stored_tolerance=stored_tolerance,
+        greedy_identical=greedy_ok, greedy_required=greedy_required,
+        tokens_per_second=reader.tokens_per_second(), probes=results, problems=problems,
+    )
+
+
+def _rendered_probes(chat_template: str | None, template_vars: Mapping[str, Any] | None, tokenizer: Any,
+                     probes: Sequence[list[Message]] | None) -> tuple[list[str], list[str]]:
+    """The probe conversations as inference prompts (plain texts for a model without a template)."""
+    if chat_template is None:
+        return list(PLAIN_PROBES), []
+    template = Template.from_jinja("export", chat_template)
+    tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    texts, skipped = [], []
+    for messages in probes or PROBES:
+        try:
+            texts.append(template.prompt(messages, **tokens, **dict(template_vars or {})))
+        except TemplateError as exc:  # e.g. Gemma 2 refuses a system turn: that probe does not apply
+            skipped.append(f"{messages[0]['role']}: {messages[0]['content'][:40]!r} ({exc})")
+    if not texts:
+        raise ExportError(f"export check: the chat template refused every probe conversation ({skipped[0]})")
+    return texts, skipped
+
+
+def _stop_ids(tokenizer: Any, chat_template: str | None) -> list[int]:
+    if chat_template is None:
+        return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    bos, eos = tokenizer.bos_token or "", tokenizer.eos_token or ""
+    return stop_token_ids(tokenizer, Template.from_jinja("export", chat_template, bos_token=bos, eos_token=eos))
+
+
+def _template_difference(found: str | None, expected: str | None) -> str:
+    if found is None:
+        return "is missing"
+    if expected is None:
+        return "is present, but the model trained without one"
+    at = next((i for i, (a, b) in enumerate(zip(found, expected)) if a != b), min(len(found), len(expected)))
+    return (f"differs from the trained one at character {at}: {found[at:at + 30]!r} instead of "
+            f"{expected[at:at + 30]!r}")
+
+
+def _ids_difference(reference: TransformersReader, reader: Any, text: str, ids: list[int],
+                    exported_ids: list[int]) -> str:
+    """One line naming why the ids differ: a special token split into pieces, else the first differing token."""
+    for token in sorted(set(reference.tokenizer.all_special_tokens) | set(reference.tokenizer.get_added_vocab())):
+        if token and token in text and len(reference.encode(token)) == 1:
+            pieces = reader.encode(token)
+            if len(pieces) != 1:
+                return f"splits {token!r} into {len(pieces)} tokens"
+    at = next((i for i, (a, b) in enumerate(zip(ids, exported_ids)) if a != b), min(len(ids), len(exported_ids)))
+    ours = reference.decode(ids[at:at + 1]) if at < len(ids) else "(end)"
+    theirs = _safe_decode(reader, exported_ids[at:at + 1]) if at < len(exported_ids) else "(end)"
+    return (f"encodes the probe differently from token {at}: {theirs!r} (id {exported_ids[at:at + 1]}) where the "
+            f"trained tokenizer has {ours!r} (id {ids[at:at + 1]})")
+
+
+def _safe_decode(reader: Any, ids: list[int]) -> str:
+    try:
+        return reader.decode(ids)
+    except Exception:  # noqa: BLE001 - an id outside the reader's vocabulary: report the ids instead
+        return str(ids)
+
+
+def _gguf_type(path: Path) -> str:
+    """The tensor type a GGUF file says it mostly holds (general.file_type), as export_gguf_type names it."""
+    import gguf  # noqa: PLC0415
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get(gguf.Keys.General.FILE_TYPE)
+    if field is None:
+        return "unknown"
+    name = gguf.LlamaFileType(int(field.contents())).name
+    return {"ALL_F32": "f32", "MOSTLY_F16": "f16", "MOSTLY_BF16": "bf16"}.get(name, name.removeprefix("MOSTLY_").lower())
+
+
+def _hf_type(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("quantization_config"):
+        return "torchao"
+    dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
