@@ -4,7 +4,9 @@ reason printed when they cannot be. CI fetches them before the suite (.ci/run)."
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +14,24 @@ import pytest
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fetch_real.py"
 _spec = importlib.util.spec_from_file_location("fetch_real", _SCRIPT)
 fetch_real = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = fetch_real  # its dataclasses look their module up while the class is built
 _spec.loader.exec_module(fetch_real)
 
 REAL_TOKENIZERS = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss")
 
 
 def real(name: str) -> Path:
-    """A model item's GGUF file or a tokenizer item's folder; the test is skipped, saying why, if it cannot be had."""
+    """A model item's GGUF file or a tokenizer item's folder; the test is skipped, saying why, if it cannot be had.
+    Tried once per session: later calls give the same path, or skip with the same reason, at once."""
+    path, reason = _fetched(name)
+    if path is None:
+        pytest.skip(reason)
+    return path
+
+
+@functools.cache
+def _fetched(name: str) -> tuple[Path | None, str]:
     try:
-        return fetch_real.path_of(name)
+        return fetch_real.path_of(name), ""
     except (fetch_real.FetchError, OSError) as exc:
-        pytest.skip(f"real {name} could not be fetched ({exc}); run python scripts/fetch_real.py {name}")
+        return None, f"real {name} could not be fetched ({exc}); run python scripts/fetch_real.py {name}"
