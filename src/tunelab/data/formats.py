@@ -202,7 +202,8 @@ def _tool_calls(value: Any, where: str) -> str:
 class MessageConventions:
     """Message shapes a template needs that differ from the usual ones (content "" and arguments objects).
 
-    null_content: a call-only assistant turn must have content None (DeepSeek-R1 writes the calls only then).
+    null_content: a call-only assistant turn must have content None (DeepSeek-R1 writes the calls only then; a
+    template without tool calls writes None as the text "None", as Llama-3's does, so it gets "").
     string_arguments: call arguments must be JSON text (DeepSeek-R1 concatenates them as strings).
     """
 
@@ -210,13 +211,14 @@ class MessageConventions:
     string_arguments: bool = False
 
 
-_PROBE_CALL = {"type": "function", "function": {"name": "probe", "arguments": {"x": 1}}, "id": "call00001"}
+_PROBE_NAME = "tunelab_probe_call"
+_PROBE_CALL = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"x": 1}}, "id": "call00001"}
 
 
 @lru_cache(maxsize=32)
 def message_conventions(template: Template) -> MessageConventions:
-    """Probe how `template` renders a call-only turn: None content and JSON-text arguments are used only
-    where the template renders them without error and None renders differently from ""."""
+    """Probe how `template` renders a call-only turn: JSON-text arguments only where the template renders
+    nothing else, None content only where None is what makes it write the call ("" does not)."""
 
     def render(content: str | None, string_arguments: bool) -> str | None:
         call = _PROBE_CALL
@@ -231,7 +233,8 @@ def message_conventions(template: Template) -> MessageConventions:
     for string_arguments in (False, True):
         with_none = render(None, string_arguments)
         if with_none is not None:
-            return MessageConventions(with_none != render("", string_arguments), string_arguments)
+            with_empty = render("", string_arguments) or ""
+            return MessageConventions(_PROBE_NAME in with_none and _PROBE_NAME not in with_empty, string_arguments)
     return MessageConventions(False, render("", False) is None and render("", True) is not None)
 
 
@@ -247,6 +250,22 @@ def renders_reasoning(template: Template) -> bool:
         return _PROBE_REASONING in template.render(messages)
     except TemplateError:
         return False
+
+
+@lru_cache(maxsize=32)
+def renders_tool_turns(template: Template) -> bool:
+    """Whether `template` renders a call turn followed by its result and an answer without refusing them."""
+    conventions = message_conventions(template)
+    call = _string_arguments([_PROBE_CALL]) if conventions.string_arguments else [_PROBE_CALL]
+    messages = [{"role": "user", "content": "q"},
+                {"role": "assistant", "content": None if conventions.null_content else "", "tool_calls": call},
+                {"role": "tool", "content": "r", "tool_call_id": _PROBE_CALL["id"]},
+                {"role": "assistant", "content": "a"}]
+    try:
+        template.render(messages)
+    except TemplateError:
+        return False
+    return True
 
 
 def _string_arguments(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

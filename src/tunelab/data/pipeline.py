@@ -7,8 +7,8 @@ metrics), and a report of every count that changed on the way — nothing is dro
 Per source (data_report.json `sources`): rows read, rows with an empty answer (kept: they train the
 end-of-turn), rows with reasoning, ranking pairs dropped for identical answers, and with skip_bad_rows
 the rows skipped per reason (unreadable lines and structural faults) with the first example of each.
-An answer's reasoning must reach the loss where it trains (`TrainedReasoning`): a row whose reasoning
-the template would not render is an error naming it, or skipped and counted with skip_bad_rows.
+A row must train what it says (`TrainableRow`, data/trainable.py): a row the template refuses, or whose
+tool calls or reasoning it would not train, is an error naming it, or skipped and counted with skip_bad_rows.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import pyarrow.compute as pc
 from tunelab.config.args import DataArguments
 from tunelab.data.dedup import deduplicate_training_rows
 from tunelab.data.encode import COUNTER_COLUMNS, IMAGE_COUNTERS, EncodeStats, SupervisedEncoder
-from tunelab.data.formats import IDENTICAL_PAIR, is_ranking_row, renders_reasoning, to_canonical
+from tunelab.data.formats import IDENTICAL_PAIR, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, describe_files, load_registry, load_rows
 from tunelab.data.templates import Template
+from tunelab.data.trainable import TrainableRow
 
 from tunelab.errors import ConfigError, DataError
 
@@ -48,59 +49,15 @@ class DatasetBundle:
 UNREADABLE_LINE = "unreadable_line"  # skip reason of JSON-lines lines that do not parse (registry.load_rows)
 
 
-@dataclass(frozen=True)
-class TrainedReasoning:
-    """Row check for to_canonical: the reasoning of every answer that trains is in the text it trains on.
-
-    Ranking rows are left alone (only chosen/rejected train; their history renders as the template renders
-    history), and with mask_history only the last answer trains. Costs one more render of rows with reasoning.
-    """
-
-    encoder: SupervisedEncoder
-
-    def __call__(self, row: dict) -> tuple[str, str] | None:
-        if is_ranking_row(row):
-            return None
-        answers = list(enumerate((m for m in row["messages"] if m["role"] == "assistant"), start=1))
-        trains = answers[-1:] if self.encoder.mask_history else answers
-        wanted = [(number, m["reasoning"].strip()) for number, m in trains if (m.get("reasoning") or "").strip()]
-        if not wanted:
-            return None
-        template = self.encoder.template
-        if not renders_reasoning(template):
-            return "reasoning_not_rendered", (
-                f"answer {wanted[0][0]} has reasoning, but chat template '{template.name}' has no place for it (it "
-                f"does not read reasoning_content); use a template that does ({', '.join(_reasoning_templates())}) "
-                "or remove the reasoning"
-            )
-        examples = self.encoder.examples(row)
-        if self.encoder.train_on_prompt:
-            trained = [text for text, _ in examples]
-        else:
-            trained = [text[start:end] for text, spans in examples for start, end in spans]
-        for number, reasoning in wanted:
-            if not any(reasoning in text for text in trained):
-                return "reasoning_not_rendered", (
-                    f"the reasoning of answer {number} is not in what chat template '{template.name}' trains (the "
-                    "template writes no reasoning at that point of the conversation); remove it from that answer"
-                )
-        return None
-
-
-def _reasoning_templates() -> list[str]:
-    from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415 - only for an error message
-
-    return [name for name in TEMPLATE_NAMES if renders_reasoning(get_template(name))]
-
-
 def _load_canonical(
     names: list[str], data_args: DataArguments, report: dict, encoder: SupervisedEncoder | None = None,
     images: bool = False,
 ) -> list[datasets.Dataset]:
-    """Canonical rows of each named dataset. `encoder` (the sft encoder of the run): check that reasoning trains.
+    """Canonical rows of each named dataset. `encoder` (the sft encoder of the run): check that each row trains what
+    it says (data/trainable.py).
     `images`: the model is a vision-language model, so rows keep their images (else images are refused)."""
     registry = load_registry(data_args.dataset_dir)
-    row_check = TrainedReasoning(encoder) if encoder is not None else None
+    row_check = TrainableRow(encoder) if encoder is not None else None
     loaded = []
     for name in names:
         spec = registry[name]

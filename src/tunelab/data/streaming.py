@@ -67,12 +67,13 @@ from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
 from tunelab.data.formats import CANONICAL_FEATURES, _Converter
 from tunelab.data.packing import PackingStats, pack_dataset
-from tunelab.data.pipeline import DatasetBundle, TrainedReasoning, _load_canonical, _mix, encode_dataset
+from tunelab.data.pipeline import DatasetBundle, _load_canonical, _mix, encode_dataset
 from tunelab.data.pretrain import (
     TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, _keep_document, _load_documents, _packed_report,
     _window_report, document_bos_id, resolve_text_columns,
 )
 from tunelab.data.registry import FILE_TYPES, DatasetSpec, check_utf8, describe, load_registry, load_rows, resolve_files
+from tunelab.data.trainable import TrainableRow
 from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -425,9 +426,9 @@ class SupervisedStream:
         columns = self.source_columns[part.source]
         rows = stream_rows(spec, part.files, self.data_args)
         # As map-style: a structurally wrong row is an error naming it (skip_bad_rows is not for streams),
-        # an empty answer trains the end-of-turn, and reasoning must reach the loss.
+        # an empty answer trains the end-of-turn, and a row must train what it says (data/trainable.py).
         files = [Path(f) for f in part.files] or None
-        converter = _Converter(spec, columns, row_check=TrainedReasoning(self.encoder), files=files)
+        converter = _Converter(spec, columns, row_check=TrainableRow(self.encoder), files=files)
         return rows.map(converter, with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES)
 
     def examples(self, shards: list[Shard], counter: _CountingEncoder) -> Iterator[dict[str, np.ndarray]]:

@@ -33,6 +33,7 @@ RenderFn = Callable[[Sequence[dict[str, Any]], bool, str, str], str]
 _BOS_MARK = "\ue000"
 _EOS_MARK = "\ue001"
 _PROBE = "\ue002"  # stands in for content; shares no character with any template text
+_SHOWN = 32  # characters of each side an error shows
 
 
 class HistoryRewriteError(TemplateError):
@@ -104,10 +105,12 @@ def answer_example(
     start = _common_prefix_len(upto, probe)
     generation = prompt[len(base) :] if prompt.startswith(base) else None
     if generation is None or not probe.startswith(_PROBE, start) or not upto[:start].endswith(generation):
+        at = _common_prefix_len(prompt, upto)
         raise TemplateError(
-            f"chat template '{name}': the generation prompt before message {i} is not how the template starts that "
-            "answer (e.g. it pre-fills an empty think block while the answer has reasoning), so the answer's trained "
-            "span cannot be found; make the data and template variables agree (enable_thinking) or fix the template"
+            f"chat template '{name}' writes message {i} (an answer) after other text than the prompt the model is given "
+            f"to generate it (from character {at}: prompt {prompt[at : at + _SHOWN]!r}, conversation "
+            f"{upto[at : at + _SHOWN]!r}), so it cannot train as it is generated; remove that turn and the ones after "
+            "it, or use another template"
         )
     answer = upto[start:]
     return prompt + answer, (len(prompt), len(prompt) + len(answer.rstrip()))
