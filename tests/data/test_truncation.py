@@ -9,12 +9,13 @@ Each case is an equality with the encoding of the conversation that should be le
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import pytest
 
-from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder, supervised_runs
+from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder, encoded_row_problem, supervised_runs
 from tunelab.data.pairwise import PairwiseEncoder
 from tunelab.data.pipeline import encode_dataset
 from tunelab.data.templates import get_template
@@ -116,6 +117,48 @@ def test_a_row_never_ends_inside_a_prompt(tiny_tokenizer) -> None:
     assert texts(tiny_tokenizer, example) == [texts(tiny_tokenizer, full)[0]]
     assert texts(tiny_tokenizer, full)[0].endswith("</tool_call><|im_end|>")
     assert (example["truncated"], example["answers_dropped"]) == (True, 1)
+    # The example is the render of the conversation up to the call, and `tunelab data verify` agrees: the call
+    # follows its own inference prompt, and the final answer's prompt alone is longer than cutoff_len.
+    assert [m["role"] for m in example["_messages"]] == ["user", "assistant"]
+    assert encoded_row_problem(encoder(tiny_tokenizer, first_end + 20, template="qwen2_5"), r) is None
+
+
+def tool_round(result_words: int) -> dict[str, Any]:
+    call = json.dumps([{"type": "function", "function": {"name": "lookup", "arguments": {"q": "x"}}}])
+    return {
+        "messages": [message("user", "Look it up."), message("assistant", "", call),
+                     message("tool", " ".join(f"line{i}" for i in range(result_words))), message("assistant", "Found it.")],
+        "system": "", "tools": "", "chosen": "", "rejected": "",
+    }
+
+
+def test_an_answer_lost_from_a_conversation_encoded_per_answer_is_counted(tiny_tokenizer) -> None:
+    # Qwen3 encodes each answer as its own example; when the final answer's prompt (the long tool result) alone is
+    # longer than cutoff_len its example has nothing left to train: dropped, and counted as such.
+    r = tool_round(200)
+    full = encode(tiny_tokenizer, r, template="qwen3")
+    assert len(full) == 2
+    cutoff = len(full[0]["input_ids"]) + 5
+    rows = datasets.Dataset.from_list([r])
+    _, stats = encode_dataset(rows, encoder(tiny_tokenizer, cutoff, template="qwen3"), "train", num_proc=None)
+    assert (stats.examples, stats.expanded_conversations, stats.dropped_no_supervised) == (1, 1, 1)
+    assert encoded_row_problem(encoder(tiny_tokenizer, cutoff, template="qwen3"), r) is None
+
+
+@dataclass(frozen=True)
+class LosesTheLastAnswer(SupervisedEncoder):
+    """A wrong encoder for the check below: it leaves out each conversation's last example."""
+
+    def encode_rows(self, rows: list[dict]) -> list[list[dict[str, Any]]]:
+        return [examples[:-1] for examples in super().encode_rows(rows)]
+
+
+def test_verify_flags_a_lost_last_answer_whose_prompt_fits(tiny_tokenizer) -> None:
+    r = tool_round(5)
+    wrong = LosesTheLastAnswer(tokenizer=tiny_tokenizer, template=get_template("qwen3", tiny_tokenizer), cutoff_len=4096)
+    problem = encoded_row_problem(wrong, r)
+    assert problem.startswith("the conversation's last answer is not kept, although its prompt with the earlier "
+                              "exchanges dropped (") and problem.endswith(" tokens) fits cutoff_len 4096")
 
 
 def test_the_pipeline_reports_truncations_and_lost_answers(tiny_tokenizer, caplog) -> None:

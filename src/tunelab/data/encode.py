@@ -441,7 +441,10 @@ class SupervisedEncoder:
         return replace(unit, messages=messages, truncated=True)
 
     def _cut_end(self, unit: _Unit, result: _Result) -> list[dict]:
-        """Keep the first cutoff_len tokens, less any untrained tail (a row never ends inside a prompt)."""
+        """Keep the first cutoff_len tokens, less any untrained tail (a row never ends inside a prompt).
+
+        Answers that start past the cut are lost (their prompt alone fills cutoff_len): the example's messages
+        then end with the last answer it holds, the conversation its ids are the render of."""
         ids, labels = result.ids[: self.cutoff_len], result.labels[: self.cutoff_len]
         end = len(labels)
         while end > 0 and labels[end - 1] == IGNORE_INDEX:
@@ -450,8 +453,13 @@ class SupervisedEncoder:
             end = len(ids)
         lost = 0 if unit.last_only else sum(start >= end for start, _ in result.answers)
         kept = replace(unit, truncated=True, answers_dropped=unit.answers_dropped + lost)
-        example = self._example(kept, _Result(ids[:end], labels[:end], [], True))
-        return [example] if example["num_supervised"] > 0 else []
+        if lost and lost < len(result.answers):
+            answers = [i for i, m in enumerate(unit.messages) if m.get("role") == "assistant"]
+            last = answers[len(result.answers) - lost - 1]
+            kept = replace(kept, messages=unit.messages[: last + 1])
+        # Kept even with no supervised token left: encode_conversations counts it among the conversation's examples
+        # (so a lost answer of a conversation encoded per answer is counted) and then leaves it out.
+        return [self._example(kept, _Result(ids[:end], labels[:end], [], True))]
 
     # ---- rows -------------------------------------------------------------------------------------------------
 
@@ -623,7 +631,8 @@ def encoded_row_problem(encoder: SupervisedEncoder, row: dict) -> str | None:
     """Everything ``tunelab data verify`` checks about how one canonical row encodes, first problem or None:
     each example within cutoff_len; every trained answer after its exact inference prompt, as its own ids
     (``inference_mismatch``); each whole answer ending with the template's end-of-turn token; the
-    conversation's last answer kept (truncation drops the earliest turns, never the last answer)."""
+    conversation's last answer kept (truncation drops the earliest turns first), unless its prompt alone, every
+    earlier exchange dropped, fills cutoff_len (then the row ends with the last answer before it that fits)."""
     options = encoder.options(row)
     examples = encoder.encode_rows([row])[0]
     marker = encoder.template.stop_words[0] if encoder.template.stop_words else ""
@@ -642,9 +651,20 @@ def encoded_row_problem(encoder: SupervisedEncoder, row: dict) -> str | None:
                 text = encoder.tokenizer.decode(example["input_ids"][start:end])
                 if text.endswith(marker) and example["input_ids"][end - 1] != marker_ids[0]:
                     return f"{where}: an answer ends with the text of {marker!r} but not with its token"
-    answers = [m for m in encoder.bounded(template_messages(row, encoder.template))[0] if m.get("role") == "assistant"]
-    if examples and answers and examples[-1]["_messages"][-1] != answers[-1]:
-        return "the conversation's last answer is not the last example's last answer"
+    messages = encoder.bounded(template_messages(row, encoder.template))[0]
+    answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if not (examples and answers) or examples[-1]["_messages"][-1] == messages[answers[-1]]:
+        return None
+    # Truncation loses the last answer only where its shortest prompt (the system turns and the answer's own
+    # exchange: every earlier one dropped) alone fills cutoff_len, so that nothing of the answer could follow it.
+    last = answers[-1]
+    start = max(i for i in range(last) if messages[i].get("role") == "user")
+    shortest = [*_system_head(messages), *messages[start:last]]
+    prompt = encoder.template.render(shortest, add_generation_prompt=True, **options)
+    size = len(encoder._tokens([(prompt, True)])[0])
+    if size < encoder.cutoff_len:
+        return (f"the conversation's last answer is not kept, although its prompt with the earlier exchanges dropped "
+                f"({size} tokens) fits cutoff_len {encoder.cutoff_len}")
     return None
 
 
