@@ -309,3 +309,18 @@ def test_system_refusing_builtin_is_compared_without_system(caplog: pytest.LogCa
         "built-in 'bos><start_of_turn>user\\n', tokenizer '|im_start|>user\\nWhat is '; the model learned its own "
         "format, so set template: model unless you mean to switch formats"
     ]
+
+
+def test_a_builtin_whose_generation_prompt_differs_warns(caplog: pytest.LogCaptureFixture) -> None:
+    # DeepSeek-V3's own template renders finished turns as R1-Distill does but prompts "<｜Assistant｜>" alone; the
+    # model would be trained on R1's format and asked, at inference, to open a think block it never learned.
+    r1 = builtin_source("deepseek_r1_distill")
+    without_think = r1.replace("{{- '<｜Assistant｜><think>\\n' }}", "{{- '<｜Assistant｜>' }}")
+    assert without_think != r1
+    with caplog.at_level(logging.WARNING, logger=MISMATCH_LOGGER):
+        get_template("deepseek_r1_distill", tokenizer(without_think, bos="<s>", eos="</s>"))
+    assert [r.getMessage() for r in caplog.records] == [
+        "template 'deepseek_r1_distill' renders the generation prompt differently from the tokenizer's own "
+        "chat_template from character 125: built-in '<think>\\n', tokenizer ''; the model learned its own format, so set "
+        "template: model unless you mean to switch formats"
+    ]
