@@ -138,3 +138,18 @@ def test_a_plain_row_the_template_refuses_is_named(tmp_path) -> None:
     assert str(info.value) == f"{line}; or set skip_bad_rows: true to skip such rows (counted per reason)"
     source = build(skip_bad_rows=True).report["sources"][0]
     assert (source["skipped_by_reason"], source["first_skipped"]) == ({"template_refused": 1}, {"template_refused": line})
+
+
+def test_rows_read_again_for_verify_can_be_checked_as_training_checks_them(tmp_path) -> None:
+    # `tunelab data verify` re-reads the rows (load_canonical_splits) and encodes them again: given the run's encoder
+    # it leaves out what training skipped, instead of meeting the template's refusal while encoding.
+    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
+
+    rows = [CONVERSATIONS["chat"], CONVERSATIONS["tool_single"]]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"r": {"file_name": "data.jsonl", "formatting": "openai"}}))
+    args = DataArguments(dataset_dir=str(tmp_path), dataset=["r"], template="gemma3", cutoff_len=4096, skip_bad_rows=True)
+    assert len(load_canonical_splits(args, 0, {})[0]) == 2
+    report: dict[str, Any] = {}
+    train, _ = load_canonical_splits(args, 0, report, encoder=encoder("gemma3"))
+    assert len(train) == 1 and report["sources"][0]["skipped_by_reason"] == {"template_refused": 1}

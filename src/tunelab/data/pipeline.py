@@ -289,14 +289,17 @@ def build_datasets(
 
 
 def load_canonical_splits(
-    data_args: DataArguments, seed: int, report: dict[str, Any], images: bool = False
+    data_args: DataArguments, seed: int, report: dict[str, Any], images: bool = False,
+    encoder: SupervisedEncoder | None = None,
 ) -> tuple[datasets.Dataset, dict[str, datasets.Dataset]]:
     """Canonical (train rows, eval rows by name): registry → formats → mixing → val split, as
-    `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo)."""
-    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report, images=images), data_args, seed)
+    `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo).
+    `encoder`: the run's sft encoder, to check the rows as training does (data/trainable.py: with skip_bad_rows
+    the same rows are left out), for callers that encode them again (`tunelab data verify`)."""
+    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report, encoder, images), data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report, images=images)
+        (eval_rows[name],) = _load_canonical([name], data_args, report, encoder, images)
     return train_rows, eval_rows
