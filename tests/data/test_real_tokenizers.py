@@ -167,14 +167,19 @@ def reference_text(case_name: str, messages: list[dict[str, Any]], tools: Any, a
     """What transformers' apply_chat_template renders with the case's reference template (and tokenises without
     added special tokens). Called below its message normalisation, which (transformers 5) drops keys whose value is
     None: DeepSeek's templates write a call turn only for content None and fail on a turn without content."""
-    from transformers.utils.chat_template_utils import render_jinja_template  # noqa: PLC0415
-
     case = CASES[case_name]
     tok = tokenizer(case.tokenizer)
     source = tok.chat_template if case.reference == "tokenizer" else builtin_source(case.template)
+    return render(tok, source, messages, tools, add_generation_prompt, **dict(case.kwargs))
+
+
+def render(tok: Any, source: str, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool,
+           **kwargs: Any) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template  # noqa: PLC0415
+
     (text,), _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=source,
                                        add_generation_prompt=add_generation_prompt,
-                                       **{**tok.special_tokens_map, **dict(case.kwargs)})
+                                       **{**tok.special_tokens_map, **kwargs})
     return text
 
 
@@ -326,6 +331,10 @@ TRAINED_TEXTS = {
         '{"name": "get_weather", "parameters": {"city": "Rome"}}<|eot_id|>', "Paris 20 °C, Rome 25 °C.<|eot_id|>",
     ]],
     ("gemma3/gemma3", "combining"): [["cafe\u0301 (e + U+0301), and n\u0303, a\u0308\u0301.<end_of_turn>"]],
+    # DeepSeek-V3's official template closes the calls (<｜tool▁calls▁end｜><｜end▁of▁sentence｜>) only after a second
+    # call: a single call trains with no end-of-turn (the model never learns to stop after it), as the model's own
+    # template renders it.
+    ("deepseek_v3/model", "tool_single"): [["<｜tool▁calls▁begin｜>" + DS_CALL.format("Paris"), "It is 20 °C in Paris." + EOT_DS]],
     ("deepseek_v3/model", "tool_parallel"): [[
         "<｜tool▁calls▁begin｜>" + DS_CALL.format("Paris") + "\n" + DS_CALL.format("東京") + "<｜tool▁calls▁end｜>" + EOT_DS,
         "Paris 20 °C, 東京 25 °C." + EOT_DS,
@@ -345,6 +354,23 @@ def test_trained_texts(case_name: str, name: str) -> None:
     tok = tokenizer(CASES[case_name].tokenizer)
     runs = [[tok.decode(e["input_ids"][s:t]) for s, t in supervised_runs(e["labels"])] for e in encoded(case_name, name)]
     assert runs == TRAINED_TEXTS[(case_name, name)]
+
+
+def test_deepseek_r1_distill_trains_reasoning_after_its_think_prompt_on_the_deepseek_tokenizer() -> None:
+    # The built-in of the R1 family on DeepSeek's vocabulary: each answer with reasoning is one example whose ids
+    # before the answer are exactly R1's inference prompt, which opens the think block the reasoning continues.
+    tok = tokenizer("deepseek_v3")
+    enc = SupervisedEncoder(tokenizer=tok, template=get_template("deepseek_r1_distill", tok), cutoff_len=4096)
+    row = canonical("reasoning")
+    messages = template_messages(row, enc.template)
+    examples = enc.encode_rows([row])[0]
+    for example, i in zip(examples, (1, 3), strict=True):
+        prompt = render(tok, builtin_source("deepseek_r1_distill"), messages[:i], None, True)
+        assert prompt.endswith("<｜Assistant｜><think>\n")
+        ((start, end),) = supervised_runs(example["labels"])
+        assert example["input_ids"][:start] == tok(prompt, add_special_tokens=False)["input_ids"]
+        reasoning, content = messages[i]["reasoning_content"], messages[i]["content"]
+        assert tok.decode(example["input_ids"][start:end]) == f"{reasoning}\n</think>\n\n{content}{EOT_DS}"
 
 
 # --- truncation ------------------------------------------------------------------------------------------------
