@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.precisions import PRECISION_ENV, PRECISIONS, precision_env
 from tunelab.config.precision import CPU_BF16_ENV
 
 # What bf16 / fp16 auto choose is pinned for the whole suite, whatever this CPU has (config/precision.py): the fp32
 # path, in this process and the `tunelab` processes tests start. A test that takes the `precision` fixture runs
-# once per path, so both run on every machine.
-os.environ[CPU_BF16_ENV] = "0"
-PRECISION_ENV = {"fp32": "0", "bf16": "1"}
+# once per path, so both run on every machine (tests/precisions.py).
+os.environ.update(precision_env("fp32"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # `make test` runs two pytest workers on the machine's cores: one torch thread each (and in the processes they
     # start), instead of two threads per worker fighting over two cores.
@@ -25,7 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-@pytest.fixture(params=list(PRECISION_ENV))
+@pytest.fixture(params=PRECISIONS)
 def precision(request, monkeypatch) -> str:
     """'fp32' or 'bf16': what bf16 auto chooses in this test (and the processes it starts), as on a CPU without or
     with native bf16. On a CPU without it the bf16 variant runs slower, not differently."""

@@ -47,6 +47,50 @@ def test_data_and_estimate_take_options_alone(capsys):
     assert (code, err) == (2, "tunelab: error: --probe-steps: expected a number, got 'x'\n")
 
 
+# Each options-only command with the keys it may leave out left out: what it does then, exactly.
+MINIMAL = ["--model_name_or_path", "tiny", "--dataset", "demo_sort", "--template", "chatml", "--max_samples", "16"]
+
+
+@pytest.mark.parametrize("action", ["verify", "coverage"])
+def test_data_verify_and_coverage_need_no_output_dir(capsys, action):
+    code, out, err = run(capsys, ["data", action, *MINIMAL])
+    assert code == 0 and "error" not in err
+    assert out.splitlines()[0] == (
+        "train: 2 batches, 16 samples, through PaddingFreeCollator (position_ids): input_ids, labels, position_ids; "
+        "first batch (8, 37)" if action == "verify"
+        else "train: 16 samples, 536 tokens (tokenizer: byte-level, 864 entries; model vocab_size 864 from config.json)")
+
+
+def test_data_stats_without_output_dir_prints_the_report_and_says_how_to_write_the_files(capsys, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be written anywhere: not even here
+    code, out, err = run(capsys, ["data", "stats", *MINIMAL])
+    assert code == 0 and "error" not in err
+    assert out.splitlines()[0] == "train: 16 samples (stage sft, template chatml, cutoff_len 2048)"
+    assert out.splitlines()[-1] == ("length_histogram.png and stats.json not written: no output_dir or --out given; "
+                                    "add --out FOLDER (or output_dir=...) to write them")
+    assert list(tmp_path.iterdir()) == []
+    code, out, _ = run(capsys, ["data", "stats", *MINIMAL, "--out", str(tmp_path / "stats")])
+    assert code == 0 and sorted(p.name for p in (tmp_path / "stats").iterdir()) == ["length_histogram.png", "stats.json"]
+
+
+def test_estimate_needs_no_output_dir(capsys):
+    code, out, err = run(capsys, ["estimate", *MINIMAL, "--probe-steps", "0"])
+    assert code == 0 and "error" not in err
+    assert "  total " in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", *MINIMAL], "output_dir is not set: add `output_dir: saves/my-run` to the config"),
+    (["train", "--template", "chatml", "--output_dir", "x"],
+     "dataset is not set: name one or more datasets from dataset_info.json"),
+    (["eval", *MINIMAL], "output_dir is not set: tunelab eval writes predictions.jsonl there; add output_dir=..."),
+    (["export", "--model_name_or_path", "tiny"], "export_dir is not set: add export_dir=saves/my-model-merged"),
+])
+def test_a_key_a_command_cannot_do_without_is_one_line(capsys, argv, message):
+    assert run(capsys, argv) == (2, "", f"tunelab: error: {message}\n")
+
+
 def test_resume_command_without_a_yaml():
     assert resume_command(None, ["--dataset", "demo_sort", "output_dir=out"]) == (
         "tunelab train dataset=demo_sort output_dir=out resume_from_checkpoint=true"

@@ -59,7 +59,7 @@ def check_outputs(out: Path, loss_ratio: float) -> None:
 
 
 @pytest.mark.slow
-def test_full_pt_learns_and_saves_a_plain_model(tmp_path):
+def test_full_pt_learns_and_saves_a_plain_model(tmp_path, precision):
     out = run_train(tmp_path, finetuning_type="full")
     check_outputs(out, loss_ratio=0.8)
     tokenizer = AutoTokenizer.from_pretrained(out)

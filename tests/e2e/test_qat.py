@@ -18,7 +18,7 @@ QAT = {"qat": "int8-int4", "qat_group_size": 32, "qat_start_step": 4}
 
 
 @pytest.mark.slow
-def test_qat_lora_run_switches_on_at_its_start_step_and_resumes_exactly(tmp_path):
+def test_qat_lora_run_switches_on_at_its_start_step_and_resumes_exactly(tmp_path, precision):
     plain, qat, resumed = tmp_path / "plain", tmp_path / "qat", tmp_path / "resumed"
     assert train(write_config(plain)) == 0
     assert train(write_config(qat, **QAT)) == 0
@@ -38,7 +38,7 @@ def test_qat_lora_run_switches_on_at_its_start_step_and_resumes_exactly(tmp_path
 
 
 @pytest.mark.slow
-def test_full_qat_run_exports_quantized_and_evaluates(tmp_path):
+def test_full_qat_run_exports_quantized_and_evaluates(tmp_path, precision):
     config = write_config(tmp_path, finetuning_type="full", qat="int4-weight", max_steps=4,
                           dataset="demo_sort", eval_dataset="demo_sort_test", max_samples=16)
     assert train(config) == 0

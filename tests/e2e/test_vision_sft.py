@@ -60,7 +60,7 @@ def train(tmp_path: Path, model_dir: Path, **options) -> tuple[Path, dict]:
     {"finetuning_type": "lora"}, {"finetuning_type": "lora", "quantization_bit": 4},
     {"finetuning_type": "freeze", "freeze_trainable_layers": 1}, {"finetuning_type": "full"},
 ], ids=["lora", "qlora", "freeze", "full"])
-def test_sft_with_images(tmp_path, tiny_vlm_dirs, options):
+def test_sft_with_images(tmp_path, tiny_vlm_dirs, options, precision):
     out, report = train(tmp_path, tiny_vlm_dirs["llava"], **options)
     # 10 alpaca rows (9 with an image) + 3 openai rows with one image each; nothing dropped.
     assert (report["train"]["examples"], report["train"]["images"], report["train"]["images_dont_fit"]) == (13, 12, 0)

@@ -211,7 +211,12 @@ def test_mixed_precision_keeps_trainable_weights_float32(tiny_llama_dir, tmp_pat
     for model in (lora, freeze):
         dtypes = {(p.requires_grad, p.dtype) for p in model.parameters()}
         assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
-    assert {p.dtype for p in full.parameters()} == {torch.bfloat16}  # full trains in the loaded dtype
+    assert {p.dtype for p in full.parameters()} == {torch.float32}  # float32 masters: loaded so, nothing rounded
+    # pure_bf16: the trainable weights are bf16 themselves (LoRA adapters stay float32: peft's choice).
+    pure = {kind: _load(tiny_llama_dir, bf16, finetuning_type=kind, pure_bf16=True, freeze_trainable_layers=1)
+            for kind in ("full", "freeze")}
+    assert {p.dtype for p in pure["full"].parameters()} == {torch.bfloat16}
+    assert {(p.requires_grad, p.dtype) for p in pure["freeze"].parameters()} == {(True, torch.bfloat16), (False, torch.bfloat16)}
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as Trainer runs a bf16 step
         freeze(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     assert all(p.grad is not None for p in freeze.parameters() if p.requires_grad)

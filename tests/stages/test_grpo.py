@@ -15,7 +15,7 @@ from tunelab.train.callbacks import read_log
 
 
 @pytest.mark.slow
-def test_grpo_trains_logs_and_saves(sft_model_dir, tmp_path):
+def test_grpo_trains_logs_and_saves(sft_model_dir, tmp_path, precision):
     (tmp_path / "my_rewards.py").write_text(
         "def short(prompts, completions, references):\n    return [-0.01 * len(c) for c in completions]\n"
     )

@@ -32,7 +32,7 @@ def reward_model_dir(sft_model_dir, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_ppo_trains_logs_and_saves(sft_model_dir, reward_model_dir, tmp_path):
+def test_ppo_trains_logs_and_saves(sft_model_dir, reward_model_dir, tmp_path, precision):
     out = tmp_path / "ppo"
     config = tmp_path / "ppo.yaml"
     config.write_text(yaml.safe_dump({

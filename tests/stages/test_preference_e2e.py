@@ -12,6 +12,7 @@ import yaml
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from tests.precisions import autocast
 from tunelab.cli import main
 from tunelab.config.args import DataArguments
 from tunelab.data.collate import PairedCollator
@@ -62,13 +63,14 @@ def results(out: Path) -> dict:
     return json.loads((out / "all_results.json").read_text())
 
 
-def test_rm_full_saves_a_sequence_classifier(tmp_path, sft_model_dir):
+def test_rm_full_saves_a_sequence_classifier(tmp_path, sft_model_dir, precision):
     out = train(tmp_path, sft_model_dir, "rm-full", stage="rm", finetuning_type="full")
     batch = held_out_batch(out)
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     assert model.config.num_labels == 1 and model.config.pad_token_id == 0
-    rewards = rewards_of(model, batch)
-    assert torch.equal(rewards_of(load_reward_model(out), batch), rewards)
+    with autocast(precision):  # as the run evaluated (float32 master weights saved, bf16 autocast)
+        rewards = rewards_of(model, batch)
+        assert torch.equal(rewards_of(load_reward_model(out), batch), rewards)
     chosen, rejected = rewards.chunk(2)
     reported = results(out)
     assert (chosen > rejected).float().mean().item() == reported["reward_accuracy_after"]
@@ -115,11 +117,12 @@ def test_dpo_lora_with_precomputed_reference(tmp_path, sft_model_dir):
     assert {f"after_{m}" for m in metrics} <= set(reported)
 
 
-def test_dpo_full_with_reference_copy(tmp_path, sft_model_dir):
+def test_dpo_full_with_reference_copy(tmp_path, sft_model_dir, precision):
     out = train(tmp_path, sft_model_dir, "dpo-full", stage="dpo", finetuning_type="full", learning_rate=1e-4)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     reported = results(out)
-    assert policy_accuracy(model, held_out_batch(out)) == reported["preference_accuracy_after"]
+    with autocast(precision):
+        assert policy_accuracy(model, held_out_batch(out)) == reported["preference_accuracy_after"]
     first, second = [r for r in read_log(out) if "loss" in r]
     assert first["rewards/margins"] == 0.0  # step 1's forward: the policy still is its frozen reference
     assert second["rewards/margins"] != 0.0  # step 2: it moved away

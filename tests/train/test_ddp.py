@@ -28,8 +28,14 @@ CONFIG = {
 }
 
 
+# How far apart the two runs may be, per precision: (loss and grad norm, weights). fp32: summation order only
+# (measured 9.5e-7, weights 6e-8). bf16: autocast rounds each matmul's output to bf16, and 2 x 4 rows round other
+# partial sums than 8 (measured: loss 2.6e-3, grad norm 7.4e-3, float32 master weights 2.6e-4; -s prints them).
+TOLERANCE = {"fp32": (1e-5, 1e-5), "bf16": (2e-2, 1e-3)}
+
+
 @pytest.mark.slow
-def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path, monkeypatch, capfd):
+def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path, monkeypatch, capfd, precision):
     cache = tmp_path / "cache"
     monkeypatch.setenv("TUNELAB_CACHE", str(cache))  # cold: the two-process run builds it
     cfg = tmp_path / "cfg.yaml"
@@ -54,14 +60,19 @@ def test_two_processes_train_like_one_with_the_same_global_batch(tmp_path, monke
     log_one = [r for r in read_log(one) if "loss" in r]
     assert [r["step"] for r in log_two] == [r["step"] for r in log_one] == [1, 2, 3, 4]
     assert [r["epoch"] for r in log_two] == [0.125, 0.25, 0.375, 0.5]  # 8 of 64 samples per step, not 4
+    tolerance, weight_tolerance = TOLERANCE[precision]
+    print(f"\n{precision}: loss {max(abs(a['loss'] - b['loss']) for a, b in zip(log_two, log_one)):.2e}, grad norm "
+          f"{max(abs(a['grad_norm'] - b['grad_norm']) for a, b in zip(log_two, log_one)):.2e} apart")
     for a, b in zip(log_two, log_one):
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=1e-5)
+        assert a["loss"] == pytest.approx(b["loss"], abs=tolerance)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=tolerance)
     assert log_one[-1]["loss"] < 0.6 * log_one[0]["loss"]  # it trained
 
     weights_two, weights_one = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
     assert weights_two.keys() == weights_one.keys()
-    assert max((weights_two[k] - weights_one[k]).abs().max().item() for k in weights_one) < 1e-5
+    apart = max((weights_two[k] - weights_one[k]).abs().max().item() for k in weights_one)
+    print(f"{precision}: weights {apart:.2e} apart")
+    assert apart < weight_tolerance
 
 
 @pytest.mark.slow

@@ -174,6 +174,12 @@ class FinetuningArguments:
     )
     use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
     use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
+    pure_bf16: bool = _help(
+        "Training in bf16: the trainable weights themselves are bf16 (no float32 master copy: less memory for the "
+        "weights, gradients and optimizer states, but AdamW drops updates smaller than bf16's resolution). Off: "
+        "trainable weights are float32 and autocast runs the matmuls in bf16 (docs/training.md#mixed-precision).",
+        default=False,
+    )
     freeze_trainable_layers: int = _help(
         "freeze: train the last N decoder layers (negative: the first N).", default=2
     )

@@ -223,6 +223,10 @@ def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
             value = int(value) if isinstance(value, float) and value.is_integer() else value
             logger.warning("%s: %s has no effect while %s is '%s'; set %s: %s (or remove %s)",
                            key, value, strategy_key, strategy, strategy_key, needed or "steps", key)
+    if config.finetuning.pure_bf16 and not args.bf16:
+        chose = f" ({config.precision})" if config.precision else ""
+        logger.warning("pure_bf16 has no effect: this run does not train in bf16%s; remove pure_bf16 or set bf16: true",
+                       chose)
     if stage in RL_STAGES and "save_strategy" in given and "save_steps" not in given:
         logger.warning("save_strategy has no effect: stage %s saves only the final model, no checkpoints; "
                        "remove save_strategy", stage)
@@ -274,6 +278,9 @@ def _check_finetuning(config: RunConfig) -> None:
                 f"{', '.join(changed)} only apply to finetuning_type: lora (got '{ft.finetuning_type}'): "
                 "remove them or set finetuning_type: lora"
             )
+    if ft.pure_bf16 and config.training.fp16:
+        raise ConfigError("pure_bf16 keeps bf16 weights, but fp16 is true: set bf16 (or leave it to auto) instead of fp16, "
+                          "or remove pure_bf16")
     if ft.lora_rank < 1:
         raise ConfigError(f"lora_rank must be at least 1, got {ft.lora_rank}")
     if ft.lora_alpha is not None and ft.lora_alpha <= 0:

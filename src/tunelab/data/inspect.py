@@ -163,7 +163,7 @@ def _model_skeleton(config: RunConfig) -> torch.nn.Module:
     from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype  # noqa: PLC0415
 
     path = config.model.model_name_or_path
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training),
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training, config.finetuning),
                               "trust_remote_code": config.model.trust_remote_code}
     attn = ATTN_IMPLEMENTATIONS[config.model.flash_attn]
     if attn is not None:
@@ -879,11 +879,13 @@ def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = 
     encoder = SupervisedEncoder(
         tokenizer=tokenizer, template=get_template(data_args.template, tokenizer), cutoff_len=data_args.cutoff_len,
         train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history or pairs,
+        template_vars=data_args.template_kwargs or {},
     )
     was_disabled = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()  # the second reading of the rows: no second set of bars
     try:
-        rows, _ = load_canonical_splits(data_args, config.training.seed, {}, images=images)
+        # encoder=: with skip_bad_rows the rows training skipped are skipped here too (data/trainable.py)
+        rows, _ = load_canonical_splits(data_args, config.training.seed, {}, images=images, encoder=encoder)
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()

@@ -3,12 +3,13 @@
 Also the one config check that needs the loaded model: `lora_target` / `additional_target` / freeze names must
 match modules of that model.
 
-Precision: under mixed precision (bf16 / fp16 flags) trainable half-precision parameters of freeze and LoRA
-runs are upcast to float32 (autocast runs the matmuls in half precision, the optimizer updates float32 weights;
-standard practice for LoRA stability). Full fine-tuning trains in the loaded dtype to keep its memory cost, except
-float16 weights under fp16, which torch's GradScaler cannot unscale. LoRA adapters are float32 in any case
-(peft's default). Quantized bases go through `peft.prepare_model_for_kbit_training`, which upcasts every
-non-quantized weight to float32.
+Precision: under mixed precision (bf16 / fp16 flags) trainable half-precision parameters are upcast to float32
+master weights (autocast runs the matmuls in half precision, the optimizer updates float32 weights), whatever the
+method: AdamW on bf16 weights drops updates below bf16's resolution (docs/training.md#mixed-precision has the
+measurement). `pure_bf16: true` keeps bf16 trainable weights instead (less memory); float16 weights are always
+upcast, since torch's GradScaler cannot unscale them. LoRA adapters are float32 in any case (peft's default).
+Quantized bases go through `peft.prepare_model_for_kbit_training`, which upcasts every non-quantized weight to
+float32.
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ def setup_finetuning(
         model.requires_grad_(True)
         if parts is not None:
             vision.apply_freeze(model, parts, frozen)
-        if training_args.fp16:
-            _upcast_trainable(model, only=torch.float16)
+        _upcast_for_mixed_precision(model, finetuning_args, training_args)
         return model
     if kind == "freeze":
         trainable = set(freeze_trainable_parameters(model, finetuning_args))
@@ -77,9 +77,16 @@ def setup_finetuning(
         model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path, new_token_ids)
     else:
         raise ConfigError(f"finetuning_type: '{kind}' is not one of lora, freeze, full")
-    if training_args.bf16 or training_args.fp16:
-        _upcast_trainable(model)
+    _upcast_for_mixed_precision(model, finetuning_args, training_args)
     return model
+
+
+def _upcast_for_mixed_precision(model: nn.Module, finetuning_args: FinetuningArguments, training_args) -> None:
+    """float32 master copies of the trainable half-precision weights (module docstring); pure_bf16 keeps bf16 ones."""
+    if training_args.fp16:
+        _upcast_trainable(model)
+    elif training_args.bf16:
+        _upcast_trainable(model, only=torch.float16 if finetuning_args.pure_bf16 else None)
 
 
 def is_reward_model(model: nn.Module) -> bool:

@@ -37,18 +37,25 @@ def load_model(
     tokenizer: PreTrainedTokenizerBase,
     is_trainable: bool = True,
     reward_head: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """The causal LM of model_name_or_path, set up to train as finetuning_args say (or frozen for inference).
 
     reward_head: load it as AutoModelForSequenceClassification with one label (stage rm): the backbone
     plus a scalar head `score` (new, randomly initialised, unless the folder already is a reward model).
+    dtype: the weights' dtype instead of the options' (model/resolve.py), e.g. a frozen reference in its policy's.
     """
     # New weights (LoRA, reward head) start from the run's seed, whatever consumed random numbers before
     # (building the tokenized cache does; reading it back does not).
     transformers.set_seed(training_args.seed)
     path = model_args.model_name_or_path
-    dtype = resolve_dtype(model_args, training_args)
+    if dtype is None:
+        dtype = resolve_dtype(model_args, training_args, finetuning_args if is_trainable else None)
     kwargs: dict = {"dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
+    if qat.is_torchao_quantized(path):
+        # A quantized export computes in the dtype it was exported from (its int4 / int8 weights dequantize to it):
+        # other embeddings and norms would meet those weights in another dtype.
+        kwargs["dtype"] = "auto"
     attn = ATTN_IMPLEMENTATIONS[model_args.flash_attn]
     if attn == "flash_attention_2" and not is_flash_attn_2_available():
         raise ModelError("flash_attn: fa2 needs the flash-attn package and a CUDA GPU; set flash_attn: sdpa or auto")

@@ -269,7 +269,7 @@ def meta_model(config: RunConfig) -> nn.Module:
     from tunelab.model.resolve import resolve_dtype  # noqa: PLC0415
 
     model_config = AutoConfig.from_pretrained(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
-    dtype = resolve_dtype(config.model, config.training)
+    dtype = resolve_dtype(config.model, config.training, config.finetuning)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=dtype, trust_remote_code=config.model.trust_remote_code)
     # An existing adapter's own rank decides; the meta copy uses the configured LoRA options instead.

@@ -18,6 +18,7 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.model.adapters import is_quantized
 from tunelab.data.vision import save_processor_files, token_type_key, vision_collator, vision_inputs
 from tunelab.model.load import count_parameters, load_model
+from tunelab.model.resolve import resolve_dtype
 from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
@@ -59,7 +60,9 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     ref_model = None
     uses_lora = ft.finetuning_type == "lora" or is_quantized(model)
     if needs_reference(stage, ft) and not uses_lora and not ft.precompute_ref_log_probs:
-        ref_model = load_model(config.model, ft, args, tokenizer, is_trainable=False)
+        # In the policy's dtype (float32 master weights under bf16): the two start equal, rewards at exactly 0.
+        ref_model = load_model(config.model, ft, args, tokenizer, is_trainable=False,
+                               dtype=resolve_dtype(config.model, args, ft))
     train_set, evals = data.train, dict(data.eval)
     if needs_reference(stage, ft) and ft.precompute_ref_log_probs:
         columns = KTO_REFERENCE_COLUMNS if stage == "kto" else PAIR_REFERENCE_COLUMNS
