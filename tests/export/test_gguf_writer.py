@@ -210,3 +210,43 @@ def test_real_tokenizers_round_trip(item, pre, config, tmp_path):
                           llama_cpp=False)
     assert report.ok and report.readers[0].ids_identical and report.readers[0].special_tokens_identical
     assert json.loads(json.dumps(report.to_dict()))["ok"] is True
+
+
+def _sentencepiece_style_tokenizer() -> PreTrainedTokenizerFast:
+    """A small Llama-2 / Mistral-style tokenizer: BPE over '▁'-marked words with byte fallback, trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    corpus = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France? Paris. Add 12 and 30.",
+              "Hello! How can I help you today? Why is the sky blue?"] * 50
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[INST]", "[/INST]"]})
+    return tokenizer
+
+
+def test_sentencepiece_style_tokenizer_writes_as_llama_with_scores(tmp_path):
+    """Byte-fallback BPE is llama.cpp's 'llama' (SentencePiece) vocabulary: byte tokens typed BYTE, scores that
+    order the merges as tokenizers applies them, the '▁' prefix flag; transformers rebuilds the same encoding."""
+    from tunelab.export.parity import check_parity  # noqa: PLC0415
+
+    tokenizer = _sentencepiece_style_tokenizer()
+    config = LlamaConfig(**{**_SMALL, "vocab_size": len(tokenizer), "num_hidden_layers": 2})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    source = builtin_source("mistral_v0_3")
+    path = write_gguf(model, tokenizer, source, None, tmp_path / "spm.gguf", "f16")
+    reader = gguf.GGUFReader(path)
+    assert (_field(reader, "tokenizer.ggml.model"), _field(reader, "tokenizer.ggml.pre")) == ("llama", "default")
+    tokens, types = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.token_type")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    assert types[tokens.index("<0x0A>")] == gguf.TokenType.BYTE
+    assert types[tokens.index("[INST]")] == gguf.TokenType.CONTROL
+    merges = [m.replace(" ", "") for m in _field(reader, "tokenizer.ggml.merges")]
+    assert [scores[tokens.index(m)] for m in merges[:5]] == [0.0, -1.0, -2.0, -3.0, -4.0]
+    assert _field(reader, "tokenizer.ggml.add_space_prefix") is True
+    report = check_parity(model, tokenizer, source, None, path, "gguf", max_new_tokens=4, llama_cpp=False)
+    assert report.ok and report.readers[0].ids_identical

@@ -182,7 +182,7 @@ def rounded_as_stored(model: torch.nn.Module, tensor_type: str) -> torch.nn.Modu
     qtype, _ = TENSOR_TYPES[tensor_type.lower()]
     plan = _tensor_plan(model, family)
     head = "output.weight" if any(item.name == "output.weight" for item in plan) else "token_embd.weight"
-    rounded = copy.deepcopy(model).float().eval()
+    rounded = torch.nn.Module.float(copy.deepcopy(model)).eval()  # Module's own: a GGUF-loaded model refuses .float()
     state = rounded.state_dict()
     with torch.no_grad():
         for item in plan:
@@ -526,15 +526,15 @@ def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: Any, n_rows: int, chat
         if token is None:
             tokens.append(f"[PAD{index}]")
             types.append(gguf.TokenType.UNUSED)
+        elif not byte_level and _BYTE_TOKEN.fullmatch(token):  # byte fallback needs them typed BYTE, added or not
+            tokens.append(token)
+            types.append(gguf.TokenType.BYTE)
         elif index in added:
             special = added[index].get("special") or _looks_special(token)
             if not special and not byte_level:
                 token = token.replace("\u2581", " ")  # llama.cpp matches user-defined tokens in raw text
             tokens.append(token)
             types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
-        elif not byte_level and _BYTE_TOKEN.fullmatch(token):
-            tokens.append(token)
-            types.append(gguf.TokenType.BYTE)
         elif not byte_level and index == unk_id:
             tokens.append(token)
             types.append(gguf.TokenType.UNKNOWN)
