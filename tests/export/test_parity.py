@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from tunelab.data.templates import builtin_source
 from tunelab.export import gguf_writer
 from tunelab.export.gguf_writer import write_gguf
-from tunelab.export.parity import STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
+from tunelab.export.parity import PROBES, STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
 
 
 def test_f16_gguf_matches_the_trained_model(tiny, tiny_gguf, tmp_path):
@@ -105,20 +105,43 @@ def test_a_missing_rotary_permutation_is_caught(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_f16_gguf_matches(tmp_path):
-    """SmolLM2-135M-Instruct (30 layers, grouped kv, its own template with a default system prompt): exported f16
-    from the weights transformers reads out of its Q4_1 GGUF, read back, the same ids, template and greedy answers."""
+def test_smollm2_f16_and_q8_0_ggufs_match(tmp_path):
+    """SmolLM2-135M-Instruct (30 layers, grouped kv, its own template with a default system prompt), from the
+    weights transformers reads out of its Q4_1 GGUF: f16 gives the same ids, template and greedy answers within the
+    f16 tolerance; q8_0 stays within its own (this small model's outlier weights make it sensitive: about 0.4 sd)."""
     from tests.real_assets import real  # noqa: PLC0415
 
     path = real("smollm2")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "smollm2-f16.gguf", "f16")
-    report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=12,
-                          llama_cpp=False, report_path=tmp_path / "export_report.json")
+    for tensor_type in ("f16", "q8_0"):
+        out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / f"smollm2-{tensor_type}.gguf",
+                         tensor_type)
+        report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=8,
+                              llama_cpp=False)
+        (result,) = report.readers
+        assert report.ok and result.ids_identical and result.template_identical
+        assert result.max_logit_gap <= TOLERANCES[tensor_type] and result.stored_gap <= STORED_TOLERANCE
+        assert result.greedy_identical or tensor_type == "q8_0"
+        assert "Paris" in result.probes[0].reference_text
+
+
+@pytest.mark.slow
+def test_gemma3_270m_sentencepiece_gguf_matches(tmp_path):
+    """Gemma 3 270M (SentencePiece vocabulary of 262k tokens, 1 + w norms, sliding layers), from its Q4_K_M GGUF,
+    chatting through tunelab's gemma3 template: re-exported f16, the same ids, template and answers."""
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("gemma3-270m")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    template = builtin_source("gemma3")
+    out = write_gguf(model, tokenizer, template, None, tmp_path / "gemma3-f16.gguf", "f16")
+    report = check_parity(model, tokenizer, template, None, out, "gguf", max_new_tokens=4, llama_cpp=False,
+                          probes=PROBES[:2])
     (result,) = report.readers
-    assert report.ok and result.greedy_identical and result.max_logit_gap <= TOLERANCES["f16"]
-    assert "Paris" in result.probes[0].reference_text
+    assert report.ok and result.ids_identical and result.template_identical and result.greedy_identical
+    assert result.max_logit_gap <= TOLERANCES["f16"]
 
 
 def test_llama_cpp_reader_when_installed(tiny, tiny_gguf):

@@ -344,7 +344,7 @@ def _rounded_reference(model: torch.nn.Module, tokenizer: Any, kind: str, tensor
         rounded = rounded_as_stored(model, tensor_type)
     else:  # a folder stores every tensor in its dtype
         dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[tensor_type]
-        rounded = copy.deepcopy(model).to(dtype).float()
+        rounded = torch.nn.Module.float(torch.nn.Module.to(copy.deepcopy(model), dtype))
     return TransformersReader("as stored", rounded, tokenizer, None)
 
 
