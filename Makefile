@@ -21,11 +21,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/tunelab train examples/quickstart.yaml overwrite_output_dir=true
 
-test: setup
-	$(BIN)/python -m pytest
+# pytest-xdist: one worker per core (at most 4), whole test files per worker (their shared fixtures stay together);
+# tests/conftest.py gives each worker one torch thread. A plain `pytest` runs serially.
+PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
 
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL)
+
+# No subprocess, no training run beyond a few steps: the inner loop.
 test-fast: setup
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 # The peer comparison (docs/benchmarks.md): the peers' venvs once (~5 min, idempotent), then every
 # workload, 3 repeats of 30 steps (~45 min on 2 cores). Arguments for bench/run.py: make bench BENCH_ARGS="..."

@@ -2,6 +2,7 @@
 classes, expands `<image>` through its own processor, stays inside the size budget and is what its recipe writes."""
 
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,10 @@ def _digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.slow  # reruns the recipe with its 300 caption-pretraining steps: 5 min on the shared 2-core machine
+@pytest.mark.slow  # reruns the recipe with its 300 caption-pretraining steps: 85 s on 2 idle cores
+@pytest.mark.skipif(os.environ.get("TUNELAB_FULL_CHECKS") != "1",
+                    reason="retrains the vision asset (about 90 s): runs in CI (.ci/run sets TUNELAB_FULL_CHECKS=1); "
+                    "run it here with TUNELAB_FULL_CHECKS=1 make test")
 def test_recipe_rebuilds_the_committed_files_byte_for_byte(tmp_path):
     out = tmp_path / "tiny-llava"
     subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "build_vision_asset.py"), "--out", str(out)],

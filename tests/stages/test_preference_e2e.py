@@ -124,8 +124,10 @@ def test_dpo_full_with_reference_copy(tmp_path, sft_model_dir, precision):
     with autocast(precision):
         assert policy_accuracy(model, held_out_batch(out)) == reported["preference_accuracy_after"]
     first, second = [r for r in read_log(out) if "loss" in r]
-    assert first["rewards/margins"] == 0.0  # step 1's forward: the policy still is its frozen reference
-    assert second["rewards/margins"] != 0.0  # step 2: it moved away
+    # Step 1's forward: the policy still is its frozen reference (same weights, same dtype). Under bf16 autocast the
+    # policy's forward (with gradients) and the reference's (without) may take other bf16 kernels: measured 1.2e-3.
+    assert abs(first["rewards/margins"]) <= {"fp32": 0.0, "bf16": 1e-2}[precision]
+    assert abs(second["rewards/margins"]) > abs(first["rewards/margins"]) + 1e-3  # step 2: it moved away (4.6e-3)
 
 
 def test_kto_full(tmp_path, sft_model_dir):
