@@ -503,7 +503,8 @@ def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: Any, n_rows: int, chat
     if model_spec.get("type") != "BPE":
         raise ExportError(
             f"export_format gguf: a {model_spec.get('type')} tokenizer cannot be written; llama.cpp reads byte-level "
-            "BPE (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma)"
+            "BPE (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece-style BPE with byte fallback "
+            "(Llama 2, Mistral, Gemma)"
         )
     vocab = backend.get_vocab(with_added_tokens=True)
     if max(vocab.values()) >= n_rows:

@@ -140,7 +140,8 @@ def write_modelfile(
     """
     gguf_path = Path(gguf_path)
     out = Path(out_path) if out_path is not None else gguf_path.with_name("Modelfile")
-    out.write_text(modelfile_text(gguf_path.name, tokenizer, chat_template, template_vars, stop_words), encoding="utf-8")
+    text = modelfile_text(gguf_path.name, tokenizer, chat_template, template_vars, stop_words)
+    out.write_text(text, encoding="utf-8")
     return out
 
 
@@ -157,7 +158,7 @@ def modelfile_text(
         f"FROM ./{gguf_name}",
     ]
     if chat_template is None:
-        lines.append("# No chat template: the model trained on plain text (stage pt); Ollama sends prompts as they are.")
+        lines.append("# No chat template: the model trained on plain text (stage pt); prompts go in as they are.")
         lines.append('TEMPLATE """{{ .Prompt }}"""')
         return "\n".join(lines) + "\n"
     variables = dict(template_vars or {})
@@ -219,8 +220,9 @@ def faithful_go_template(template: Template, tokenizer: Any, variables: dict[str
         return None
     candidates = [chatml(_chatml_generation_suffix(rendered[0][1])), llama3(), gemma()]
     for candidate in candidates:
-        if all(_ollama_ids(candidate, messages, tokenizer, system) == tokenizer(text, add_special_tokens=False)["input_ids"]
-               for messages, text in rendered):
+        trained = [tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in rendered]
+        if all(_ollama_ids(candidate, messages, tokenizer, system) == ids
+               for (messages, _), ids in zip(rendered, trained)):
             return candidate
     return None
 

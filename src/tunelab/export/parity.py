@@ -163,8 +163,8 @@ class ParityReport:
             out.append(
                 f"  {r.reader}: template {'same' if r.template_identical else 'DIFFERENT'}, ids "
                 f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
-                f"{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), {r.stored_gap:.2g} "
-                f"sd from the weights as stored, greedy answers "
+                f"{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
+                f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
                 f"{greedy}{speed}"
             )
         out.extend(f"  problem: {problem}" for problem in self.problems)
@@ -220,7 +220,8 @@ def check_parity(
     for line in report.lines():
         logger.info(line)
     if raise_on_mismatch and report.problems:
-        more = f" (and {len(report.problems) - 1} more problem(s), see export_report.json)" if len(report.problems) > 1 else ""
+        others = len(report.problems) - 1
+        more = f" (and {others} more problem(s), see export_report.json)" if others else ""
         raise ParityError(f"export check failed for {exported.name}: {report.problems[0]}{more}")
     return report
 
@@ -501,7 +502,8 @@ def _gguf_type(path: Path) -> str:
     if field is None:
         return "unknown"
     name = gguf.LlamaFileType(int(field.contents())).name
-    return {"ALL_F32": "f32", "MOSTLY_F16": "f16", "MOSTLY_BF16": "bf16"}.get(name, name.removeprefix("MOSTLY_").lower())
+    floats = {"ALL_F32": "f32", "MOSTLY_F16": "f16", "MOSTLY_BF16": "bf16"}
+    return floats.get(name, name.removeprefix("MOSTLY_").lower())
 
 
 def _hf_type(folder: Path) -> str:
