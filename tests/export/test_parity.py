@@ -3,6 +3,7 @@ caught with one line naming what differs."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -40,13 +41,17 @@ def test_q8_0_gguf_is_within_its_tolerance(tiny, tiny_gguf):
     assert not result.greedy_required  # reported, not required, for quantized types
 
 
-def test_hf_folder_matches_the_trained_model(tiny, tmp_path):
+@pytest.mark.parametrize(("dtype", "tensor_type"), [(torch.float32, "f32"), (torch.float16, "f16")])
+def test_hf_folder_matches_the_trained_model(tiny, tmp_path, dtype, tensor_type):
+    """A folder loads with plain from_pretrained; saved in float16 it is the trained weights rounded to float16."""
     folder = tmp_path / "hf"
-    tiny.model.save_pretrained(folder)
+    torch.nn.Module.to(copy.deepcopy(tiny.model), dtype).save_pretrained(folder)
     tiny.tokenizer.save_pretrained(folder)
     report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, folder, "hf")
     (result,) = report.readers
-    assert report.ok and report.tensor_type == "f32" and result.max_logit_gap == 0 and result.greedy_identical
+    assert report.ok and report.tensor_type == tensor_type and result.greedy_identical
+    assert result.stored_gap <= STORED_TOLERANCE
+    assert result.max_logit_gap == 0 if tensor_type == "f32" else 0 < result.max_logit_gap <= TOLERANCES["f16"]
 
 
 def test_a_wrong_template_is_caught(tiny, tmp_path):
