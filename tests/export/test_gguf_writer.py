@@ -253,3 +253,20 @@ def test_sentencepiece_style_tokenizer_writes_as_llama_with_scores(tmp_path):
     assert _field(reader, "tokenizer.ggml.add_space_prefix") is True
     report = check_parity(model, tokenizer, source, None, path, "gguf", max_new_tokens=4, llama_cpp=False)
     assert report.ok and report.readers[0].ids_identical
+
+
+def test_llama3_rope_scaling_is_written_as_llama_cpp_rope_freqs(tmp_path):
+    """Llama 3.1's rope scaling travels as rope_freqs.weight: llama.cpp divides each rotary frequency by it, which
+    must give transformers' own llama3 frequencies (transformers' GGUF loader does not read it back, so this checks
+    the tensor against transformers' rope code directly)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: PLC0415
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(**{**_SMALL, "max_position_embeddings": 131072, "head_dim": 64}, rope_parameters=rope)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    path = write_gguf(model, AutoTokenizer.from_pretrained(TINY_MODEL_DIR), None, None, tmp_path / "l.gguf", "f16")
+    factors = next(t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight")
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    assert torch.allclose(plain / torch.tensor(np.array(factors.data)), expected, rtol=1e-6, atol=0)
