@@ -252,7 +252,8 @@ def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
-    from tunelab.infer.predict import PREDICTIONS_FILE, run_predict  # noqa: PLC0415
+    from tunelab.infer.predict import run_predict  # noqa: PLC0415
+    from tunelab.run_folder import PREDICTIONS  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
@@ -261,13 +262,13 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
     metrics = run_predict(config)
     for key, value in metrics.items():
         print(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
-    print(f"predictions: {config.training.output_dir}/{PREDICTIONS_FILE}")
+    print(f"predictions: {config.training.output_dir}/{PREDICTIONS}")
     return 0
 
 
 def _cmd_export(ns: argparse.Namespace) -> int:
     from tunelab.config.loader import load_config  # noqa: PLC0415
-    from tunelab.model.export import export_model  # noqa: PLC0415
+    from tunelab.export.merge import export_model  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)

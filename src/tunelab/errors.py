@@ -1,8 +1,16 @@
 """The exception families tunelab raises on purpose.
 
 Every message is one line that names what is wrong (config key, file and line) and how to fix it.
-The CLI prints these without a traceback; anything else is a bug and keeps its traceback.
+The CLI prints these without a traceback; anything else is a bug and keeps its traceback. `as_os_error` turns a
+failed write that a library reported in its own words into the OSError it is, for the same one-line treatment.
 """
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import resource
 
 
 class TunelabError(Exception):
@@ -41,3 +49,32 @@ def first_line(exc: BaseException) -> str:
     """The first line of an exception's message, short enough for a one-line error."""
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300]
+
+
+# torch.save reports a failed write (a full disk, a file-size limit) without an errno: "[enforce fail at
+# inline_container.cc:...] . unexpected pos N vs M" or "PytorchStreamWriter failed writing file ...".
+_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
+_NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
+
+
+def as_os_error(exc: Exception, where: str) -> Exception:
+    """An I/O failure that surfaced as another type as the OSError it is (so the CLI explains it in one line),
+    or `exc` unchanged. safetensors' Rust errors carry "(os error N)"; torch.save's carry no errno, so a disk
+    with (almost) no space left under `where` makes it ENOSPC, a file-size limit (ulimit -f) EFBIG."""
+    if isinstance(exc, OSError):
+        return exc
+    match = re.search(r"os error (\d+)\)", str(exc))
+    if match and int(match.group(1)) in errno.errorcode:
+        code = int(match.group(1))
+        return OSError(code, os.strerror(code), where)
+    if not (isinstance(exc, RuntimeError) and any(text in str(exc) for text in _TORCH_WRITE_FAILED)):
+        return exc
+    try:
+        stats = os.statvfs(where)
+    except OSError:
+        return exc
+    if stats.f_bavail * stats.f_frsize < _NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), where)
+    return exc

@@ -269,7 +269,7 @@ def test_streaming_checks(tmp_path, options, message):
 @pytest.mark.slow
 def test_streaming_pt_run_trains_and_saves(tmp_path):
     from tunelab.cli import main
-    from tunelab.train.callbacks import read_log
+    from tunelab.run_folder import read_log
 
     out = tmp_path / "out"
     config = {

@@ -15,7 +15,7 @@ from tunelab.cli import main
 from tunelab.config.args import DataArguments
 from tunelab.data.collate import SupervisedCollator
 from tunelab.data.pretrain import build_pretrain_datasets
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 from tunelab.train.losses import causal_lm_loss
 
 CUTOFF = 64

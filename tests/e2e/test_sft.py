@@ -17,7 +17,7 @@ from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import to_canonical
 from tunelab.data.registry import load_registry, load_rows
 from tunelab.data.templates import get_template
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 from tunelab.train.losses import causal_lm_loss
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

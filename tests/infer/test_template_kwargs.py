@@ -18,8 +18,8 @@ from tunelab.data.templates.builtin import builtin_source
 from tunelab.errors import TemplateError
 from tunelab.infer.engine import load_engine
 from tunelab.infer.generate import generate_predictions
-from tunelab.infer.predict import inference_template_kwargs, recorded_template_kwargs
-from tunelab.model.export import export_model
+from tunelab.infer.trained import inference_template_kwargs, recorded_template_kwargs
+from tunelab.export.merge import export_model
 
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]

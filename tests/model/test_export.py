@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
 from tunelab.data.templates import get_template
-from tunelab.model.export import shard_size_bytes
+from tunelab.export.merge import shard_size_bytes
 
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 IDS = torch.tensor([[5, 17, 40, 3, 99, 12, 7], [8, 8, 120, 60, 2, 31, 200]])

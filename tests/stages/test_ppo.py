@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tunelab.cli import main
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from tunelab.data.pairwise import preference_encoder
 from tunelab.data.registry import load_registry, load_rows
 from tunelab.data.templates import get_template
 from tunelab.model.reward import load_reward_model
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 from tunelab.train.preference_trainer import batch_log_probs
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tunelab.cli import main
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

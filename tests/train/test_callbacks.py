@@ -13,7 +13,8 @@ import yaml
 
 from tunelab.cli import main
 from tunelab.errors import ConfigError
-from tunelab.train.callbacks import EarlyStopping, read_log, resolve_user_callbacks
+from tunelab.run_folder import read_log
+from tunelab.train.callbacks import EarlyStopping, resolve_user_callbacks
 
 from .reliability_helpers import assert_same_weights, weights
 

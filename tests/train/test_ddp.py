@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tunelab.cli import main
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 CONFIG = {
     "model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse", "max_samples": 64,

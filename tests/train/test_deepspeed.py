@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from tests.precisions import PRECISIONS, precision_env
 from tests.train.test_ddp import CONFIG
 from tunelab.cli import main
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 pytest.importorskip("deepspeed", reason="pip install 'tunelab[deepspeed]'")
 

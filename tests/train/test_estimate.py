@@ -246,7 +246,7 @@ def measure_short_run(folder: Path, config: dict = SHORT_RUN, probe_steps: int =
 
     import statistics
 
-    from tunelab.train.callbacks import read_log
+    from tunelab.run_folder import read_log
 
     path = folder / "run.yaml"
     path.write_text(yaml.safe_dump({**config, "output_dir": str(folder / "run")}))

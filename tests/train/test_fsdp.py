@@ -22,7 +22,7 @@ from tests.precisions import PRECISIONS, precision_env
 from tests.train.reliability_helpers import cli_command, cli_env
 from tests.train.test_ddp import CONFIG
 from tunelab.cli import main
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 # FSDP2 reduce-scatters gradients where one process sums them whole: another summation order, which SGD at lr 0.5
 # carries into later steps (measured: step 4's loss 1.7e-5 and grad norm 3.8e-5 off, final weights 3.5e-7; LoRA

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from tests.train.reliability_helpers import cli_env
 from tests.train.test_ddp import CONFIG, TOLERANCE
-from tunelab.train.callbacks import read_log
-from tunelab.train.checkpoints import is_complete, latest_checkpoint
+from tunelab.run_folder import read_log
+from tunelab.run_folder import is_complete, latest_checkpoint
 
 
 def free_port() -> int:

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.train.reliability_helpers import train, weights, write_config
-from tunelab.train.callbacks import read_log
-from tunelab.train.checkpoints import latest_checkpoint
+from tunelab.run_folder import read_log
+from tunelab.run_folder import latest_checkpoint
 
 BAD_WORD = "w250"
 

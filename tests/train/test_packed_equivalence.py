@@ -267,7 +267,7 @@ def test_padding_free_default_only_where_samples_stay_isolated_natively(tiny_lla
 @pytest.mark.slow
 def test_sft_with_packing_learns_and_reports_efficiency(tmp_path):
     from tunelab.cli import main  # noqa: PLC0415
-    from tunelab.train.callbacks import read_log  # noqa: PLC0415
+    from tunelab.run_folder import read_log  # noqa: PLC0415
 
     out = tmp_path / "out"
     config = {

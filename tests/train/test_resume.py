@@ -17,7 +17,7 @@ import pytest
 from tests.train.reliability_helpers import assert_same_weights, losses, train, weights, write_config
 from tunelab.config.loader import load_config
 from tunelab.errors import ConfigError
-from tunelab.train.checkpoints import latest_checkpoint
+from tunelab.run_folder import latest_checkpoint
 
 MODES = {
     "unpacked": {},

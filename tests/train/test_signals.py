@@ -12,7 +12,7 @@ import transformers
 
 from tests.train.reliability_helpers import cli_command, cli_env, losses, train, write_config
 from tunelab.cli import main
-from tunelab.train.checkpoints import is_complete, latest_checkpoint
+from tunelab.run_folder import is_complete, latest_checkpoint
 from tunelab.train.signals import StopOnSignal
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
 from tunelab.errors import ConfigError
+from tunelab.run_folder import DATA_STATS_DIR
 
 RL_STAGES = ("grpo", "ppo")
 # Options of the generating stages and the stages they apply to (set elsewhere: ConfigError).
@@ -33,8 +34,6 @@ PREFERENCE_KEYS = {
     "kto_desirable_weight": ("kto",), "kto_undesirable_weight": ("kto",),
 }
 PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
-# What `tunelab data stats` writes into output_dir; a folder holding only this still counts as empty.
-DATA_STATS_DIR = "data_stats"
 LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 # Training keys that only act under one value of a strategy key: key -> (strategy key, the value it needs).
 STRATEGY_KEYS = {
@@ -352,7 +351,7 @@ def _check_qat_layers(config: RunConfig) -> None:
     if not (ft.qat or export_scheme):
         return
     if export_scheme:
-        from tunelab.model.export import is_sequence_classification  # noqa: PLC0415
+        from tunelab.export.merge import is_sequence_classification  # noqa: PLC0415
 
         if is_sequence_classification(model):
             raise ConfigError(
@@ -765,7 +764,7 @@ def _check_resume(config: RunConfig) -> None:
     """resume_from_checkpoint names a checkpoint that verifies (true: the newest of output_dir that does), holds
     optimizer state (or resume_weights_only), and was written by a run with the same trajectory options
     (or resume_config_mismatch: allow) — before any model loads. The resolved folder replaces true."""
-    from tunelab.config.loader import RUN_RECORD, read_run_record  # noqa: PLC0415 - loader imports checks
+    from tunelab.run_folder import RUN_RECORD, read_run_record  # noqa: PLC0415
     from tunelab.train import checkpoints  # noqa: PLC0415
     from tunelab.train.outputs import run_options  # noqa: PLC0415
 

@@ -344,19 +344,6 @@ def _resolve_template_alias(data_values: dict[str, Any]) -> None:
             data_values["template_kwargs"] = kwargs
 
 
-RUN_RECORD = "tunelab_config.yaml"  # resolved_dict, written into a run's output folder, checkpoints and exports
-
-
-def read_run_record(folder: str | Path) -> dict[str, Any] | None:
-    """The options a tunelab run recorded in folder/tunelab_config.yaml; None where there is no readable record
-    (not a tunelab folder, or a damaged file: callers then go on without what it would have said)."""
-    try:
-        options = yaml.safe_load((Path(folder) / RUN_RECORD).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    return options if isinstance(options, dict) else None
-
-
 def resolved_dict(config: RunConfig) -> dict[str, Any]:
     """A YAML-ready dict of every option the run used (written to output_dir/tunelab_config.yaml)."""
     out: dict[str, Any] = {}

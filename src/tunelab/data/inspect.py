@@ -33,7 +33,8 @@ import pyarrow.compute as pc
 import torch
 
 from tunelab.config.args import RunConfig
-from tunelab.config.checks import DATA_STATS_DIR, PREFERENCE_STAGES
+from tunelab.config.checks import PREFERENCE_STAGES
+from tunelab.run_folder import DATA_STATS_DIR
 from tunelab.data.collate import (
     PackedCollator,
     PaddingFreeCollator,

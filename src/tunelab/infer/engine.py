@@ -30,21 +30,19 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.args import ModelArguments
+from tunelab.data.formats import IMAGE_PLACEHOLDER
+from tunelab.data.images import open_images
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
-from tunelab.data.templates.builtin import builtin_source
-from tunelab.data.templates.template import tokenizer_source
 from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError, first_line
 from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
-from tunelab.data.formats import IMAGE_PLACEHOLDER
-from tunelab.data.images import open_images
 from tunelab.infer.images import split_images
-from tunelab.model import hub
-from tunelab.infer.predict import inference_template_kwargs
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
+from tunelab.infer.trained import inference_template_kwargs, saved_template
+from tunelab.model import hub, vision
 from tunelab.model.adapters import load_adapter
-from tunelab.model import vision
 from tunelab.model.tokenizer import load_processor, load_tokenizer
+from tunelab.run_folder import TrainedFolder
 
 Message = dict[str, Any]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -135,24 +133,18 @@ def load_engine(
     model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
-    # An adapter folder written by tunelab holds the tokenizer with the chat template it trained with.
-    tokenizer_dir = adapter_dir if adapter_dir and (Path(adapter_dir) / "tokenizer_config.json").is_file() else model_dir
-    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=tokenizer_dir, trust_remote_code=trust_remote_code))
-    if template is not None:
-        chat_template = get_template(template, tokenizer)
-    elif tokenizer_source(tokenizer) is None:
+    trained = TrainedFolder.of(model_dir, adapter_dir)
+    tokenizer_dir = trained.tokenizer_folder(model_dir)  # an adapter's own, with the template it trained with
+    tokenizer = load_tokenizer(ModelArguments(model_name_or_path=str(tokenizer_dir), trust_remote_code=trust_remote_code))
+    chat_template = get_template(template, tokenizer) if template is not None else saved_template(tokenizer)
+    if chat_template is None:
         raise ConfigError(
             f"{tokenizer_dir} has no chat_template (a pretraining run or a base model); "
             f"pass --template NAME, one of {', '.join(TEMPLATE_NAMES)}"
         )
-    else:
-        # A saved built-in (every tunelab run saves its template) keeps its name and curated stop words.
-        source = tokenizer_source(tokenizer)
-        builtin = next((name for name in TEMPLATE_NAMES if builtin_source(name) == source), None)
-        chat_template = get_template(builtin, tokenizer) if builtin else Template.from_tokenizer(tokenizer)
     if template_kwargs is None and template is not None:
         template_kwargs = {}  # the folder recorded its variables for its own template, not this one
-    template_kwargs = inference_template_kwargs(template_kwargs, Path(adapter_dir or model_dir), chat_template)
+    template_kwargs = inference_template_kwargs(template_kwargs, trained, chat_template)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)

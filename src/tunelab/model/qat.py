@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tunelab.config.loader import read_run_record
+from tunelab.run_folder import read_run_record
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)

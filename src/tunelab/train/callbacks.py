@@ -15,7 +15,6 @@ by the opt-in rule of tunelab/user_code.py: nothing runs unless the config names
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -24,12 +23,12 @@ from typing import Any
 
 import transformers
 
+from tunelab import run_folder
 from tunelab.errors import ConfigError
 from tunelab.model import qat
 from tunelab.train.memory import memory_metrics
 from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
 
-LOG_FILE = "trainer_log.jsonl"
 logger = logging.getLogger(__name__)
 
 
@@ -69,19 +68,17 @@ def qat_callbacks(finetuning_args) -> list[transformers.TrainerCallback]:
 
 class JsonlLogCallback(transformers.TrainerCallback):
     def __init__(self, output_dir: str):
-        self.path = Path(output_dir) / LOG_FILE
+        self.folder = Path(output_dir)
         self.start = None
         self.last_time = None
         self.last_tokens = (0, 0)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if state.global_step == 0:  # a fresh run
-                self.path.unlink(missing_ok=True)
-            elif self.path.exists():  # resumed: drop what the stopped run logged after its checkpoint
-                kept = [r for r in read_log(self.path.parent) if r.get("step", 0) <= state.global_step]
-                self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+            self.folder.mkdir(parents=True, exist_ok=True)
+            # A fresh run starts an empty log; a resumed one drops what the stopped run logged after its checkpoint.
+            kept = [r for r in run_folder.read_log(self.folder) if r.get("step", 0) <= state.global_step]
+            run_folder.rewrite_log(self.folder, kept if state.global_step else [])
         self.start = self.last_time = time.time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -101,16 +98,7 @@ class JsonlLogCallback(transformers.TrainerCallback):
         if state.global_step and state.max_steps:
             record["eta_seconds"] = round(elapsed / state.global_step * (state.max_steps - state.global_step), 2)
         record.update(memory_metrics(getattr(args, "device", None)))
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
-
-
-def read_log(output_dir: str | Path) -> list[dict]:
-    path = Path(output_dir) / LOG_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
+        run_folder.append_log(self.folder, record)
 
 
 # ---- the user's callbacks -------------------------------------------------------------------------------------

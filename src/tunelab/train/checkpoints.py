@@ -33,79 +33,32 @@ docs/reliability.md), the signal handling (signals.py) and the NaN guard (guards
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import transformers
 
-from tunelab.config.loader import RUN_RECORD
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, as_os_error
+from tunelab.run_folder import (
+    CHECKPOINT_PREFIX, MANIFEST, RUN_RECORD, RUN_STATE, TRAINER_STATE, checkpoint_folders, complete_checkpoints,
+    read_manifest, write_manifest,
+)
+from tunelab.run_folder import checksums as file_checksums  # checkpoint_problem has a `checksums` switch
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
 STAGING_PREFIX = "tmp-checkpoint"
-TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
-RUN_STATE = "tunelab_state.json"
-MANIFEST = "tunelab_manifest.json"
-MANIFEST_FORMAT = 1
 # Files a weights-only resume may lack (the Trainer then starts them fresh): optimizer, LR scheduler,
 # gradient scaler, RNG states; DeepSpeed keeps its optimizer shards in global_stepN/.
 OPTIMIZER_STATE_PREFIXES = ("optimizer", "scheduler", "scaler", "rng_state", "global_step")
 # Test hook: seconds to sleep after the weights are written into the staging folder, so a test can
 # kill the process mid-save. Read only here; unset in normal runs.
 SLOW_SAVE_ENV = "TUNELAB_TEST_SLOW_CHECKPOINT_SAVE"
-
-_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}-(\d+)$")
-_HASH_CHUNK = 1 << 24
-
-
-# --- the manifest: what a complete checkpoint holds ----------------------------------------------
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _checksums(folder: Path, names: list[str]) -> dict[str, str]:
-    """SHA-256 of each file, several files at once (hashlib releases the GIL on large buffers)."""
-    with ThreadPoolExecutor(max_workers=min(8, max(len(names), 1))) as pool:
-        return dict(zip(names, pool.map(lambda name: file_sha256(folder / name), names)))
-
-
-def write_manifest(folder: Path, step: int, optimizer_state: bool) -> dict[str, Any]:
-    """Record the size and SHA-256 of every file under folder in tunelab_manifest.json (written last)."""
-    names = sorted(
-        str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() and path.name != MANIFEST
-    )
-    sums = _checksums(folder, names)
-    manifest = {
-        "format": MANIFEST_FORMAT, "global_step": step, "optimizer_state": optimizer_state,
-        "files": {name: {"size": (folder / name).stat().st_size, "sha256": sums[name]} for name in names},
-    }
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    return manifest
-
-
-def read_manifest(folder: str | Path) -> dict[str, Any] | None:
-    """The manifest of a checkpoint folder, or None when it has none that parses."""
-    try:
-        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
 
 
 def _is_optimizer_state(name: str) -> bool:
@@ -134,7 +87,7 @@ def checkpoint_problem(folder: str | Path, weights_only: bool = False, checksums
             return f"{name} is {size:,} bytes, the manifest says {entry.get('size'):,}"
     if checksums:
         present = [name for name in files if (folder / name).is_file()]
-        for name, digest in _checksums(folder, present).items():
+        for name, digest in file_checksums(folder, present).items():
             if digest != files[name].get("sha256"):
                 return f"{name} does not match its checksum (damaged after it was written)"
     return None
@@ -150,35 +103,6 @@ def has_optimizer_state(folder: str | Path) -> bool:
 
 
 # --- finding checkpoints ----------------------------------------------------------------------
-
-
-def checkpoint_step(path: str | Path) -> int | None:
-    match = _CHECKPOINT_RE.match(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-def is_complete(path: str | Path) -> bool:
-    """A checkpoint folder whose manifest (written last) exists and parses; `checkpoint_problem` checks the files."""
-    return read_manifest(path) is not None
-
-
-def checkpoint_folders(output_dir: str | Path) -> list[Path]:
-    """Every `checkpoint-N` folder of output_dir, complete or not, oldest step first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [(checkpoint_step(p), p) for p in out.iterdir() if p.is_dir() and checkpoint_step(p) is not None]
-    return [p for _, p in sorted(found)]
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete `checkpoint-N` folders of output_dir, oldest step first."""
-    return [p for p in checkpoint_folders(output_dir) if is_complete(p)]
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    checkpoints = complete_checkpoints(output_dir)
-    return checkpoints[-1] if checkpoints else None
 
 
 _WEIGHTS_ONLY_HINT = "resume_weights_only: true resumes the weights with a fresh optimizer"
@@ -407,8 +331,6 @@ def save_checkpoint(trainer, trial=None) -> Path:
     try:
         return _save_checkpoint(trainer, trial, run_dir, staging)
     except Exception as exc:
-        from tunelab.train.outputs import as_os_error  # noqa: PLC0415 - outputs imports the config modules
-
         error = as_os_error(exc, str(run_dir))  # before the staging folder goes: a full disk is still full
         if args.should_save:
             shutil.rmtree(staging, ignore_errors=True)

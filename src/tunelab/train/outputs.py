@@ -13,29 +13,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tunelab import run_folder
 from tunelab.config.args import RunConfig
-from tunelab.config.loader import RUN_RECORD, resolved_dict
+from tunelab.config.loader import resolved_dict
+from tunelab.errors import as_os_error
+from tunelab.train.checkpoints import clear_previous_run
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 from tunelab.versions import versions
-
-
-def write_json(output_dir: str, name: str, data: Any) -> Path:
-    """Write output_dir/name as JSON. In a distributed run only global rank 0 writes: the other ranks hold
-    the same data and would race on the same file."""
-    path = Path(output_dir) / name
-    if int(os.environ.get("RANK", "0")) != 0:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    return path
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
@@ -52,16 +42,13 @@ def run_options(config: RunConfig) -> dict[str, Any]:
 def write_run_start(config: RunConfig) -> None:
     """The run's options and versions. A fresh run into output_dir (overwrite_output_dir, no resume) first
     deletes the checkpoints an earlier run left there, so no later resume can continue that run."""
-    from tunelab.train.checkpoints import clear_previous_run  # noqa: PLC0415
-
     out = Path(config.training.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     if config.training.overwrite_output_dir and not config.training.resume_from_checkpoint:
         clear_previous_run(out)
-    options = run_options(config)
-    (out / RUN_RECORD).write_text(yaml.safe_dump(options, sort_keys=False, default_flow_style=None), encoding="utf-8")
+    run_folder.write_run_record(out, run_options(config))
     sources = hub_sources(config)
-    write_json(str(out), "run_info.json", versions() | ({"hub": sources} if sources else {}))
+    run_folder.write_json(out, run_folder.RUN_INFO, versions() | ({"hub": sources} if sources else {}))
 
 
 def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
@@ -117,44 +104,11 @@ def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -
         generation_config.save_pretrained(out)
 
 
-# torch.save reports a failed write (a full disk, a file-size limit) without an errno: "[enforce fail at
-# inline_container.cc:...] . unexpected pos N vs M" or "PytorchStreamWriter failed writing file ...".
-_TORCH_WRITE_FAILED = ("unexpected pos", "PytorchStreamWriter failed writing", "file write failed")
-_NEARLY_FULL = 64 << 20  # bytes free below which a failed write is taken for a full disk
-
-
-def as_os_error(exc: Exception, where: str) -> Exception:
-    """An I/O failure that surfaced as another type as the OSError it is (so the CLI explains it in one line),
-    or `exc` unchanged. safetensors' Rust errors carry "(os error N)"; torch.save's carry no errno, so a disk
-    with (almost) no space left under `where` makes it ENOSPC, a file-size limit (ulimit -f) EFBIG."""
-    import errno  # noqa: PLC0415
-    import re  # noqa: PLC0415
-    import resource  # noqa: PLC0415
-
-    if isinstance(exc, OSError):
-        return exc
-    match = re.search(r"os error (\d+)\)", str(exc))
-    if match and int(match.group(1)) in errno.errorcode:
-        code = int(match.group(1))
-        return OSError(code, os.strerror(code), where)
-    if not (isinstance(exc, RuntimeError) and any(text in str(exc) for text in _TORCH_WRITE_FAILED)):
-        return exc
-    try:
-        stats = os.statvfs(where)
-    except OSError:
-        return exc
-    if stats.f_bavail * stats.f_frsize < _NEARLY_FULL:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
-    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
-        return OSError(errno.EFBIG, os.strerror(errno.EFBIG), where)
-    return exc
-
-
 def finish(trainer, metrics: dict, config: RunConfig) -> None:
     if not trainer.is_world_process_zero():
         return
     out = config.training.output_dir
     metrics.update(peak_memory_metrics(config.training.device))  # the whole run's, generation after training included
-    write_json(out, "all_results.json", metrics)
+    run_folder.write_json(out, run_folder.RESULTS, metrics)
     if config.training.plot_loss:
         plot_loss(out)

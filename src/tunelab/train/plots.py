@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tunelab.infer.metrics import GENERATION_METRIC_NAMES
-from tunelab.train.callbacks import read_log
+from tunelab.run_folder import read_log
 
 SMOOTH_SPAN_FRACTION = 0.02  # the moving average's span 1 / (1 - weight), as a share of the points
 MIN_SPAN = 2.0  # a shorter span (fewer than 100 points) smooths nothing worth a second line

@@ -21,7 +21,8 @@ from fastapi.staticfiles import StaticFiles
 
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.webui import forms, tryout
-from tunelab.webui.runs import Refused, RunManager, error_line, read_log, tail
+from tunelab.run_folder import read_log
+from tunelab.webui.runs import Refused, RunManager, error_line, tail
 from tunelab.webui.security import Access, Roots, check_listen, is_loopback
 
 HERE = Path(__file__).resolve().parent

@@ -6,8 +6,9 @@ console.log beside it, so closing the browser or stopping the UI does not end it
 records the exit code in launch.json. Stop sends SIGTERM: the trainer finishes the step, saves a checkpoint and
 exits 143 (train/signals.py). Resume starts the same config with resume_from_checkpoint=true.
 
-Watch: everything shown comes from the run's files — trainer_log.jsonl (train/callbacks.py), all_results.json,
-the checkpoint folders — so runs started with the CLI into a folder under the allowed roots show up too.
+Watch: everything shown comes from the run's files, read through tunelab/run_folder.py — trainer_log.jsonl,
+all_results.json, the checkpoint folders — so runs started with the CLI into a folder under the allowed roots show
+up too.
 Eval and export run the same way, as `tunelab eval` / `tunelab export` processes (jobs).
 """
 
@@ -25,16 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from tunelab.errors import ConfigError
+from tunelab.run_folder import (
+    CHECKPOINT_PREFIX, LOG_FILE, RESULTS, RUN_RECORD, checkpoint_folders, checkpoint_step, is_complete, read_json,
+    read_log,
+)
 from tunelab.webui.security import Roots
 
 STATE_DIR = ".tunelab_webui"
 LAUNCH_FILE = "launch.json"
 CONSOLE_FILE = "console.log"
 CONFIG_FILE = "config.yaml"
-LOG_FILE = "trainer_log.jsonl"  # train/callbacks.py LOG_FILE (not imported: that module pulls in transformers)
-RECORD_FILE = "tunelab_config.yaml"
-RESULTS_FILE = "all_results.json"
-MANIFEST = "tunelab_manifest.json"  # train/checkpoints.py: written last, so a checkpoint with it is complete
 RECENT_SECONDS = 120  # a run started elsewhere counts as running while its log changed this recently
 SKIPPED_DIRS = {".git", ".venv", "venv", "node_modules", "__pycache__", STATE_DIR}
 SEARCH_DEPTH = 4
@@ -42,30 +43,6 @@ SEARCH_DEPTH = 4
 
 class Refused(ConfigError):
     """A request the UI turns down with a reason (HTTP 409)."""
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def read_log(output_dir: Path) -> list[dict]:
-    """The run's trainer_log.jsonl; a line still being written (no newline yet) is left for the next read."""
-    try:
-        text = (output_dir / LOG_FILE).read_text(encoding="utf-8")
-    except OSError:
-        return []
-    records = []
-    for line in text.splitlines(keepends=True):
-        if not line.endswith("\n"):
-            break
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records
 
 
 def error_line(console: str) -> str | None:
@@ -122,7 +99,7 @@ class Launch:
 
     @classmethod
     def read(cls, folder: Path) -> "Launch | None":
-        data = _read_json(folder / LAUNCH_FILE)
+        data = read_json(folder / LAUNCH_FILE)
         if not isinstance(data, dict):
             return None
         return cls(folder, data["kind"], Path(data["output_dir"]), data["pid"], data["started"], data["command"],
@@ -220,10 +197,10 @@ class RunManager:
         previous = self.latest_launch(out)
         if previous is not None and (previous.folder / CONFIG_FILE).is_file():
             text = (previous.folder / CONFIG_FILE).read_text(encoding="utf-8")
-        elif (out / RECORD_FILE).is_file():
-            text = (out / RECORD_FILE).read_text(encoding="utf-8")
+        elif (out / RUN_RECORD).is_file():
+            text = (out / RUN_RECORD).read_text(encoding="utf-8")
         else:
-            raise Refused(f"{out}: no config to resume from (neither a launch of this UI nor {RECORD_FILE})")
+            raise Refused(f"{out}: no config to resume from (neither a launch of this UI nor {RUN_RECORD})")
         return self.launch(text, str(out), resume=True)
 
     def stop(self, output_dir: str) -> Launch:
@@ -255,7 +232,7 @@ class RunManager:
             except OSError:
                 return
             names = {e.name for e in entries}
-            if LOG_FILE in names or (RECORD_FILE in names and not folder.name.startswith("checkpoint-")):
+            if LOG_FILE in names or (RUN_RECORD in names and not folder.name.startswith(f"{CHECKPOINT_PREFIX}-")):
                 found[folder] = None
             if depth >= SEARCH_DEPTH:
                 return
@@ -274,7 +251,7 @@ class RunManager:
         """What a run is doing, from its launch record (when the UI started it) and its files."""
         launch = self.latest_launch(output_dir)
         log = output_dir / LOG_FILE
-        results = output_dir / RESULTS_FILE
+        results = output_dir / RESULTS
         info: dict[str, Any] = {"dir": str(output_dir), "name": self._name(output_dir), "error": None,
                                 "launched_here": launch is not None}
         if launch is not None and launch.alive:
@@ -304,7 +281,7 @@ class RunManager:
             info.update(step=last.get("step"), max_steps=last.get("max_steps"), eta_seconds=last.get("eta_seconds"),
                         elapsed_seconds=last.get("elapsed_seconds"))
         info["checkpoints"] = self.checkpoints(output_dir)
-        info["metrics"] = _read_json(results) if results.is_file() else None
+        info["metrics"] = read_json(results) if results.is_file() else None
         info["has_model"] = any((output_dir / name).is_file() for name in
                                 ("model.safetensors", "adapter_model.safetensors", "model.safetensors.index.json"))
         return info
@@ -317,17 +294,11 @@ class RunManager:
 
     @staticmethod
     def checkpoints(output_dir: Path) -> list[dict[str, Any]]:
-        found = []
         try:
-            folders = [p for p in output_dir.iterdir() if p.is_dir() and p.name.startswith("checkpoint-")]
+            folders = checkpoint_folders(output_dir)
         except OSError:
             return []
-        for folder in folders:
-            step = folder.name.split("-", 1)[1]
-            if step.isdigit():
-                found.append({"name": folder.name, "step": int(step),
-                              "complete": (folder / MANIFEST).is_file()})
-        return sorted(found, key=lambda c: c["step"])
+        return [{"name": f.name, "step": checkpoint_step(f), "complete": is_complete(f)} for f in folders]
 
     def console_of(self, output_dir: Path) -> str:
         launch = self.latest_launch(output_dir)

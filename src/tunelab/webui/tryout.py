@@ -15,10 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-import yaml
 
 from tunelab.errors import ConfigError
-from tunelab.webui.runs import RECORD_FILE
+from tunelab.run_folder import PREDICT_RESULTS, PREDICTIONS, RUN_RECORD, read_run_record
 
 IGNORE_INDEX = -100
 
@@ -87,12 +86,9 @@ def chat_stream(engine, messages: list[dict[str, str]], temperature: float, max_
 
 
 def run_record(folder: Path) -> dict[str, Any]:
-    try:
-        record = yaml.safe_load((folder / RECORD_FILE).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        record = None
-    if not isinstance(record, dict):
-        raise ConfigError(f"{folder}: no readable {RECORD_FILE}; eval and export need a folder a tunelab run wrote")
+    record = read_run_record(folder)
+    if record is None:
+        raise ConfigError(f"{folder}: no readable {RUN_RECORD}; eval and export need a folder a tunelab run wrote")
     return record
 
 
@@ -142,12 +138,12 @@ def export_args(folder: Path) -> tuple[list[str], Path]:
 def predictions(out: Path, limit: int = 50) -> dict[str, Any]:
     results = {}
     try:
-        results = json.loads((out / "predict_results.json").read_text(encoding="utf-8"))
+        results = json.loads((out / PREDICT_RESULTS).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         pass
     rows = []
     try:
-        with (out / "predictions.jsonl").open(encoding="utf-8") as handle:
+        with (out / PREDICTIONS).open(encoding="utf-8") as handle:
             for line in handle:
                 if len(rows) >= limit:
                     break

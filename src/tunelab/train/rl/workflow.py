@@ -25,6 +25,7 @@ from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_tok
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_tokenizer
+from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.rl.loop import RLLoop, build_accelerator
@@ -48,7 +49,7 @@ def run_stage(
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
     prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed)
-    outputs.write_json(args.output_dir, "data_report.json", prompts.report)
+    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
     scorer = load_scorer(accelerator.device, tokenizer, template)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
@@ -113,6 +114,6 @@ def finish(loop, metrics: dict, config: RunConfig) -> None:
     if not loop.accelerator.is_main_process:
         return
     metrics.update(peak_memory_metrics(loop.accelerator.device))
-    outputs.write_json(config.training.output_dir, "all_results.json", metrics)
+    run_folder.write_json(config.training.output_dir, run_folder.RESULTS, metrics)
     if config.training.plot_loss:
         outputs.plot_loss(config.training.output_dir)

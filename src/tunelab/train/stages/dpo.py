@@ -20,6 +20,7 @@ from tunelab.data.vision import save_processor_files, token_type_key, vision_col
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.resolve import resolve_dtype
 from tunelab.model.tokenizer import load_processor, load_tokenizer
+from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import (
@@ -42,7 +43,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     vision = vision_inputs(load_processor(config.model), config.model)  # dpo on image pairs (data/vision.py)
     data = preference_bundle(config.data, tokenizer, template, stage, args.seed, args.local_process_index == 0,
                              vision=vision)
-    outputs.write_json(args.output_dir, "data_report.json", data.report)
+    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
 
     model = load_model(config.model, ft, args, tokenizer, is_trainable=True)
     trainable, total = count_parameters(model)

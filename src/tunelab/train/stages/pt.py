@@ -17,6 +17,7 @@ from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_tokenizer
+from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.stages.sft import _final_eval_metrics
@@ -38,7 +39,7 @@ def run_pt(config: RunConfig) -> dict:
             build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
             is_main_process=args.local_process_index == 0,
         )
-    outputs.write_json(args.output_dir, "data_report.json", data.report)
+    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
     trainable, total = count_parameters(model)

@@ -15,6 +15,7 @@ from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_tokenizer
+from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.preference_trainer import PreferenceTrainer
@@ -27,7 +28,7 @@ def run_rm(config: RunConfig) -> dict:
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
     data = preference_bundle(config.data, tokenizer, template, "rm", args.seed, args.local_process_index == 0)
-    outputs.write_json(args.output_dir, "data_report.json", data.report)
+    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True, reward_head=True)
     trainable, total = count_parameters(model)

@@ -21,6 +21,7 @@ from tunelab.data.vision import save_processor_files, vision_collator, vision_fi
 from tunelab.errors import ConfigError
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_processor, load_tokenizer
+from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.callbacks import run_callbacks
 from tunelab.train.generation_metrics import GenerationMetricsCallback
@@ -45,7 +46,7 @@ def run_sft(config: RunConfig) -> dict:
             build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed, vision=vision),
             is_main_process=args.local_process_index == 0,
         )
-    outputs.write_json(args.output_dir, "data_report.json", data.report)
+    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
 
     model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
     trainable, total = count_parameters(model)

@@ -22,7 +22,8 @@ not merge into a 4-bit bitsandbytes base (the config check refuses quantization_
 
 A model_name_or_path that holds a DeepSpeed ZeRO checkpoint (a `latest` file and its global_stepN/ shards, as in a
 ZeRO run's checkpoint-N/) is consolidated from the shards (model/zero_checkpoint.py) instead of read from
-model.safetensors.
+model.safetensors. Which tokenizer, template and template variables the export carries: infer/trained.py, as for
+tunelab eval and chat.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification,
 )
 from transformers.utils.hub import convert_file_size_to_int
 
+from tunelab import run_folder
 from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.config.loader import resolved_dict
 from tunelab.errors import ConfigError, ModelError, first_line
+from tunelab.infer.generate import stop_token_ids
+from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
 from tunelab.model import hub, qat, vision, zero_checkpoint
 from tunelab.model.adapters import load_adapter
 from tunelab.model.tokenizer import load_processor
@@ -119,12 +123,6 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
 
 def export_model(config: RunConfig) -> Path:
     """Write the merged model, tokenizer, chat template and generation config to export_dir."""
-    from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
-    from tunelab.config.loader import RUN_RECORD, resolved_dict  # noqa: PLC0415
-    from tunelab.infer.predict import (  # noqa: PLC0415
-        inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder,
-    )
-
     out = Path(config.export.export_dir)
     max_shard_size = shard_size_bytes(config.export.export_size)
     dtype = export_dtype(config)
@@ -151,8 +149,7 @@ def export_model(config: RunConfig) -> Path:
     if processor is not None:  # a vision-language model: its image processor beside the tokenizer, as it came
         processor.tokenizer, processor.chat_template = tokenizer, tokenizer.chat_template
         processor.save_pretrained(out)
-    record = {**resolved_dict(config), "template_kwargs": template_vars or None}
-    (out / RUN_RECORD).write_text(yaml.safe_dump(record, sort_keys=False, default_flow_style=None), encoding="utf-8")
+    run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         generation_config.eos_token_id = stop_token_ids(tokenizer, template) if template else tokenizer.eos_token_id
@@ -182,9 +179,7 @@ def save_quantized(
 
 def _warn_scheme_mismatch(config: RunConfig) -> None:
     """A model trained with qat exported without its scheme (or with another one) is allowed, but said."""
-    from tunelab.infer.predict import trained_folder  # noqa: PLC0415
-
-    trained, trained_group = qat.trained_scheme(trained_folder(config.model))
+    trained, trained_group = qat.trained_scheme(trained_folder(config.model).path)
     scheme, group = config.export.export_quantization, config.finetuning.qat_group_size
     if not trained:
         return
