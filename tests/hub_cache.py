@@ -92,12 +92,12 @@ print(json.dumps({{name: outcome(path, overrides) for name, (path, overrides) in
 
 
 def resolve_outcomes(cases: dict[str, dict], env: dict[str, str], cwd: Path) -> dict[str, str]:
-    """model/hub.py's resolve_model(**case) of every case, in one fresh interpreter (no torch, no transformers):
+    """tunelab/hub.py's resolve_model(**case) of every case, in one fresh interpreter (no torch, no transformers):
     "ok <folder>", or its one-line error."""
     code = f"""
 import json
 from tunelab.errors import TunelabError
-from tunelab.model.hub import resolve_model
+from tunelab.hub import resolve_model
 
 def outcome(case):
     try:

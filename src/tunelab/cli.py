@@ -43,7 +43,9 @@ def _options_help() -> str:
     """Every option with its default (tunelab's where it changes transformers') and, for choices, the values."""
     import typing  # noqa: PLC0415
 
-    from tunelab.config.args import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingArguments, TrainingOptions, option_groups  # noqa: PLC0415
+    from tunelab.config.args import option_groups  # noqa: PLC0415
+    from tunelab.config.training_options import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingOptions  # noqa: PLC0415
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
     from tunelab.config.loader import ALIASES, PRECISION_KEYS  # noqa: PLC0415
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
@@ -617,7 +619,7 @@ def _options_only(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Hub ids are fetched as the user's environment says (HF_HUB_OFFLINE, HF_TOKEN, HF_HOME: model/hub.py).
+    # Hub ids are fetched as the user's environment says (HF_HUB_OFFLINE, HF_TOKEN, HF_HOME: tunelab/hub.py).
     quiet_optional_kernel_notes()
     parser = build_parser()
     ns = parser.parse_args(_options_only(list(sys.argv[1:] if argv is None else argv)))

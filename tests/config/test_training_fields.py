@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from tests.config.configs import write
-from tunelab.config.args import TrainingOptions
+from tunelab.config.training_options import TrainingOptions
 from tunelab.config.loader import load_config
 from tunelab.config.training_fields import METADATA, transformers_training_fields
 from tunelab.config.training_values import TrainingValues, training_value_fields

@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.data.templates import get_template
 from tunelab.errors import TemplateError
 from tunelab.model.load import count_parameters, load_model

@@ -9,7 +9,8 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError
 from tunelab.model.load import count_parameters, load_model
 

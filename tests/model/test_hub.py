@@ -1,4 +1,4 @@
-"""Models by Hugging Face Hub id (model/hub.py), against a Hub cache laid out in huggingface_hub's own format.
+"""Models by Hugging Face Hub id (tunelab/hub.py), against a Hub cache laid out in huggingface_hub's own format.
 
 Offline (HF_HUB_OFFLINE=1) the real resolution path runs: huggingface_hub's snapshot_download reads refs/ and
 snapshots/ of the cache. The Hub's refusals (gated, unknown repo, unknown revision, bad token) come from a small
@@ -21,7 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.hub_cache import config_outcomes, folder_files, hub_env, lay_out, resolve_outcomes, run_python, run_tunelab
-from tunelab.model.hub import is_repo_id, snapshot_containing, snapshot_of
+from tunelab.hub import is_repo_id, snapshot_containing, snapshot_of
 
 MAIN = hashlib.sha1(b"main").hexdigest()  # the commit refs/main names
 V1 = hashlib.sha1(b"v1").hexdigest()  # an older commit, tagged v1: another model (Qwen2)
@@ -149,7 +149,7 @@ def test_weights_missing_from_the_cache_fail_when_the_model_loads(hub, tmp_path)
     outcomes = run_python("""
 import json
 from tunelab.errors import TunelabError
-from tunelab.model.hub import fetch_weights, resolve_model
+from tunelab.hub import fetch_weights, resolve_model
 
 def outcome(name):
     folder = resolve_model(name, "model_name_or_path")

@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError
 from tunelab.model.load import count_parameters, load_model
 

@@ -13,7 +13,8 @@ bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed 
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments  # noqa: E402
+from tunelab.config.args import FinetuningArguments, ModelArguments  # noqa: E402
+from tunelab.config.training_args import TrainingArguments  # noqa: E402
 from tunelab.model.adapters import setup_finetuning  # noqa: E402
 from tunelab.model.load import count_parameters, load_model  # noqa: E402
 from tunelab.model.tokenizer import load_tokenizer  # noqa: E402

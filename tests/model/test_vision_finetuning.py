@@ -6,7 +6,8 @@ import pytest
 from torch import nn
 from transformers import AutoModelForImageTextToText
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_processor, load_tokenizer

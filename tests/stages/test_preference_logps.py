@@ -14,7 +14,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from tunelab.assets import TINY_MODEL_DIR
-from tunelab.config.args import DataArguments, FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import DataArguments, FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator, build_paired_collator
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.formats import to_canonical

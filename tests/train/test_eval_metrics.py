@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from tunelab.config.args import TRAINING_DEFAULTS, TrainingArguments
+from tunelab.config.training_options import TRAINING_DEFAULTS
+from tunelab.config.training_args import TrainingArguments
 from tunelab.data.collate import SupervisedCollator
 from tunelab.train.trainer import TunelabTrainer
 

@@ -26,7 +26,8 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.data.collate import (
     PackedCollator,
     PaddingFreeCollator,

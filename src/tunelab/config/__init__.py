@@ -1,6 +1,6 @@
 """Configuration: option groups (args), YAML + override loading (loader) and cross-argument checks (checks).
 
-TrainingArguments lives in tunelab.config.training_args (imported on first use: it imports peft)."""
+TrainingArguments lives in tunelab.config.training_args (imported only by commands that train: it imports peft)."""
 
 from tunelab.config.args import (
     DataArguments,

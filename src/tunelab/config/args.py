@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunelab.assets import EMBEDDED_MODELS
+from tunelab.config.training_options import _help
 
 if TYPE_CHECKING:
     from tunelab.config.training_args import TrainingArguments
-
-
-def _help(text: str, **kwargs):
-    return field(metadata={"help": text}, **kwargs)
 
 
 @dataclass
@@ -301,85 +298,6 @@ class GenerationArguments:
 
 
 @dataclass
-class TrainingOptions:
-    """What tunelab adds to transformers.TrainingArguments (LlamaFactory's names where it has them).
-
-    A plain dataclass so that commands reading only a run's data know these options without importing
-    transformers' training arguments (and peft with them): `TrainingArguments` below is both.
-    """
-
-    overwrite_output_dir: bool = _help("Allow training into a non-empty output_dir.", default=False)
-    plot_loss: bool = _help(
-        "Draw the curves of trainer_log.jsonl at the end of training (as in LlamaFactory): training_loss.png, and when "
-        "the run evaluated eval_loss.png, eval_token_accuracy.png and eval_generation.png.",
-        default=True,
-    )
-    compute_token_accuracy: bool = _help(
-        "Evaluation also reports eval_token_accuracy: the share of supervised tokens whose argmax prediction is "
-        "the label (counted batch by batch; logits are never gathered).",
-        default=False,
-    )
-    # Extending and watching the loop (docs/training.md): train/callbacks.py.
-    callbacks: list[str] | None = _help(
-        "Your own transformers TrainerCallback classes, comma separated: path/to/file.py:Class (relative to the "
-        "working directory, then the config file's folder) or package.module:Class. Each is built with its "
-        "callback_kwargs and handed to the Trainer (stages pt, sft, rm, dpo, kto). Nothing is imported unless named here.",
-        default=None,
-    )
-    callback_kwargs: dict[str, dict[str, Any]] | None = _help(
-        "Keyword arguments of the callbacks, by class name (or the full callbacks entry), e.g. "
-        "{SampleGenerations: {every: 50}}. On the command line as JSON.",
-        default=None,
-    )
-    early_stopping_patience: int | None = _help(
-        "Stop training when metric_for_best_model (default eval_loss) has not improved for this many evaluations in a "
-        "row (LlamaFactory's early_stopping_steps). Needs an eval set and eval_strategy. The final model is the one "
-        "at the stop, or the best checkpoint's with load_best_model_at_end: true.",
-        default=None,
-    )
-    early_stopping_threshold: float = _help(
-        "early_stopping_patience: an evaluation counts as an improvement only when it beats the best by more than this.",
-        default=0.0,
-    )
-    # Reliability (docs/reliability.md): train/checkpoints.py, train/guards.py.
-    resume_from_checkpoint: bool | str | None = _help(
-        "Resume from a checkpoint: true for the newest complete checkpoint-N in output_dir, or a checkpoint folder. "
-        "Restores weights, optimizer, scheduler, RNG states and the exact data position. The checkpoint's files "
-        "must match its manifest (sizes and checksums); true skips damaged ones (logged).",
-        default=None,
-    )
-    resume_config_mismatch: Literal["refuse", "allow"] = _help(
-        "A checkpoint whose run had other values of options that change training (data, model, method, optimizer, "
-        "schedule, batch, seed) is refused, naming them; allow resumes it anyway (logged).",
-        default="refuse",
-    )
-    resume_weights_only: bool = _help(
-        "Resume a checkpoint that has no optimizer state (save_only_model, or its optimizer file removed): the "
-        "weights and step count continue, the optimizer starts from zero (warned). Refused otherwise.",
-        default=False,
-    )
-    nan_policy: Literal["stop", "skip"] = _help(
-        "On a NaN/inf loss or gradient norm: stop (with a message naming the step), or skip that optimizer step "
-        "(counted and logged) and go on.",
-        default="stop",
-    )
-    nan_max_consecutive: int = _help(
-        "nan_policy: skip still stops at this many non-finite steps in a row.", default=5
-    )
-    # Launching (train/launch.py): `tunelab train` re-executes itself under torchrun when asked for
-    # more than one process; under torchrun / accelerate launch these must agree with the launcher.
-    nproc_per_node: int | None = _help(
-        "Processes per machine (one per GPU; CPU: gloo DDP). >1 re-launches under torchrun. "
-        "Default $TUNELAB_NPROC_PER_NODE, else 1.",
-        default=None,
-    )
-    nnodes: int = _help("Machines in the run (multi-node: also set node_rank, master_addr, master_port).", default=1)
-    node_rank: int = _help("This machine's index among nnodes (0 on the machine at master_addr).", default=0)
-    master_addr: str | None = _help("Multi-node: address of the node_rank 0 machine.", default=None)
-    master_port: int | None = _help("Rendezvous port; default a free port (one node) or 29500 (several).", default=None)
-
-
-@dataclass
 class ExportArguments:
     export_dir: str | None = _help(
         "tunelab export: folder for the plain model (LoRA merged into its base), tokenizer, chat template and "
@@ -402,16 +320,6 @@ class ExportArguments:
     )
 
 
-def __getattr__(name: str) -> Any:
-    """`TrainingArguments` (transformers' with TrainingOptions), imported on first use: transformers' training
-    arguments import peft, and through it bitsandbytes (config/training_fields.py)."""
-    if name == "TrainingArguments":
-        from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
-
-        return TrainingArguments
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def training_group(purpose: str = "train") -> type:
     """Where a config's training options go. `tunelab data` (purpose "data") reads them into TrainingValues: the
     same names and defaults, without building transformers' TrainingArguments."""
@@ -427,30 +335,6 @@ def training_group(purpose: str = "train") -> type:
 def option_groups(purpose: str = "train") -> tuple[type, ...]:
     """The option groups a config is read into, in RunConfig's order."""
     return ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, training_group(purpose), ExportArguments
-
-# Defaults we change from transformers' own, for a fine-tuning tool run from a terminal. Checkpoints are
-# opt-in (a signal always saves one, and the final model is always saved); an explicit save_steps turns
-# them on (config/loader.py), as it does in LlamaFactory.
-TRAINING_DEFAULTS = {
-    "logging_steps": 10,
-    "report_to": "none",
-    "save_strategy": "no",
-    "remove_unused_columns": False,
-    "ddp_find_unused_parameters": False,
-    "prediction_loss_only": True,  # evaluation computes losses per batch; never gathers logits (PEERS #13)
-}
-# What tunelab adds to transformers' help of its options (`tunelab train --help`).
-TRAINING_NOTES = {
-    "save_strategy": "tunelab: checkpoints are opt-in; the final model is always saved, and SIGTERM / SIGINT save one.",
-    "save_steps": "tunelab: setting it without save_strategy turns on save_strategy: steps (as in LlamaFactory).",
-    "eval_steps": "Only with eval_strategy: steps (otherwise tunelab warns that it has no effect).",
-    "warmup_steps": "A float < 1 is a ratio of the total steps (warmup_ratio is accepted as its old name).",
-    "bf16": "auto: bf16 where the device runs it natively and fast (GPU compute capability >= 8.0, "
-            "a CPU with avx512_bf16 / amx_bf16 whose measured bf16 matmul beats fp32); true / false always wins.",
-    "fp16": "auto: fp16 with loss scaling on CUDA GPUs older than compute capability 8.0; "
-            "true / false always wins.",
-}
-
 
 @dataclass
 class RunConfig:

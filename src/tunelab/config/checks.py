@@ -366,8 +366,8 @@ def _check_qat_layers(config: RunConfig) -> None:
 
 def _check_model_folder(config: RunConfig) -> None:
     """Also the one check that changes the config: a Hub id becomes its folder in the Hugging Face cache
-    (model/hub.py; weights come when the model loads), so every later step reads a local folder."""
-    from tunelab.model.hub import resolve_model  # noqa: PLC0415
+    (tunelab/hub.py; weights come when the model loads), so every later step reads a local folder."""
+    from tunelab.hub import resolve_model  # noqa: PLC0415
 
     model = config.model
     model.model_name_or_path = resolve_model(
@@ -390,7 +390,7 @@ def _check_model_folder(config: RunConfig) -> None:
     if adapter and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
     if adapter:
-        from tunelab.model.hub import fetch_weights  # noqa: PLC0415
+        from tunelab.hub import fetch_weights  # noqa: PLC0415
 
         fetch_weights(adapter, model.allow_pickle_weights, "adapter_name_or_path")  # megabytes: now, not later
 
@@ -661,7 +661,7 @@ def _check_reward_funcs(config: RunConfig) -> None:
 
 def _check_reward_model(path: str | None, allow_pickle: bool) -> str:
     """The reward model's folder (a Hub id resolved to its cache folder, weights fetched when ppo loads it)."""
-    from tunelab.model.hub import resolve_model  # noqa: PLC0415
+    from tunelab.hub import resolve_model  # noqa: PLC0415
 
     if not path:
         raise ConfigError(

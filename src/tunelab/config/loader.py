@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
-from tunelab.config.args import TRAINING_DEFAULTS, DataArguments, RunConfig, option_groups, training_group
+from tunelab.config.args import DataArguments, RunConfig, option_groups, training_group
+from tunelab.config.training_options import TRAINING_DEFAULTS
 from tunelab.config.training_fields import OptionField, dataclass_options
 from tunelab.config.llamafactory import llamafactory_advice
 from tunelab.errors import ConfigError

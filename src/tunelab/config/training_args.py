@@ -1,7 +1,7 @@
 """The training options a run trains with: transformers.TrainingArguments plus tunelab's TrainingOptions.
 
-Its own module because importing transformers' training arguments imports peft (and bitsandbytes through it):
-`tunelab.config.args.TrainingArguments` imports this on first use, so commands that never train do not pay.
+Its own module because importing transformers' training arguments imports peft (and bitsandbytes through it): the
+loader imports it only for the commands that train (config/args.py `training_group`), so `tunelab data` does not pay.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import transformers
 
-from tunelab.config.args import TrainingOptions
+from tunelab.config.training_options import TrainingOptions
 
 
 @dataclass

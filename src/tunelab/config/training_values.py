@@ -15,7 +15,7 @@ import functools
 import types
 from typing import Any
 
-from tunelab.config.args import TrainingOptions
+from tunelab.config.training_options import TrainingOptions
 from tunelab.config.training_fields import OptionField, dataclass_options, transformers_training_fields
 
 

@@ -2,7 +2,7 @@
 
 A registry maps dataset names to where the rows come from (a file, folder or glob under
 `dataset_dir`, a Hugging Face Hub dataset repo (`hf_hub_url`, fetched into the Hub cache by
-model/hub.py), or one of the built-in generators: synthetic.py's tasks, corpus.py's plain text) and
+tunelab/hub.py), or one of the built-in generators: synthetic.py's tasks, corpus.py's plain text) and
 how their columns map onto the canonical conversation (see formats.py), or, with
 `"formatting": "text"`, that its rows are raw documents for stage pt (see pretrain.py). The
 built-in registry (data/dataset_info.json) is always available; a user's
@@ -27,6 +27,7 @@ from typing import Any
 
 import datasets
 
+from tunelab import hub
 from tunelab.errors import ConfigError, DataError
 
 BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
@@ -157,9 +158,7 @@ def _hub_entry(path: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{path}: dataset '{name}': {local_only[0]} applies to hf_hub_url datasets only; remove it")
     hub_id = entry.get("hf_hub_url")
     if hub_id is not None:
-        from tunelab.model.hub import is_repo_id  # noqa: PLC0415
-
-        if not isinstance(hub_id, str) or not is_repo_id(hub_id.strip()):
+        if not isinstance(hub_id, str) or not hub.is_repo_id(hub_id.strip()):
             raise ConfigError(f"{path}: dataset '{name}': hf_hub_url must be a Hub dataset id like org/name, got {hub_id!r}")
         entry["hf_hub_url"] = hub_id.strip()
     return entry
@@ -206,8 +205,6 @@ def _hub_files(
     (README.md first, for its commit and configs; then the data files the subset or folder can use), and
     datasets' own rules pick the split's files: README.md `configs`, else split names in file and folder
     names (data/train-*.parquet, test.jsonl, ...)."""
-    from tunelab.model import hub  # noqa: PLC0415
-
     what = f"dataset '{name}': hf_hub_url {repo_id}"
     card = hub.fetch_dataset(repo_id, revision, ["README.md"], what)
     prefixes = _hub_data_prefixes(card / "README.md", subset, folder)
@@ -532,9 +529,7 @@ def describe(spec: DatasetSpec) -> dict[str, Any]:
         info.update(generator=spec.generator, split=spec.split, num_samples=spec.num_samples, seed=spec.seed)
     else:
         if spec.hf_hub_url:  # the commit read, so the same rows can be read again
-            from tunelab.model.hub import snapshot_containing  # noqa: PLC0415
-
-            snapshot = snapshot_containing(resolve_files(spec)[0])
+            snapshot = hub.snapshot_containing(resolve_files(spec)[0])
             info["hub"] = {"repo_id": spec.hf_hub_url, "revision": spec.revision, "commit": snapshot.commit,
                            "subset": spec.subset, "folder": spec.folder, "split": spec.split}
         files = resolve_files(spec)

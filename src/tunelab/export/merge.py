@@ -45,7 +45,8 @@ from tunelab.config.loader import resolved_dict
 from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
-from tunelab.model import hub, qat, vision, zero_checkpoint
+from tunelab import hub
+from tunelab.model import qat, vision, zero_checkpoint
 from tunelab.model.adapters import load_adapter
 from tunelab.model.tokenizer import load_processor
 

@@ -39,7 +39,8 @@ from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.images import split_images
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.infer.trained import inference_template_kwargs, saved_template
-from tunelab.model import hub, vision
+from tunelab import hub
+from tunelab.model import vision
 from tunelab.model.adapters import load_adapter
 from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.run_folder import TrainedFolder
@@ -81,7 +82,7 @@ def resolve_folders(
     path: str, base_model: str | None = None, allow_pickle_weights: bool = False, trust_remote_code: bool = False
 ) -> tuple[str, str | None]:
     """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
-    Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (model/hub.py)."""
+    Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (tunelab/hub.py)."""
     hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
     folder = EMBEDDED_MODELS[path] if path in EMBEDDED_MODELS else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
@@ -128,7 +129,7 @@ def load_engine(
     template_kwargs: dict[str, Any] | None = None,
 ) -> ChatEngine:
     """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`);
-    either may be a Hub id (model/hub.py). `template_kwargs` reach every prompt render; None: those the folder's
+    either may be a Hub id (tunelab/hub.py). `template_kwargs` reach every prompt render; None: those the folder's
     tunelab_config.yaml recorded for its own template (none with a `template` named here)."""
     model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:

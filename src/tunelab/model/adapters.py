@@ -22,7 +22,8 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tunelab.config.args import FinetuningArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.model import vision
 

@@ -21,9 +21,11 @@ from transformers import (
 )
 from transformers.utils import is_flash_attn_2_available
 
-from tunelab.config.args import FinetuningArguments, ModelArguments, TrainingArguments
+from tunelab.config.args import FinetuningArguments, ModelArguments
+from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError, first_line
-from tunelab.model import hub, qat, quantization, sharding, vision
+from tunelab import hub
+from tunelab.model import qat, quantization, sharding, vision
 from tunelab.model.adapters import load_adapter, setup_finetuning
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from tunelab.errors import ModelError, first_line
-from tunelab.model import hub
+from tunelab import hub
 
 
 def load_reward_model(
@@ -39,7 +39,7 @@ def load_reward_model(
     included, on top). merge_adapter folds the adapter into the weights, so a plain
     `...ForSequenceClassification` comes back either way (False keeps the PeftModel). dtype: e.g.
     torch.bfloat16 (default: the saved dtype); device: where to put it (default: CPU). A Hub id (or a base
-    named by one) comes from the Hugging Face cache (model/hub.py); pickle weights only with allow_pickle_weights.
+    named by one) comes from the Hugging Face cache (tunelab/hub.py); pickle weights only with allow_pickle_weights.
 
         model = load_reward_model("saves/tiny-rm")
         rewards = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)   # (batch,)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tunelab.config.args import TrainingArguments
+from tunelab.config.training_args import TrainingArguments
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from tunelab.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: a worker checks its node's share (check_node_shares) before transformers loads
-    from tunelab.config.args import TrainingArguments
+    from tunelab.config.training_args import TrainingArguments
 
 NPROC_ENV = "TUNELAB_NPROC_PER_NODE"
 

@@ -53,7 +53,7 @@ def write_run_start(config: RunConfig) -> None:
 
 def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
     """{key: repo id, revision asked for, commit read, cache folder} of the models a run read by Hub id."""
-    from tunelab.model.hub import snapshot_of  # noqa: PLC0415
+    from tunelab.hub import snapshot_of  # noqa: PLC0415
 
     folders = {
         "model_name_or_path": (config.model.model_name_or_path, config.model.model_revision),
