@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from tunelab.config.precision import matmul_gflops
+from tunelab.model.device import matmul_gflops
 
 
 def peak_gflops(dtype: torch.dtype) -> float:

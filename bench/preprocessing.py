@@ -28,7 +28,7 @@ OUT = BENCH / ".data" / "sft_large"
 BUILD = """
 import json, logging, os, sys, time
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.cache import cached_bundle
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template

@@ -70,7 +70,7 @@ def measure_train(config: dict, folder: Path) -> dict:
 
 
 def predicted_increase(config: dict) -> int:
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.train.estimate import estimate  # noqa: PLC0415
 
     return estimate(load_config(None, {**config, "output_dir": "unused"}, purpose="estimate"), probe_steps=0).memory.training_increase

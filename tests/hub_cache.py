@@ -76,7 +76,7 @@ def config_outcomes(cases: dict[str, tuple[str, list[str]]], env: dict[str, str]
     one-line error `tunelab train` would print after "tunelab: error: "."""
     code = f"""
 import json
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.errors import TunelabError
 
 def outcome(path, overrides):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tunelab.cli import main
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data import inspect as data_inspect
 from tunelab.data.pairwise import pair_sides
 from tunelab.data.collate import SupervisedCollator

@@ -14,7 +14,7 @@ import types
 import pytest
 import yaml
 
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 from tunelab.train import launch
 

@@ -21,7 +21,7 @@ import yaml
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tunelab"
 

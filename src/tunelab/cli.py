@@ -81,8 +81,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     from tunelab.train import launch  # noqa: PLC0415
 
     launch.check_node_shares()  # a torchrun worker whose nodes brought unequal shares: stop before the heavy imports
-    from tunelab.config.loader import load_config  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
+    from tunelab.preflight import plan_run  # noqa: PLC0415
     from tunelab.train.run import run  # noqa: PLC0415
     from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
@@ -91,13 +91,14 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     # nproc_per_node > 1: check the config once here, then run the same command under torchrun.
     parent = launch.wants_launch(path, overrides)
     with launch.devices_untouched() if parent else contextlib.nullcontext():
-        config = load_config(path, overrides, warn=not parent)  # the workers warn, once
+        plan = plan_run(path, overrides, warn=not parent)  # the workers warn, once
+    config = plan.config
     if launch.needs_launch(config.training):
         return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
     setup_logging(config.training.process_index == 0)
     out_of_memory = None
     try:
-        metrics = run(config)
+        metrics = run(plan)
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
         if config.training.process_index == 0:
             print(f"tunelab: {stop}; resume with: {resume_command(path, overrides)}", file=sys.stderr)
@@ -169,7 +170,7 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 def _cmd_data(ns: argparse.Namespace) -> int:
     from pathlib import Path  # noqa: PLC0415
 
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.data import inspect as data_inspect  # noqa: PLC0415
     from tunelab.errors import ConfigError  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
@@ -253,7 +254,7 @@ def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.infer.predict import run_predict  # noqa: PLC0415
     from tunelab.run_folder import PREDICTIONS  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
@@ -269,7 +270,7 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_export(ns: argparse.Namespace) -> int:
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.export.merge import export_model  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
@@ -281,7 +282,7 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.train.estimate import estimate, format_estimate  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
@@ -339,7 +340,7 @@ def _serving_choice(ns: argparse.Namespace) -> dict:
     import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.data.templates import resolve_template_name  # noqa: PLC0415
     from tunelab.errors import ConfigError  # noqa: PLC0415
 

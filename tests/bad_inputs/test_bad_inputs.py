@@ -260,7 +260,7 @@ FULL_DURING_CHECKPOINT = {"weights (safetensors)": "14m", "optimizer (torch.save
 @pytest.mark.slow
 @pytest.mark.parametrize("size", list(FULL_DURING_CHECKPOINT.values()), ids=list(FULL_DURING_CHECKPOINT))
 def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, size):
-    from tunelab.train.checkpoints import checkpoint_problem, resolve_resume
+    from tunelab.train.resume import checkpoint_problem, resolve_resume
 
     out = tmp_path / "small"
     out.mkdir()

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.config.configs import error_of, write
-from tunelab.config.loader import load_config, parse_overrides, resolved_dict
+from tunelab.config.loader import parse_overrides
+from tunelab.config.loader import resolved_dict
+from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.config.configs import error_of, write
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 
 DS_Z2 = Path(__file__).resolve().parents[2] / "examples" / "deepspeed" / "ds_z2_config.json"
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from tests.config.configs import error_of, write
-from tunelab.config.checks import eval_metric_names
-from tunelab.config.loader import load_config
+from tunelab.config.metric_names import eval_metric_names
+from tunelab.preflight import load_config
 
 CALLBACKS = """\
 import transformers

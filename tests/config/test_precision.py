@@ -9,8 +9,8 @@ import logging
 import pytest
 import torch
 
-from tunelab.config import precision
-from tunelab.config.loader import load_config
+from tunelab.model import device
+from tunelab.preflight import load_config
 from tunelab.config.precision import CpuProbe, DeviceFacts, PrecisionChoice, choose_precision, resolve_flags
 
 from .configs import write
@@ -65,21 +65,21 @@ def test_explicit_values_win(bf16, fp16, mode, expected) -> None:
 def test_the_probe_is_measured_once_and_cached(tmp_path) -> None:
     path = tmp_path / "probe.json"
     flags = frozenset({"avx512_bf16"})
-    first = precision.cached_cpu_probe("cpu A", flags, path)
+    first = device.cached_cpu_probe("cpu A", flags, path)
     assert first.fp32_gflops > 0 and first.bf16_gflops > 0 and first.threads == torch.get_num_threads()
     # The second call reads the file: a value no measurement would give proves it was not measured again.
     record = json.loads(path.read_text())
     record["probe"]["bf16_gflops"] = 12345.0
     path.write_text(json.dumps(record))
-    assert precision.cached_cpu_probe("cpu A", flags, path).bf16_gflops == 12345.0
+    assert device.cached_cpu_probe("cpu A", flags, path).bf16_gflops == 12345.0
     # Another CPU (or torch version, or thread count) is another key: measured again and the cache rewritten.
-    assert precision.cached_cpu_probe("cpu B", flags, path).bf16_gflops != 12345.0
+    assert device.cached_cpu_probe("cpu B", flags, path).bf16_gflops != 12345.0
     assert json.loads(path.read_text())["key"] != record["key"]
 
 
 def test_the_config_records_the_choice_and_explicit_values_win(tmp_path) -> None:
     base = {"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_sort", "output_dir": str(tmp_path / "o")}
-    facts = precision.device_facts(use_cpu=not torch.cuda.is_available())
+    facts = device.device_facts(use_cpu=not torch.cuda.is_available())
     choice = choose_precision(facts)
     auto = load_config(write(tmp_path, base))
     assert auto.precision == f"{choice.mode} (auto): {choice.reason}"
@@ -96,7 +96,7 @@ def test_the_config_records_the_choice_and_explicit_values_win(tmp_path) -> None
 def test_the_training_log_says_the_choice_and_why(tmp_path, caplog) -> None:
     from tunelab.cli import main  # noqa: PLC0415
 
-    facts = precision.device_facts(use_cpu=True)
+    facts = device.device_facts(use_cpu=True)
     choice = choose_precision(facts)
     with caplog.at_level(logging.INFO, logger="tunelab"):
         assert main(["train", "model_name_or_path=tiny", "template=chatml", "dataset=demo_sort", "max_samples=8",
@@ -120,15 +120,15 @@ def test_the_switch_decides_as_on_the_other_cpu_kind() -> None:
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("0", False), ("", None), (" 1 ", True)])
 def test_the_switch_reads_one_or_zero(value, expected) -> None:
-    assert precision.assumed_cpu_bf16({"TUNELAB_CPU_BF16": value}) is expected
-    assert precision.assumed_cpu_bf16({}) is None
+    assert device.assumed_cpu_bf16({"TUNELAB_CPU_BF16": value}) is expected
+    assert device.assumed_cpu_bf16({}) is None
 
 
 def test_a_wrong_switch_value_is_one_line() -> None:
     from tunelab.errors import ConfigError  # noqa: PLC0415
 
     with pytest.raises(ConfigError) as error:
-        precision.assumed_cpu_bf16({"TUNELAB_CPU_BF16": "yes"})
+        device.assumed_cpu_bf16({"TUNELAB_CPU_BF16": "yes"})
     assert str(error.value) == (
         "TUNELAB_CPU_BF16='yes': expected 1 (decide bf16 / fp16 auto as on a CPU with fast native bf16) or 0 (as on "
         "one without); or unset it to read this CPU's own facts")
@@ -139,9 +139,9 @@ def test_a_wrong_switch_value_is_one_line() -> None:
 def test_under_the_switch_the_cpu_is_not_probed(tmp_path, monkeypatch, switch) -> None:
     monkeypatch.setenv("TUNELAB_CACHE", str(tmp_path))
     monkeypatch.setenv("TUNELAB_CPU_BF16", switch)
-    facts = precision.device_facts(use_cpu=True)
+    facts = device.device_facts(use_cpu=True)
     assert (facts.kind, facts.probe, facts.assumed_bf16) == ("cpu", None, switch == "1")
-    assert not (tmp_path / precision.PROBE_FILE).exists()
+    assert not (tmp_path / device.PROBE_FILE).exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU branch: this machine trains on its GPU")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 
 

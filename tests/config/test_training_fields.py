@@ -12,7 +12,7 @@ import transformers
 
 from tests.config.configs import write
 from tunelab.config.training_options import TrainingOptions
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.config.training_fields import METADATA, transformers_training_fields
 from tunelab.config.training_values import TrainingValues, training_value_fields
 from tunelab.errors import ConfigError

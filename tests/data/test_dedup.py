@@ -10,10 +10,11 @@ import datasets
 import pytest
 
 from tunelab.config.args import DataArguments
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.dedup import content_text, deduplicate, shingles
 from tunelab.data.formats import CANONICAL_FEATURES
-from tunelab.data.pipeline import VAL_SPLIT_NAME, build_datasets
+from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template
 from tunelab.errors import ConfigError
 

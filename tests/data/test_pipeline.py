@@ -7,7 +7,8 @@ import json
 import pytest
 
 from tunelab.config.args import DataArguments
-from tunelab.data.pipeline import VAL_SPLIT_NAME, build_datasets
+from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template
 from tunelab.errors import DataError
 

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from tunelab.config.args import DataArguments
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data import streaming
 from tunelab.data.collate import SupervisedCollator
 from tunelab.data.pipeline import build_datasets

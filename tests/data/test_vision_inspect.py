@@ -8,7 +8,7 @@ import yaml
 
 from tests.e2e.test_vision_sft import image_dataset
 from tunelab.cli import main
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.inspect import load_run_data, verify_images
 
 

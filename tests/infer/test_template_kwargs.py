@@ -12,7 +12,7 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.assets import TINY_MODEL_DIR
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.templates import get_template
 from tunelab.data.templates.builtin import builtin_source
 from tunelab.errors import TemplateError

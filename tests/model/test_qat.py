@@ -31,7 +31,7 @@ from tunelab.assets import TINY_MODEL_DIR  # noqa: E402
 from tunelab.cli import main  # noqa: E402
 from tunelab.config.args import FinetuningArguments, ModelArguments  # noqa: E402
 from tunelab.config.training_args import TrainingArguments  # noqa: E402
-from tunelab.config.loader import load_config  # noqa: E402
+from tunelab.preflight import load_config  # noqa: E402
 from tunelab.errors import ConfigError  # noqa: E402
 from tunelab.model.load import load_model  # noqa: E402
 from tunelab.model.tokenizer import load_tokenizer  # noqa: E402

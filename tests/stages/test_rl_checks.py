@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 
 

@@ -16,7 +16,8 @@ import torch
 from tests.train.reliability_helpers import cli_command, cli_env, losses, train, weights, write_config
 from tunelab.errors import ConfigError
 from tunelab.run_folder import complete_checkpoints, is_complete, latest_checkpoint, write_manifest
-from tunelab.train.checkpoints import SLOW_SAVE_ENV, checkpoint_problem, publish, resolve_resume, rotate
+from tunelab.train.checkpoints import SLOW_SAVE_ENV, publish, rotate
+from tunelab.train.resume import checkpoint_problem, resolve_resume
 
 
 def _wait_for(predicate, process: subprocess.Popen, timeout: float = 120.0) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tunelab.cli import main
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.model.load import load_model
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.estimate import NOT_COUNTED_CPU, ModelShape, activation_bytes, estimate, meta_model, training_shape

@@ -12,7 +12,7 @@ import transformers
 import yaml
 
 from tests.train.test_accumulation import VOCAB, examples, tiny_model
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.collate import SupervisedCollator
 from tunelab.errors import ConfigError
 from tunelab.train.losses import CausalLMLoss, causal_lm_loss, causal_lm_loss_func

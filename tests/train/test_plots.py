@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tunelab.infer.metrics import GENERATION_METRIC_NAMES
+from tunelab.config.metric_names import GENERATION_METRIC_NAMES
 from tunelab.train.plots import (
     EVAL_COLORS,
     TRAIN_COLOR,

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.data.collate import PackedCollator, SupervisedCollator
 from tunelab.data.packing import pack_dataset
 from tunelab.data.pretrain import document_chunks

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from tests.train.reliability_helpers import assert_same_weights, losses, train, weights, write_config
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 from tunelab.run_folder import latest_checkpoint
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tunelab.cli import main
-from tunelab.config.loader import load_config
+from tunelab.preflight import load_config
 from tunelab.train.open_files import raise_open_file_limit
 from tunelab.train.run import explain_os_error
 

@@ -1,4 +1,5 @@
-"""Configuration: option groups (args), YAML + override loading (loader) and cross-argument checks (checks).
+"""Configuration: option groups (args), YAML + override loading (loader) and the checks of option values (checks).
+Pure values: nothing here reads a model, a dataset or the environment (tunelab/preflight.py does, after it).
 
 TrainingArguments lives in tunelab.config.training_args (imported only by commands that train: it imports peft)."""
 
@@ -9,7 +10,6 @@ from tunelab.config.args import (
     ModelArguments,
     RunConfig,
 )
-from tunelab.config.loader import load_config
 
 __all__ = [
     "DataArguments",
@@ -17,5 +17,4 @@ __all__ = [
     "GenerationArguments",
     "ModelArguments",
     "RunConfig",
-    "load_config",
 ]

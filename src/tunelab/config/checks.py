@@ -1,23 +1,25 @@
-"""Every cross-argument check, in one place, run before any model or data is loaded.
+"""The checks of option values: ranges and cross-option rules, on the values alone (no files, no imports of the
+layers above, no environment).
 
-Each check raises ConfigError with one line naming the key(s) and the fix. Stages add their checks
-here, beside the others, so a bad config fails in well under a second. The one check that needs the
-loaded model (lora_target naming real modules) lives in model/adapters.py.
+Each check raises ConfigError with one line naming the key(s) and the fix, so a bad config fails in well under a
+second. What needs more than the values is checked by the layer that owns it, called in order by
+tunelab/preflight.py: the model folder (model/folder.py), the template (data/templates/choice.py), the datasets
+(data/registry.py), the reward functions, callbacks, output folder and resume point (train/), the DeepSpeed file
+(train/launch.py). The one check that needs the loaded model (lora_target naming real modules) lives in
+model/adapters.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import logging
 import math
-import os
-from pathlib import Path
 
 from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
+from tunelab.config.metric_names import eval_metric_names
+from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, check_scheme
 from tunelab.errors import ConfigError
-from tunelab.run_folder import DATA_STATS_DIR
 
 RL_STAGES = ("grpo", "ppo")
 # Options of the generating stages and the stages they apply to (set elsewhere: ConfigError).
@@ -42,13 +44,6 @@ STRATEGY_KEYS = {
     "eval_steps": ("eval_strategy", "steps"),
     "logging_steps": ("logging_strategy", "steps"),
 }
-# LlamaFactory template names with no built-in that renders the same (the aliases in data/templates are those
-# that do): the model's own chat_template is the faithful choice.
-LLAMAFACTORY_TEMPLATES = (
-    "alpaca", "deepseek", "deepseek3", "deepseekr1", "empty", "glm4_moe", "gpt_oss", "intern2", "llama4",
-    "ministral", "mistral", "mistral_small", "phi", "phi4", "phi4_mini", "qwen2_vl", "qwen3_vl", "qwen3_vl_nothink",
-    "vicuna", "zephyr",
-)
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +54,6 @@ def check_training_values(values: dict) -> None:
         raise ConfigError("fp16 and bf16 are both true: keep one (bf16 where the hardware supports it)")
     _check_training_ranges(values)
     _check_load_best_model_values(values)
-    _check_deepspeed_values(values)
 
 
 def _finite(value) -> bool:
@@ -105,83 +99,22 @@ def _check_training_ranges(values: dict) -> None:
         )
 
 
-def _check_deepspeed_values(values: dict) -> None:
-    """transformers reads the DeepSpeed file and imports deepspeed while TrainingArguments is built: check first."""
-    deepspeed = values.get("deepspeed")
-    if not deepspeed:
-        return
-    if isinstance(deepspeed, str):
-        if not Path(deepspeed).is_file():
-            raise ConfigError(
-                f"deepspeed: {deepspeed} does not exist; point it at a DeepSpeed JSON config "
-                "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"
-            )
-        import json  # noqa: PLC0415
-
-        try:
-            parsed = json.loads(Path(deepspeed).read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"deepspeed: {deepspeed} is not valid JSON ({exc})") from None
-        if not isinstance(parsed, dict):
-            raise ConfigError(f"deepspeed: {deepspeed} holds a JSON {type(parsed).__name__}, not a DeepSpeed config object")
-    if importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError("deepspeed is set but the deepspeed package is not installed: pip install 'tunelab[deepspeed]'")
-    section = (parsed if isinstance(deepspeed, str) else deepspeed).get("zero_optimization") or {}
-    _check_zero_section(deepspeed if isinstance(deepspeed, str) else "the deepspeed dict", section)
-    if values.get("use_cpu"):
-        for key in ("offload_optimizer", "offload_param"):
-            device = (section.get(key) or {}).get("device", "none")
-            if device not in (None, "none"):
-                # Offloading moves state from accelerator memory to the host; CPU-only it also needs DeepSpeed's
-                # compiled CPU Adam, which tunelab does not build here (docs/distributed.md).
-                raise ConfigError(
-                    f"deepspeed: zero_optimization.{key} (device {device}) offloads from GPU memory to the host; "
-                    f"a CPU-only run has nothing to offload: remove {key}, or run it on GPUs"
-                )
-
-
-def _check_zero_section(where: str, section: dict) -> None:
-    """DeepSpeed validates zero_optimization with extra keys forbidden, but only inside every worker, as a
-    multi-line pydantic error: check it once here, leaving out the "auto" values transformers fills in."""
-    import pydantic  # noqa: PLC0415
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415
-
-    if not isinstance(section, dict):
-        raise ConfigError(f"deepspeed: {where}: zero_optimization must be an object, got {section!r}")
-    try:
-        DeepSpeedZeroConfig(**{k: v for k, v in section.items() if v != "auto"})
-    except pydantic.ValidationError as exc:
-        error = exc.errors()[0]
-        key = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "extra_forbidden":
-            known = [*DeepSpeedZeroConfig.model_fields, *(f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias)]
-            close = difflib.get_close_matches(key.split(".")[0], known, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(f"deepspeed: {where}: zero_optimization.{key} is not a DeepSpeed ZeRO option{hint}") from None
-        raise ConfigError(f"deepspeed: {where}: zero_optimization.{key}: {error['msg']} (got {error.get('input')!r})") from None
-
-
 def check_config(config: RunConfig, purpose: str = "train") -> None:
-    """purpose "data", "estimate" and "eval" do not train into output_dir, so it is not checked; "export"
-    reads only the model and adapter (no template, dataset or output_dir); "serve" (tunelab chat / api with a
-    YAML) the model and adapter (the engine checks the template it serves with, which may be the adapter's)."""
-    without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval, _check_output_dir)
+    """The value checks a purpose needs: "export" reads only the model and adapter (no template, dataset or
+    output_dir); "serve" (tunelab chat / api with a YAML) the model and adapter (the engine checks the template it
+    serves with, which may be the adapter's); callbacks only matter to the run that trains with them."""
+    without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval)
     skipped = {
-        "data": (_check_output_dir, _check_qat_layers),
-        "estimate": (_check_output_dir,),
-        "eval": (_check_output_dir, _check_qat_layers),  # may evaluate the quantized export of a qat run
-        "export": (_check_template, *without_data, *LOOP_CHECKS),
-        "serve": (_check_template, *without_data, _check_preference, _check_rl, *LOOP_CHECKS, _check_qat_layers),
+        "export": (_check_template_options, *without_data, *LOOP_CHECKS),
+        "serve": (_check_template_options, *without_data, _check_preference, _check_rl, *LOOP_CHECKS),
     }.get(purpose, ())
     if purpose != "train":
-        skipped = (*skipped, _check_callbacks)  # imports the user's code: only for the run that uses it
+        skipped = (*skipped, _check_callbacks)
     for check in (
         _check_finetuning,
         _check_quantization,
         _check_qat,
-        _check_model_folder,
-        _check_qat_layers,
-        _check_template,
+        _check_template_options,
         _check_data,
         _check_stage_data,
         _check_preference,
@@ -194,7 +127,6 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_label_smoothing,
         _check_distributed,
         *LOOP_CHECKS,
-        _check_output_dir,
     ):
         if check in skipped:
             continue
@@ -203,6 +135,11 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_predict(config, "tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
         _check_export(config)
+
+
+def _check_template_options(config: RunConfig) -> None:
+    if config.finetuning.stage == "pt" and config.data.template_kwargs:
+        raise ConfigError("template_kwargs: stage pt trains on raw text without a chat template; remove it")
 
 
 def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
@@ -239,23 +176,12 @@ def _check_predict(config: RunConfig, what: str) -> None:
         raise ConfigError(f"{what} needs an eval set: set eval_dataset (or val_size to use the training split's val part)")
     if config.data.streaming and not config.data.eval_dataset:
         raise ConfigError(f"{what} with streaming: true needs eval_dataset")
-    _check_scoring_packages(what)
-
-
-def _check_scoring_packages(what: str) -> None:
-    missing = [name for name, module in (("sacrebleu", "sacrebleu"), ("rouge-score", "rouge_score"))
-               if importlib.util.find_spec(module) is None]
-    if missing:  # checked now, not after hours of training
-        raise ConfigError(f"{what} scores BLEU and ROUGE-L with {' and '.join(missing)}: pip install {' '.join(missing)}")
 
 
 def _check_export(config: RunConfig) -> None:
     export = config.export
     if not export.export_dir:
         raise ConfigError("export_dir is not set: add export_dir=saves/my-model-merged")
-    out = Path(export.export_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
-        raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
     if config.model.quantization_bit is not None:
         raise ConfigError(
             "quantization_bit: export merges the adapter into full-precision base weights; remove quantization_bit "
@@ -301,9 +227,7 @@ def _check_quantization(config: RunConfig) -> None:
 
 
 def _check_qat(config: RunConfig) -> None:
-    """qat (training) and export_quantization (export) name a torchao scheme (model/qat.py)."""
-    from tunelab.model import qat  # noqa: PLC0415
-
+    """qat (training) and export_quantization (export) name a quantization scheme (config/qat_schemes.py)."""
     ft, scheme, export_scheme = config.finetuning, config.finetuning.qat, config.export.export_quantization
     if not scheme:
         if ft.qat_start_step:
@@ -312,16 +236,7 @@ def _check_qat(config: RunConfig) -> None:
             raise ConfigError("qat_group_size only applies with qat or export_quantization: remove it")
     for key, name in (("qat", scheme), ("export_quantization", export_scheme)):
         if name:
-            qat.check_scheme(key, name)
-            qat.require_torchao(key)
-    if export_scheme and not (Path(config.model.model_name_or_path) / "config.json").is_file() and (
-        Path(config.model.model_name_or_path) / "adapter_config.json"
-    ).is_file():
-        raise ConfigError(
-            f"export_quantization: model_name_or_path {config.model.model_name_or_path} is a LoRA adapter without its "
-            "base; set model_name_or_path to the base model and adapter_name_or_path to the adapter (they are merged, "
-            "then quantized)"
-        )
+            check_scheme(key, name)
     if not scheme:
         return
     if config.model.quantization_bit is not None:
@@ -335,130 +250,10 @@ def _check_qat(config: RunConfig) -> None:
     if ft.qat_start_step < 0:
         raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
     if ft.qat_group_size is None:
-        ft.qat_group_size = qat.DEFAULT_GROUP_SIZE  # the resolved config records the group size trained with
-
-
-def _check_qat_layers(config: RunConfig) -> None:
-    """The group size fits every quantized layer (read from config.json); no QAT on already-quantized weights."""
-    from tunelab.model import qat  # noqa: PLC0415
-
-    ft, export_scheme, model = config.finetuning, config.export.export_quantization, config.model
-    if qat.is_torchao_quantized(model.model_name_or_path):  # (tunelab eval / chat / api load it: not checked there)
-        raise ConfigError(
-            f"model_name_or_path: {model.model_name_or_path} holds torchao-quantized weights (a quantized export) "
-            "that cannot train or export again; use the full-precision model it was exported from"
-        )
-    if not (ft.qat or export_scheme):
-        return
-    if export_scheme:
-        from tunelab.export.merge import is_sequence_classification  # noqa: PLC0415
-
-        if is_sequence_classification(model):
-            raise ConfigError(
-                "export_quantization: reward models (sequence classification) export in full precision; remove it"
-            )
-    if export_scheme and ft.qat_group_size is None:
-        trained, trained_group = qat.trained_scheme(model.adapter_name_or_path or model.model_name_or_path)
-        ft.qat_group_size = trained_group if trained and trained_group else qat.DEFAULT_GROUP_SIZE
-    widths = qat.layer_widths(model.model_name_or_path, model.trust_remote_code)
-    qat.check_group_size("qat_group_size", ft.qat_group_size, widths)
-
-
-def _check_model_folder(config: RunConfig) -> None:
-    """Also the one check that changes the config: a Hub id becomes its folder in the Hugging Face cache
-    (tunelab/hub.py; weights come when the model loads), so every later step reads a local folder."""
-    from tunelab.hub import resolve_model  # noqa: PLC0415
-
-    model = config.model
-    model.model_name_or_path = resolve_model(
-        model.model_name_or_path, "model_name_or_path", model.model_revision,
-        trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle_weights,
-    )
-    if model.adapter_name_or_path:
-        model.adapter_name_or_path = resolve_model(
-            model.adapter_name_or_path, "adapter_name_or_path", allow_pickle=model.allow_pickle_weights
-        )
-    path = Path(model.model_name_or_path)
-    if not path.is_dir():
-        raise ConfigError(
-            f"model_name_or_path: {path} is not a folder; point it at a local Hugging Face model folder"
-        )
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model_name_or_path: {path} has no config.json; is it a complete Hugging Face model folder?")
-    _check_remote_code(path / "config.json", config.model.trust_remote_code)
-    adapter = config.model.adapter_name_or_path
-    if adapter and not (Path(adapter) / "adapter_config.json").is_file():
-        raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
-    if adapter:
-        from tunelab.hub import fetch_weights  # noqa: PLC0415
-
-        fetch_weights(adapter, model.allow_pickle_weights, "adapter_name_or_path")  # megabytes: now, not later
-
-
-def _check_remote_code(config_json: Path, trust_remote_code: bool) -> None:
-    """A folder whose architecture exists only as Python files shipped beside its weights (config.json
-    auto_map, a model_type transformers does not know) runs that code when loaded: only when asked."""
-    import json  # noqa: PLC0415
-
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # noqa: PLC0415
-
-    try:
-        model_config = json.loads(config_json.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"model_name_or_path: {config_json} is not valid JSON ({exc}); the folder is damaged") from None
-    auto_map = model_config.get("auto_map") if isinstance(model_config, dict) else None
-    if auto_map and not trust_remote_code and model_config.get("model_type") not in CONFIG_MAPPING_NAMES:
-        code = sorted({str(v).split("--")[-1].split(".")[0] + ".py" for v in auto_map.values() if isinstance(v, str)})
-        raise ConfigError(
-            f"model_name_or_path: {config_json.parent} needs its own modelling code ({', '.join(code)}), which tunelab "
-            "runs only with trust_remote_code: true; read that code first, then set trust_remote_code: true"
-        )
-
-
-def _check_template(config: RunConfig) -> None:
-    from tunelab.data.templates import TEMPLATE_ALIASES, TEMPLATE_NAMES, tokenizer_chat_template  # noqa: PLC0415
-    from tunelab.data.templates.builtin import builtin_source  # noqa: PLC0415
-
-    if config.finetuning.stage == "pt":
-        if config.data.template_kwargs:
-            raise ConfigError("template_kwargs: stage pt trains on raw text without a chat template; remove it")
-        return  # raw text trains without a chat template
-    name = config.data.template
-    if name is None or name == "model":
-        source = tokenizer_chat_template(config.model.model_name_or_path)
-        if source is None:
-            raise ConfigError(
-                f"template: the tokenizer in {config.model.model_name_or_path} has no chat_template; "
-                f"set template to one of {', '.join(TEMPLATE_NAMES)}"
-            )
-        check_template_kwargs_of("model", source, config.data.template_kwargs)
-        return
-    if name not in TEMPLATE_NAMES:
-        if name in LLAMAFACTORY_TEMPLATES:
-            raise ConfigError(
-                f"template: '{name}' is LlamaFactory's, and no built-in renders exactly like it; use template: model "
-                "(the model's own chat_template, what it is served with) or a built-in (tunelab template list)"
-            )
-        close = difflib.get_close_matches(name, (*TEMPLATE_NAMES, *TEMPLATE_ALIASES), n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(f"template: '{name}' does not exist; {hint}built-ins: {', '.join(TEMPLATE_NAMES)}")
-    check_template_kwargs_of(name, builtin_source(name), config.data.template_kwargs)
-
-
-def check_template_kwargs_of(name: str, source: str, template_kwargs: dict | None) -> None:
-    """template_kwargs names only variables the template reads (data/templates/variables.py), as a ConfigError."""
-    from tunelab.data.templates import check_template_kwargs  # noqa: PLC0415
-    from tunelab.errors import TemplateError  # noqa: PLC0415
-
-    try:
-        check_template_kwargs(name, source, template_kwargs)
-    except TemplateError as exc:
-        raise ConfigError(str(exc)) from None
+        ft.qat_group_size = DEFAULT_GROUP_SIZE  # the resolved config records the group size trained with
 
 
 def _check_data(config: RunConfig) -> None:
-    from tunelab.data.registry import load_registry  # noqa: PLC0415
-
     data = config.data
     if data.cutoff_len < 2:
         raise ConfigError(f"cutoff_len must be at least 2, got {data.cutoff_len}")
@@ -482,14 +277,6 @@ def _check_data(config: RunConfig) -> None:
     for key in ("max_new_tokens", "eval_generation_samples"):
         if getattr(generation, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {getattr(generation, key)}")
-    registry = load_registry(data.dataset_dir)
-    for key in ("dataset", "eval_dataset"):
-        for name in getattr(data, key) or []:
-            if name not in registry:
-                close = difflib.get_close_matches(name, list(registry), n=1)
-                hint = f"did you mean '{close[0]}'? " if close else ""
-                where = f"{data.dataset_dir}/dataset_info.json" if data.dataset_dir else "the built-in registry"
-                raise ConfigError(f"{key}: '{name}' is not in {where}; {hint}add it to dataset_info.json")
     if data.interleave_probs is not None:
         if data.mix_strategy == "concat":
             raise ConfigError("interleave_probs needs mix_strategy: interleave_under or interleave_over")
@@ -500,29 +287,8 @@ def _check_data(config: RunConfig) -> None:
 
 
 def _check_stage_data(config: RunConfig) -> None:
-    """Stage pt trains on raw text (formatting: text), every other stage on conversations; pt's window options."""
-    from tunelab.data.registry import load_registry  # noqa: PLC0415
-
+    """pt's window options (which datasets suit the stage is data/registry.py's check_datasets)."""
     data, stage = config.data, config.finetuning.stage
-    registry = load_registry(data.dataset_dir)
-    for key in ("dataset", "eval_dataset"):
-        for name in getattr(data, key) or []:
-            formatting = registry[name].formatting
-            if stage == "pt" and not registry[name].reads_documents:
-                raise ConfigError(
-                    f"{key}: '{name}' has formatting: {formatting}, but stage pt trains on raw documents; "
-                    "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
-                )
-            if stage != "pt" and formatting == "text":
-                raise ConfigError(
-                    f"{key}: '{name}' is a raw text corpus (formatting: text) for stage pt; "
-                    f"stage {stage} needs an alpaca, sharegpt or openai dataset"
-                )
-            if stage == "sft" and registry[name].ranking:  # its rows hold no answer turn: every one would drop
-                raise ConfigError(
-                    f"{key}: '{name}' is a ranking dataset (chosen/rejected answers) for stages rm, dpo, kto, grpo "
-                    "and ppo; stage sft trains on conversations: use a dataset without ranking: true"
-                )
     if stage != "pt":
         defaults = {f.name: f.default for f in dataclasses.fields(DataArguments) if f.name in PT_ONLY_KEYS}
         changed = [k for k in PT_ONLY_KEYS if getattr(data, k) != defaults[k]]
@@ -548,9 +314,7 @@ def _check_stage_data(config: RunConfig) -> None:
 
 
 def _check_preference(config: RunConfig) -> None:
-    """Stages rm / dpo / kto: ranking data (kto: or a kto_tag column), unpacked pairs, their own options."""
-    from tunelab.data.registry import load_registry  # noqa: PLC0415
-
+    """Stages rm / dpo / kto: unpacked pairs and their own options (ranking data: data/registry.py)."""
     ft, data, stage = config.finetuning, config.data, config.finetuning.stage
     defaults = {f.name: f.default for f in dataclasses.fields(FinetuningArguments) if f.name in PREFERENCE_KEYS}
     for key, stages in PREFERENCE_KEYS.items():
@@ -558,16 +322,6 @@ def _check_preference(config: RunConfig) -> None:
             raise ConfigError(f"{key} only applies to stage {' / '.join(stages)} (got stage: {stage}): remove it")
     if stage not in PREFERENCE_STAGES:
         return
-    registry = load_registry(data.dataset_dir)
-    for key in ("dataset", "eval_dataset"):
-        for name in getattr(data, key) or []:
-            spec = registry[name]
-            if not spec.ranking and not (stage == "kto" and "kto_tag" in spec.columns):
-                fix = "or map a kto_tag column (columns.kto_tag) " if stage == "kto" else ""
-                raise ConfigError(
-                    f"{key}: '{name}' is not a ranking dataset, but stage {stage} trains on preference pairs; "
-                    f"set ranking: true with chosen/rejected columns in dataset_info.json {fix}(e.g. demo_preference)"
-                )
     if data.packing:
         layout = "pairs are padded" if stage == "rm" else "each step's pairs are laid out padding-free instead"
         raise ConfigError(f"packing: true is not supported with stage {stage} ({layout}); set packing: false")
@@ -613,13 +367,21 @@ def _check_rl(config: RunConfig) -> None:
     if stage not in RL_STAGES:
         return
     if stage == "grpo":
-        _check_reward_funcs(config)
+        if not ft.reward_funcs:
+            raise ConfigError(
+                "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format "
+                "(built-ins) or path/to/file.py:function"
+            )
         if ft.num_generations < 2:
             raise ConfigError(
                 f"num_generations must be at least 2 (advantages compare completions of the same prompt), got {ft.num_generations}"
             )
     if stage == "ppo":
-        ft.reward_model = _check_reward_model(ft.reward_model, config.model.allow_pickle_weights)
+        if not ft.reward_model:
+            raise ConfigError(
+                "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its "
+                "output_dir"
+            )
         if not 0.0 <= ft.ppo_gamma <= 1.0 or not 0.0 <= ft.ppo_lam <= 1.0:
             raise ConfigError(f"ppo_gamma and ppo_lam must be in [0, 1], got {ft.ppo_gamma} and {ft.ppo_lam}")
         if ft.ppo_vf_coef < 0:
@@ -644,38 +406,6 @@ def _check_rl(config: RunConfig) -> None:
         )
     if args.resume_from_checkpoint:
         raise ConfigError(f"resume_from_checkpoint is not supported by stage {stage} yet; remove it")
-
-
-def _check_reward_funcs(config: RunConfig) -> None:
-    from tunelab.train.rl.rewards import load_reward_functions  # noqa: PLC0415
-
-    ft = config.finetuning
-    if not ft.reward_funcs:
-        raise ConfigError(
-            "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format "
-            "(built-ins) or path/to/file.py:function"
-        )
-    base_dir = Path(config.source).parent if config.source else None
-    load_reward_functions(ft.reward_funcs, ft.reward_weights, base_dir)  # imports them: missing names fail here
-
-
-def _check_reward_model(path: str | None, allow_pickle: bool) -> str:
-    """The reward model's folder (a Hub id resolved to its cache folder, weights fetched when ppo loads it)."""
-    from tunelab.hub import resolve_model  # noqa: PLC0415
-
-    if not path:
-        raise ConfigError(
-            "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its output_dir"
-        )
-    path = resolve_model(path, "reward_model", allow_pickle=allow_pickle)
-    folder = Path(path)
-    if not folder.is_dir():
-        raise ConfigError(f"reward_model: {folder} is not a folder; set it to the output_dir of a stage rm run")
-    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
-        raise ConfigError(
-            f"reward_model: {folder} has neither config.json nor adapter_config.json; set it to the output_dir of a stage rm run"
-        )
-    return path
 
 
 def _check_streaming(config: RunConfig) -> None:
@@ -721,8 +451,6 @@ def _check_dedup(config: RunConfig) -> None:
         raise ConfigError("dedup: stage pt does not deduplicate documents yet; remove dedup")
     if not 0.0 < data.dedup_threshold <= 1.0:
         raise ConfigError(f"dedup_threshold must be in (0, 1], got {data.dedup_threshold}")
-    if data.dedup == "near" and importlib.util.find_spec("datasketch") is None:
-        raise ConfigError("dedup: near needs the datasketch package: pip install tunelab[dedup]")
 
 
 def _check_eval(config: RunConfig) -> None:
@@ -739,59 +467,6 @@ def _check_eval(config: RunConfig) -> None:
     ]
     if wants_eval and not has_eval_set:
         raise ConfigError(f"{', '.join(wants_eval)} needs an eval set: set eval_dataset or val_size")
-
-
-def _check_output_dir(config: RunConfig) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        return  # rank 0 checked it and may already be writing there; other ranks would see it non-empty
-    out = Path(config.training.output_dir)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir: {out} exists and is not a folder")
-    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        what = "" if existing == out.absolute() else f" (it would be created in {existing})"
-        raise ConfigError(f"output_dir: {out} is not writable{what}; choose a folder you can write to")
-    if out.is_dir() and any(p.name != DATA_STATS_DIR for p in out.iterdir()):
-        if not (config.training.overwrite_output_dir or config.training.resume_from_checkpoint):
-            raise ConfigError(
-                f"output_dir: {out} is not empty; set overwrite_output_dir: true, resume_from_checkpoint, "
-                "or choose another folder"
-            )
-    _check_resume(config)
-
-
-def _check_resume(config: RunConfig) -> None:
-    """resume_from_checkpoint names a checkpoint that verifies (true: the newest of output_dir that does), holds
-    optimizer state (or resume_weights_only), and was written by a run with the same trajectory options
-    (or resume_config_mismatch: allow) — before any model loads. The resolved folder replaces true."""
-    from tunelab.run_folder import RUN_RECORD, read_run_record  # noqa: PLC0415
-    from tunelab.train import checkpoints  # noqa: PLC0415
-    from tunelab.train.outputs import run_options  # noqa: PLC0415
-
-    args = config.training
-    found = checkpoints.resolve_resume(args.resume_from_checkpoint, args.output_dir, args.resume_weights_only)
-    if found is None:
-        return
-    args.resume_from_checkpoint = found
-    recorded = read_run_record(found)
-    if recorded is None:
-        logger.warning(
-            "resume_from_checkpoint: %s has no %s, so it cannot be checked to come from a run with the same "
-            "options", found, RUN_RECORD,
-        )
-        return
-    differences = checkpoints.config_differences(recorded, run_options(config))
-    if not differences:
-        return
-    listed = ", ".join(differences)
-    if args.resume_config_mismatch == "allow":
-        logger.warning("resume_config_mismatch: allow: resuming %s although its run had %s", found, listed)
-        return
-    raise ConfigError(
-        f"resume_from_checkpoint: {found} comes from a run with other options: {listed}; resuming would continue "
-        "that run, not this one. Start a fresh run (another output_dir, or overwrite_output_dir: true without "
-        "resume_from_checkpoint), restore those values, or set resume_config_mismatch: allow"
-    )
 
 
 def _check_nan_policy(config: RunConfig) -> None:
@@ -833,12 +508,6 @@ def _check_distributed(config: RunConfig) -> None:
     args = config.training
     if args.deepspeed and args.fsdp:
         raise ConfigError("deepspeed and fsdp are two engines for the same job: keep one")
-    if args.fsdp and args.use_cpu:  # accelerate runs FSDP on GPUs only; on CPU transformers shards at load
-        from tunelab.model.sharding import check_cpu_fsdp  # noqa: PLC0415
-        from tunelab.train.launch import nproc_per_node  # noqa: PLC0415
-
-        processes = max(nproc_per_node(args) * args.nnodes, int(os.environ.get("WORLD_SIZE", "1")))
-        check_cpu_fsdp(args, processes, config.finetuning.stage)
     if args.fsdp and config.model.quantization_bit is not None:
         raise ConfigError(
             f"fsdp cannot shard the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
@@ -852,16 +521,6 @@ def _check_distributed(config: RunConfig) -> None:
 
 
 # ---- the training loop's extensions: callbacks, early stopping, generation at evaluation (docs/training.md) ----
-
-# Eval metric names (after the eval[_<name>] prefix) each stage logs, for checking metric_for_best_model.
-STAGE_EVAL_METRICS = {
-    "sft": ("loss", "perplexity"), "pt": ("loss", "perplexity"),
-    "rm": ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"),
-    "dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-            "logps/chosen", "logps/rejected", "logps/accuracies"),
-    "kto": ("loss", "rewards/chosen", "rewards/rejected", "kl"),
-}
-
 
 def _strategy(value) -> str:
     return str(getattr(value, "value", value))
@@ -890,28 +549,9 @@ def _check_load_best_model_values(values: dict) -> None:
             )
 
 
-def eval_metric_names(config: RunConfig) -> list[str]:
-    """Every eval metric the run will log (`eval_loss`, `eval_<name>_rouge_l`...), for metric_for_best_model."""
-    from tunelab.data.pipeline import VAL_SPLIT_NAME  # noqa: PLC0415
-
-    data, stage = config.data, config.finetuning.stage
-    sets = ([VAL_SPLIT_NAME] if data.val_size > 0 else []) + list(data.eval_dataset or [])
-    prefixes = ["eval"] if len(sets) <= 1 else [f"eval_{name}" for name in sets]
-    names = list(STAGE_EVAL_METRICS.get(stage, ("loss",)))
-    if stage in ("sft", "pt") and config.training.compute_token_accuracy:
-        names.append("token_accuracy")
-    if stage == "sft" and config.generation.generate_at_eval:
-        from tunelab.infer.metrics import GENERATION_METRIC_NAMES  # noqa: PLC0415
-
-        names.extend(GENERATION_METRIC_NAMES)
-    return [f"{prefix}_{name}" for prefix in prefixes for name in names]
-
-
 def _check_callbacks(config: RunConfig) -> None:
-    """callbacks name TrainerCallback classes (imported now: a missing file or class fails before any model
-    loads); callback_kwargs name entries of callbacks and arguments their classes take."""
-    from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415
-
+    """callback_kwargs need callbacks; the RL stages' own loop fires no Trainer events. (The classes are imported and
+    checked by train/callbacks.py, called from tunelab/preflight.py.)"""
     args, stage = config.training, config.finetuning.stage
     if args.callback_kwargs and not args.callbacks:
         raise ConfigError("callback_kwargs is set but callbacks is not: name the callback classes in callbacks")
@@ -922,8 +562,6 @@ def _check_callbacks(config: RunConfig) -> None:
             f"callbacks: stage {stage} trains in its own loop, where the Trainer's callback events do not fire; "
             "remove callbacks (trainer_log.jsonl still records every logged step)"
         )
-    base_dir = Path(config.source).parent if config.source else None
-    resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir)
 
 
 def _check_early_stopping(config: RunConfig) -> None:
@@ -981,7 +619,6 @@ def _check_generate_at_eval(config: RunConfig) -> None:
         raise ConfigError("generate_at_eval generates at each evaluation, but eval_strategy is 'no': set eval_strategy: steps with eval_steps")
     if config.generation.eval_generation_samples < 1:
         raise ConfigError(f"eval_generation_samples must be at least 1, got {config.generation.eval_generation_samples}")
-    _check_scoring_packages("generate_at_eval")
 
 
 def _check_ignore_pad_token_for_loss(config: RunConfig) -> None:

@@ -1,4 +1,4 @@
-"""Turn a YAML file plus command-line overrides into a checked RunConfig.
+"""Turn a YAML file plus command-line overrides into a RunConfig whose values are checked.
 
 The YAML file is flat (LlamaFactory style): every key belongs to exactly one option group.
 Overrides come as `key=value` or `--key value` and win over the file; a run may also be given by
@@ -9,6 +9,11 @@ for each, a close match, or what to do instead of a LlamaFactory option tunelab 
 the template variables it implies. An explicit `save_steps` turns on `save_strategy: steps`, as in
 LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in). Early stopping and
 load_best_model_at_end watch `eval_loss` unless metric_for_best_model says otherwise (perplexity: lower is better).
+
+Two steps, `read_values` then `build_config`, with nothing but values between them; what needs the files, the
+environment or the layers above (the model folder, the datasets, the DeepSpeed file...) is tunelab/preflight.py's,
+which runs these two and then those checks. The hardware a default depends on comes in as a `Machine`
+(config/precision.py), read by preflight.
 """
 
 from __future__ import annotations
@@ -19,15 +24,19 @@ import json
 import os
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from tunelab.config import checks
 from tunelab.config.args import DataArguments, RunConfig, option_groups, training_group
-from tunelab.config.training_options import TRAINING_DEFAULTS
-from tunelab.config.training_fields import OptionField, dataclass_options
 from tunelab.config.llamafactory import llamafactory_advice
+from tunelab.config.precision import Machine, PrecisionChoice, choose_precision, resolve_flags
+from tunelab.config.template_names import resolve_template_name
+from tunelab.config.training_fields import OptionField, dataclass_options
+from tunelab.config.training_options import TRAINING_DEFAULTS
 from tunelab.errors import ConfigError
 
 COMMAND_LINE = "the command line"
@@ -209,41 +218,25 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _has_cuda() -> bool:
-    import torch  # noqa: PLC0415
-
-    return torch.cuda.is_available()
-
-
-def _has_accelerator() -> bool:
-    import torch  # noqa: PLC0415
-
-    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()) or (
-        torch.backends.mps.is_available()
-    )
-
-
 PRECISION_KEYS = ("bf16", "fp16")
 
 
-def _auto_precision(training_values: dict[str, Any], purpose: str) -> str | None:
+def _auto_precision(training_values: dict[str, Any], purpose: str, machine: Machine) -> str | None:
     """Set bf16 / fp16 where they were left to auto (config/precision.py), and say what was chosen and why.
     None when both were given, or for commands that train and compute nothing (export, serve)."""
     given = {key: training_values.get(key) for key in PRECISION_KEYS}
     if purpose in ("export", "serve") or True in given.values() or None not in given.values():
         return None
-    from tunelab.config import precision  # noqa: PLC0415
-
     # The launching process of a multi-process run keeps its hands off the GPUs (train/launch.py): it decides
     # for the CPU, only to check the config; each worker decides again for its own device.
     use_cpu = bool(training_values.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
-    facts = precision.device_facts(use_cpu)
-    choice = precision.choose_precision(facts)
+    facts = machine.facts(use_cpu)
+    choice = choose_precision(facts)
     if choice.mode == "bf16" and facts.kind == "cpu" and not use_cpu:
         # use_cpu: false said outright on a machine without a GPU: transformers refuses bf16 on a CPU without it.
-        choice = precision.PrecisionChoice("fp32", f"{choice.reason}, but use_cpu is false (transformers trains bf16 "
-                                           "on a CPU only with use_cpu: true)")
-    bf16, fp16 = precision.resolve_flags(given["bf16"], given["fp16"], choice)
+        choice = PrecisionChoice("fp32", f"{choice.reason}, but use_cpu is false (transformers trains bf16 on a CPU "
+                                 "only with use_cpu: true)")
+    bf16, fp16 = resolve_flags(given["bf16"], given["fp16"], choice)
     training_values["bf16"], training_values["fp16"] = bf16, fp16
     chosen = "bf16" if bf16 else "fp16" if fp16 else "fp32"
     explicit = ", ".join(f"{k}: {str(v).lower()}" for k, v in given.items() if v is not None)
@@ -251,21 +244,31 @@ def _auto_precision(training_values: dict[str, Any], purpose: str) -> str | None
     return f"{chosen} (auto): {choice.reason}{wins}"
 
 
-def load_config(
-    path: str | Path | None = None,
-    overrides: dict[str, Any] | list[str] | None = None,
-    purpose: Literal["train", "data", "eval", "export", "estimate", "serve"] = "train",
-    warn: bool = True,
-) -> RunConfig:
-    """Read, merge, type and check a configuration. Fails before any model or data is touched.
+Purpose = Literal["train", "data", "eval", "export", "estimate", "serve"]
 
-    purpose "data" (`tunelab data ...`) and "estimate" read the config without training from it:
-    output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
-    which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
-    the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model and
-    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that
-    have no effect (a process that only launches the workers leaves them to the workers).
-    """
+
+@dataclass
+class ConfigValues:
+    """A configuration read, merged and typed, each option group's values not yet built into its dataclass (the
+    DeepSpeed file is checked between the two steps: transformers reads it while TrainingArguments is built)."""
+
+    groups: tuple[type, ...]
+    values: dict[type, dict[str, Any]]
+    given: set[str]  # the keys the file and the command line set
+    purpose: str
+    source: str | None
+    precision: str | None
+
+    @property
+    def training(self) -> dict[str, Any]:
+        return self.values[self.groups[4]]
+
+
+def read_values(
+    path: str | Path | None, overrides: dict[str, Any] | list[str] | None, purpose: Purpose, machine: Machine
+) -> ConfigValues:
+    """Read, merge and type a configuration, and check the training values (ranges, precision flags). `machine`:
+    what the defaults that depend on the hardware read (use_cpu, dataloader_pin_memory, bf16 / fp16 auto)."""
     raw: dict[str, Any] = dict(read_yaml(path)) if path else {}
     origins = dict.fromkeys(raw, str(path))
     if isinstance(overrides, list):
@@ -286,7 +289,7 @@ def load_config(
 
     values: dict[type, dict[str, Any]] = {group: {} for group in groups}
     values[training].update(TRAINING_DEFAULTS)
-    if "use_cpu" not in raw and not _has_accelerator():
+    if "use_cpu" not in raw and not machine.has_accelerator:
         # transformers refuses bf16 on a CPU-only machine unless use_cpu is said explicitly.
         values[training]["use_cpu"] = True
     for key, value in raw.items():
@@ -308,36 +311,44 @@ def load_config(
     if metric.endswith("perplexity") and "greater_is_better" not in raw:
         training_values["greater_is_better"] = False  # transformers takes only names ending in "loss" as lower-is-better
     if "dataloader_pin_memory" not in raw:
-        training_values["dataloader_pin_memory"] = _has_cuda()  # pinning only helps host→GPU copies
-    precision = _auto_precision(training_values, purpose)
+        training_values["dataloader_pin_memory"] = machine.has_cuda  # pinning only helps host→GPU copies
+    precision = _auto_precision(training_values, purpose, machine)
 
     if purpose == "train" and not training_values.get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")
     if purpose == "eval" and not training_values.get("output_dir"):
         raise ConfigError("output_dir is not set: tunelab eval writes predictions.jsonl there; add output_dir=...")
-
-    from tunelab.config import checks  # noqa: PLC0415 - checks import args, keep the module graph one-way
-
     # Checks on training values that transformers would otherwise report in its own words first.
     checks.check_training_values(training_values)
+    return ConfigValues(groups, values, set(raw), purpose, str(path) if path else None, precision)
+
+
+def build_config(read: ConfigValues, warn: bool = True) -> RunConfig:
+    """The option groups built from their values, and every value check of the purpose (config/checks.py).
+
+    purpose "data" (`tunelab data ...`) and "estimate" read the config without training from it:
+    output_dir may be unset or hold a finished run. "eval" writes its predictions into output_dir,
+    which may hold the run being evaluated. "export" needs no dataset, template or output_dir, only
+    the model (and adapter) and export_dir; "serve" (`tunelab chat / api cfg.yaml`) only the model and
+    adapter (the engine checks the template it serves with). `warn`: log the warnings about options that
+    have no effect (a process that only launches the workers leaves them to the workers).
+    """
     built = []
-    for group in groups:
+    for group in read.groups:
         try:
-            built.append(group(**values[group]))
+            built.append(group(**read.values[group]))
         except (ValueError, TypeError) as exc:
             message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise ConfigError(f"invalid {group.__name__} values: {message}") from None
-    config = RunConfig(*built, source=str(path) if path else None, precision=precision)
-    checks.check_config(config, purpose)
-    if warn and purpose == "train":
-        checks.warn_ineffective_keys(config, set(raw))
+    config = RunConfig(*built, source=read.source, precision=read.precision)
+    checks.check_config(config, read.purpose)
+    if warn and read.purpose == "train":
+        checks.warn_ineffective_keys(config, read.given)
     return config
 
 
 def _resolve_template_alias(data_values: dict[str, Any]) -> None:
     """template: qwen3_nothink → qwen3 with template_kwargs {enable_thinking: false} (given template_kwargs win)."""
-    from tunelab.data.templates import resolve_template_name  # noqa: PLC0415 - jinja is not needed before here
-
     name = data_values.get("template")
     if name is not None:
         data_values["template"], kwargs = resolve_template_name(name, data_values.get("template_kwargs"))

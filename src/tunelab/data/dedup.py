@@ -19,6 +19,7 @@ deliberate repeats are untouched. eval_dataset sets are not deduplicated.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import re
 from dataclasses import asdict, dataclass, field
@@ -210,3 +211,9 @@ def deduplicate_training_rows(
     )
     logger.info("dedup (%s): %s of %d training rows", stats.mode, stats.summary(), stats.rows)
     return kept, stats
+
+
+def check_dedup_available(data_args) -> None:
+    """dedup: near needs the datasketch package (the `dedup` extra)."""
+    if data_args.dedup == "near" and importlib.util.find_spec("datasketch") is None:
+        raise ConfigError("dedup: near needs the datasketch package: pip install tunelab[dedup]")

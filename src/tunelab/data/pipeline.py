@@ -31,11 +31,11 @@ from tunelab.data.registry import describe, describe_files, load_registry, load_
 from tunelab.data.templates import Template
 from tunelab.data.trainable import TrainableRow
 
+from tunelab.config.metric_names import VAL_SPLIT_NAME
 from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
 
-VAL_SPLIT_NAME = "val"
 
 
 @dataclass

@@ -65,7 +65,8 @@ from datasets.fingerprint import Hasher
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, _Tokens
-from tunelab.data.pipeline import VAL_SPLIT_NAME, DatasetBundle, _mix, split_validation
+from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.pipeline import DatasetBundle, _mix, split_validation
 from tunelab.data.registry import DatasetSpec, describe, load_registry, load_rows
 from tunelab.errors import ConfigError, DataError
 

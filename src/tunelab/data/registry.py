@@ -15,6 +15,7 @@ This module owns reading files into `datasets.Dataset`; it does not tokenise.
 from __future__ import annotations
 
 import codecs
+import difflib
 import functools
 import glob
 import json
@@ -28,6 +29,7 @@ from typing import Any
 import datasets
 
 from tunelab import hub
+from tunelab.config.checks import PREFERENCE_STAGES
 from tunelab.errors import ConfigError, DataError
 
 BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
@@ -165,13 +167,24 @@ def _hub_entry(path: Path, name: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_registry(dataset_dir: str | None = None) -> Registry:
-    """Built-in datasets plus the ones in `dataset_dir/dataset_info.json` (each checked when looked up)."""
+    """Built-in datasets plus the ones in `dataset_dir/dataset_info.json` (each checked when looked up). Read once per
+    process while that file is unchanged: tunelab/preflight.py reads it first, and every later lookup of the run
+    (encoding, the cache's fingerprint, streaming) gets the same Registry, its specs checked once."""
+    if not dataset_dir:
+        return _registry(None)
+    path = Path(dataset_dir) / "dataset_info.json"
+    if not path.is_file():
+        raise ConfigError(f"dataset_dir: {dataset_dir} has no dataset_info.json")
+    stat = path.stat()
+    return _registry((str(path), str(path.resolve()), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=16)
+def _registry(source: tuple[str, str, int, int] | None) -> Registry:
+    """(the path as given, which messages and relative roots keep; where it resolves; its mtime and size)."""
     entries = _read_registry(BUILTIN_REGISTRY)
-    if dataset_dir:
-        path = Path(dataset_dir) / "dataset_info.json"
-        if not path.is_file():
-            raise ConfigError(f"dataset_dir: {dataset_dir} has no dataset_info.json")
-        entries.update(_read_registry(path))
+    if source is not None:
+        entries.update(_read_registry(Path(source[0])))
     return Registry(entries)
 
 
@@ -535,3 +548,45 @@ def describe(spec: DatasetSpec) -> dict[str, Any]:
         files = resolve_files(spec)
         info["files"] = [{"path": str(p), "size": os.path.getsize(p)} for p in files]
     return info
+
+
+def check_datasets(config) -> Registry:
+    """The run's registry, its datasets checked against the stage before anything is read: each named dataset
+    exists; stage pt reads raw documents and every other stage conversations; sft no ranking sets; rm, dpo and kto
+    ranking sets (kto: or a kto_tag column). ConfigError naming the key and the dataset."""
+    data, stage = config.data, config.finetuning.stage
+    registry = load_registry(data.dataset_dir)
+    named = [(key, name) for key in ("dataset", "eval_dataset") for name in getattr(data, key) or []]
+    for key, name in named:
+        if name not in registry:
+            close = difflib.get_close_matches(name, list(registry), n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            where = f"{data.dataset_dir}/dataset_info.json" if data.dataset_dir else "the built-in registry"
+            raise ConfigError(f"{key}: '{name}' is not in {where}; {hint}add it to dataset_info.json")
+    for key, name in named:
+        spec = registry[name]
+        if stage == "pt" and not spec.reads_documents:
+            raise ConfigError(
+                f"{key}: '{name}' has formatting: {spec.formatting}, but stage pt trains on raw documents; "
+                "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
+            )
+        if stage != "pt" and spec.formatting == "text":
+            raise ConfigError(
+                f"{key}: '{name}' is a raw text corpus (formatting: text) for stage pt; "
+                f"stage {stage} needs an alpaca, sharegpt or openai dataset"
+            )
+        if stage == "sft" and spec.ranking:  # its rows hold no answer turn: every one would drop
+            raise ConfigError(
+                f"{key}: '{name}' is a ranking dataset (chosen/rejected answers) for stages rm, dpo, kto, grpo "
+                "and ppo; stage sft trains on conversations: use a dataset without ranking: true"
+            )
+    if stage in PREFERENCE_STAGES:
+        for key, name in named:
+            spec = registry[name]
+            if not spec.ranking and not (stage == "kto" and "kto_tag" in spec.columns):
+                fix = "or map a kto_tag column (columns.kto_tag) " if stage == "kto" else ""
+                raise ConfigError(
+                    f"{key}: '{name}' is not a ranking dataset, but stage {stage} trains on preference pairs; "
+                    f"set ranking: true with chosen/rejected columns in dataset_info.json {fix}(e.g. demo_preference)"
+                )
+    return registry

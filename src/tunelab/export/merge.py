@@ -48,6 +48,7 @@ from tunelab.infer.trained import inference_template, inference_template_kwargs,
 from tunelab import hub
 from tunelab.model import qat, vision, zero_checkpoint
 from tunelab.model.adapters import load_adapter
+from tunelab.model.folder import is_sequence_classification
 from tunelab.model.tokenizer import load_processor
 
 logger = logging.getLogger(__name__)
@@ -63,17 +64,6 @@ def shard_size_bytes(export_size: float | str) -> int:
         raise ConfigError(
             f"export_size: cannot read {export_size!r}; give GB as a number (e.g. 2) or a size like 500MB or 2GiB"
         ) from None
-
-
-def is_sequence_classification(model_args: ModelArguments) -> bool:
-    """A reward-model export: the adapter says task_type SEQ_CLS, or the base model is a *ForSequenceClassification."""
-    adapter = model_args.adapter_name_or_path
-    if adapter:
-        adapter_config = json.loads((Path(adapter) / "adapter_config.json").read_text(encoding="utf-8"))
-        if adapter_config.get("task_type") == "SEQ_CLS":
-            return True
-    config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
-    return any(name.endswith("ForSequenceClassification") for name in config.get("architectures") or [])
 
 
 def export_dtype(config: RunConfig) -> torch.dtype:
@@ -190,3 +180,10 @@ def _warn_scheme_mismatch(config: RunConfig) -> None:
     elif (scheme, group) != (trained, trained_group):
         logger.warning("export_quantization: %s in groups of %s differs from what the model trained with (qat: %s, "
                        "qat_group_size: %s)", scheme, group, trained, trained_group)
+
+
+def check_export_dir(config: RunConfig) -> None:
+    """export_dir is empty, or overwrite_output_dir says it may be replaced."""
+    out = Path(config.export.export_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
+        raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")

@@ -11,10 +11,11 @@ The n-gram metrics come from the libraries the field reports with, so numbers co
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
-# The scores of generation_metrics a training run logs per eval set (generate_at_eval) and plots.
-GENERATION_METRIC_NAMES = ("exact_match", "bleu", "rouge_l")
+from tunelab.config.metric_names import GENERATION_METRIC_NAMES
+from tunelab.errors import ConfigError
 
 
 def exact_match_score(predictions: Sequence[str], references: Sequence[str]) -> float:
@@ -61,3 +62,11 @@ def generation_metrics(predictions: Sequence[str], references: Sequence[str]) ->
         "rouge_l": rouge_l_score(predictions, references),
         "samples": len(predictions),
     }
+
+
+def check_scoring_packages(what: str) -> None:
+    """BLEU and ROUGE-L need sacrebleu and rouge-score (the `eval` extra): checked now, not after hours of training."""
+    missing = [name for name, module in (("sacrebleu", "sacrebleu"), ("rouge-score", "rouge_score"))
+               if importlib.util.find_spec(module) is None]
+    if missing:
+        raise ConfigError(f"{what} scores BLEU and ROUGE-L with {' and '.join(missing)}: pip install {' '.join(missing)}")

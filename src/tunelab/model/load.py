@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.utils import is_flash_attn_2_available
 
+from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE
 from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError, first_line
@@ -121,7 +122,7 @@ def load_model(
     model.config.get_text_config().use_cache = False
     quantization.keep_4bit_trainable_on_cpu(model)
     if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
-        group_size = finetuning_args.qat_group_size or qat.DEFAULT_GROUP_SIZE
+        group_size = finetuning_args.qat_group_size or DEFAULT_GROUP_SIZE
         qat.prepare_qat(model, finetuning_args.qat, group_size, enabled=finetuning_args.qat_start_step == 0)
     model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
     parts = vision.vision_parts(model)

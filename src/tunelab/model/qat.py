@@ -22,12 +22,12 @@ safetensors support round-trips in transformers 5. With LoRA the fake quantizers
 the adapters (as torchtune's QAT + LoRA does): the base path sees quantized inputs and weights, the low-rank
 path full-precision ones.
 
-This module does not own bitsandbytes (quantization.py) nor the export folder (export.py).
+This module does not own bitsandbytes (quantization.py) nor the export folder (export/merge.py); the scheme names
+are option values (config/qat_schemes.py).
 """
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import logging
 from pathlib import Path
@@ -35,33 +35,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tunelab.run_folder import read_run_record
+from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme
 from tunelab.errors import ConfigError
+from tunelab.model.folder import is_sequence_classification
+from tunelab.run_folder import read_run_record
 
 logger = logging.getLogger(__name__)
-
-# Scheme name -> what it does (help text, docs/quantization.md).
-SCHEMES = {
-    "int8-int4": "int8 dynamic per-token activations + int4 weights per group",
-    "int4-weight": "int4 weights per group, full-precision activations",
-    "int8-weight": "int8 weights per group, full-precision activations",
-}
-DEFAULT_GROUP_SIZE = 32
-# Names peers use for the same schemes (torchtune / torchao / LlamaFactory), for the did-you-mean.
-PEER_NAMES = {
-    "8da4w": "int8-int4", "int8_dynamic_activation_int4_weight": "int8-int4", "int8da_int4w": "int8-int4",
-    "4w": "int4-weight", "int4_weight_only": "int4-weight", "int4": "int4-weight",
-    "int8_weight_only": "int8-weight", "int8": "int8-weight",
-}
-
-
-def check_scheme(key: str, name: str) -> None:
-    """ConfigError naming `key` when `name` is not a scheme, with the closest one."""
-    if name in SCHEMES:
-        return
-    close = PEER_NAMES.get(name.lower()) or next(iter(difflib.get_close_matches(name, SCHEMES, n=1)), None)
-    hint = f"did you mean '{close}'? " if close else ""
-    raise ConfigError(f"{key}: '{name}' is not a quantization scheme; {hint}schemes: {', '.join(SCHEMES)}")
 
 
 def require_torchao(key: str) -> None:
@@ -183,3 +162,39 @@ def is_torchao_quantized(model_folder: str | Path) -> bool:
         return False
     quantization = config.get("quantization_config") if isinstance(config, dict) else None
     return isinstance(quantization, dict) and quantization.get("quant_method") == "torchao"
+
+
+def check_quantization_sources(config) -> None:
+    """qat and export_quantization need torchao; export_quantization merges an adapter into its base first, so the
+    base must be given. (The scheme names are checked with the options: config/qat_schemes.py.)"""
+    for key, name in (("qat", config.finetuning.qat), ("export_quantization", config.export.export_quantization)):
+        if name:
+            require_torchao(key)
+    folder = Path(config.model.model_name_or_path)
+    if config.export.export_quantization and not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        raise ConfigError(
+            f"export_quantization: model_name_or_path {config.model.model_name_or_path} is a LoRA adapter without its "
+            "base; set model_name_or_path to the base model and adapter_name_or_path to the adapter (they are merged, "
+            "then quantized)"
+        )
+
+
+def check_quantized_layers(config) -> int | None:
+    """The group size fits every quantized layer (read from config.json); no QAT on already-quantized weights. Returns
+    the group size the run quantizes with (an export without one: the one the model trained with), or None."""
+    ft, export_scheme, model = config.finetuning, config.export.export_quantization, config.model
+    if is_torchao_quantized(model.model_name_or_path):  # (tunelab eval / chat / api load it: not checked there)
+        raise ConfigError(
+            f"model_name_or_path: {model.model_name_or_path} holds torchao-quantized weights (a quantized export) "
+            "that cannot train or export again; use the full-precision model it was exported from"
+        )
+    if not (ft.qat or export_scheme):
+        return ft.qat_group_size
+    if export_scheme and is_sequence_classification(model):
+        raise ConfigError("export_quantization: reward models (sequence classification) export in full precision; remove it")
+    group_size = ft.qat_group_size
+    if export_scheme and group_size is None:
+        trained, trained_group = trained_scheme(model.adapter_name_or_path or model.model_name_or_path)
+        group_size = trained_group if trained and trained_group else DEFAULT_GROUP_SIZE
+    check_group_size("qat_group_size", group_size, layer_widths(model.model_name_or_path, model.trust_remote_code))
+    return group_size

@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from tunelab.config.training_args import TrainingArguments
+if TYPE_CHECKING:  # annotations only: the config checks call check_cpu_fsdp without importing peft
+    from tunelab.config.training_args import TrainingArguments
 
 logger = logging.getLogger(__name__)
 

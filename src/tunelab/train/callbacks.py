@@ -147,14 +147,11 @@ def resolve_user_callbacks(
     return resolved
 
 
-def build_user_callbacks(config) -> list[transformers.TrainerCallback]:
-    """The user's callbacks of a RunConfig, built (their constructors run here, once per process)."""
-    args = config.training
-    if not args.callbacks:
-        return []
-    base_dir = Path(config.source).parent if config.source else None
+def build_user_callbacks(resolved: Sequence[tuple[type, dict[str, Any]]]) -> list[transformers.TrainerCallback]:
+    """The user's callbacks, built from `resolve_user_callbacks`'s (class, kwargs) (constructors run here, once per
+    process)."""
     built = []
-    for cls, kwargs in resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir):
+    for cls, kwargs in resolved:
         try:
             built.append(cls(**kwargs))
         except Exception as exc:  # noqa: BLE001  (the user's constructor failed: say which)
@@ -234,13 +231,16 @@ class EvalMetricsCallback(transformers.TrainerCallback):
         return {}
 
 
-def run_callbacks(config, *extra: transformers.TrainerCallback) -> list[transformers.TrainerCallback]:
+def run_callbacks(
+    config, user_callbacks: Sequence[tuple[type, dict[str, Any]]] = (), *extra: transformers.TrainerCallback
+) -> list[transformers.TrainerCallback]:
     """The callbacks a stage hands to the Trainer: the jsonl log, QAT's start switch (qat_start_step), `extra`
-    (the stage's own), EarlyStopping when configured, then the user's `callbacks` in their order."""
+    (the stage's own), EarlyStopping when configured, then the user's `callbacks` in their order (`user_callbacks`:
+    the classes and arguments tunelab/preflight.py resolved)."""
     args = config.training
     callbacks: list[transformers.TrainerCallback] = [
         JsonlLogCallback(args.output_dir), *qat_callbacks(config.finetuning), *extra,
     ]
     if args.early_stopping_patience is not None:
         callbacks.append(EarlyStopping(args.early_stopping_patience, args.early_stopping_threshold))
-    return callbacks + build_user_callbacks(config)
+    return callbacks + build_user_callbacks(user_callbacks)

@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 from tunelab.infer.generate import generate_predictions
-from tunelab.infer.metrics import GENERATION_METRIC_NAMES
+from tunelab.config.metric_names import GENERATION_METRIC_NAMES
 from tunelab.infer.predict import score
 from tunelab.train.callbacks import EvalMetricsCallback
 

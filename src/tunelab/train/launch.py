@@ -16,12 +16,16 @@ transformers/accelerate when TrainingArguments is built (gloo on CPU, nccl on CU
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
+import importlib.util
+import json
 import os
 import re
 import signal
 import socket
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tunelab.errors import ConfigError
@@ -226,3 +230,60 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return 0
+
+
+# ---- DeepSpeed's config file, before transformers reads it -----------------------------------------------
+
+
+def check_deepspeed(values: dict) -> None:
+    """transformers reads the DeepSpeed file and imports deepspeed while TrainingArguments is built: check first."""
+    deepspeed = values.get("deepspeed")
+    if not deepspeed:
+        return
+    if isinstance(deepspeed, str):
+        if not Path(deepspeed).is_file():
+            raise ConfigError(
+                f"deepspeed: {deepspeed} does not exist; point it at a DeepSpeed JSON config "
+                "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"
+            )
+        try:
+            parsed = json.loads(Path(deepspeed).read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"deepspeed: {deepspeed} is not valid JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise ConfigError(f"deepspeed: {deepspeed} holds a JSON {type(parsed).__name__}, not a DeepSpeed config object")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError("deepspeed is set but the deepspeed package is not installed: pip install 'tunelab[deepspeed]'")
+    section = (parsed if isinstance(deepspeed, str) else deepspeed).get("zero_optimization") or {}
+    _check_zero_section(deepspeed if isinstance(deepspeed, str) else "the deepspeed dict", section)
+    if values.get("use_cpu"):
+        for key in ("offload_optimizer", "offload_param"):
+            device = (section.get(key) or {}).get("device", "none")
+            if device not in (None, "none"):
+                # Offloading moves state from accelerator memory to the host; CPU-only it also needs DeepSpeed's
+                # compiled CPU Adam, which tunelab does not build here (docs/distributed.md).
+                raise ConfigError(
+                    f"deepspeed: zero_optimization.{key} (device {device}) offloads from GPU memory to the host; "
+                    f"a CPU-only run has nothing to offload: remove {key}, or run it on GPUs"
+                )
+
+
+def _check_zero_section(where: str, section: dict) -> None:
+    """DeepSpeed validates zero_optimization with extra keys forbidden, but only inside every worker, as a
+    multi-line pydantic error: check it once here, leaving out the "auto" values transformers fills in."""
+    import pydantic  # noqa: PLC0415
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415
+
+    if not isinstance(section, dict):
+        raise ConfigError(f"deepspeed: {where}: zero_optimization must be an object, got {section!r}")
+    try:
+        DeepSpeedZeroConfig(**{k: v for k, v in section.items() if v != "auto"})
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "extra_forbidden":
+            known = [*DeepSpeedZeroConfig.model_fields, *(f.alias for f in DeepSpeedZeroConfig.model_fields.values() if f.alias)]
+            close = difflib.get_close_matches(key.split(".")[0], known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"deepspeed: {where}: zero_optimization.{key} is not a DeepSpeed ZeRO option{hint}") from None
+        raise ConfigError(f"deepspeed: {where}: zero_optimization.{key}: {error['msg']} (got {error.get('input')!r})") from None

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,8 @@ import yaml
 from tunelab import run_folder
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import resolved_dict
-from tunelab.errors import as_os_error
-from tunelab.train.checkpoints import clear_previous_run
+from tunelab.errors import ConfigError, as_os_error
+from tunelab.train.resume import clear_previous_run
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 from tunelab.versions import versions
@@ -112,3 +113,23 @@ def finish(trainer, metrics: dict, config: RunConfig) -> None:
     run_folder.write_json(out, run_folder.RESULTS, metrics)
     if config.training.plot_loss:
         plot_loss(out)
+
+
+def check_output_dir(config: RunConfig) -> None:
+    """output_dir can be written, and holds no earlier run unless this one overwrites or resumes it (what `tunelab
+    data stats` wrote there does not count)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return  # rank 0 checked it and may already be writing there; other ranks would see it non-empty
+    out = Path(config.training.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir: {out} exists and is not a folder")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "" if existing == out.absolute() else f" (it would be created in {existing})"
+        raise ConfigError(f"output_dir: {out} is not writable{what}; choose a folder you can write to")
+    if out.is_dir() and any(p.name != run_folder.DATA_STATS_DIR for p in out.iterdir()):
+        if not (config.training.overwrite_output_dir or config.training.resume_from_checkpoint):
+            raise ConfigError(
+                f"output_dir: {out} is not empty; set overwrite_output_dir: true, resume_from_checkpoint, "
+                "or choose another folder"
+            )

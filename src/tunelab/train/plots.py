@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from tunelab.infer.metrics import GENERATION_METRIC_NAMES
+from tunelab.config.metric_names import GENERATION_METRIC_NAMES
 from tunelab.run_folder import read_log
 
 SMOOTH_SPAN_FRACTION = 0.02  # the moving average's span 1 / (1 - weight), as a share of the points

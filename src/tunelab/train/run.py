@@ -5,10 +5,10 @@ from __future__ import annotations
 import errno
 import logging
 
-from tunelab.config.args import RunConfig
 from tunelab.errors import ConfigError
 from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
+from tunelab.train.plan import RunPlan
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
@@ -36,7 +36,9 @@ def explain_os_error(exc: OSError) -> str | None:
     return None
 
 
-def run(config: RunConfig) -> dict:
+def run(plan: RunPlan) -> dict:
+    """The stage's workflow on a plan tunelab/preflight.py resolved; its metrics."""
+    config = plan.config
     old, new = raise_open_file_limit()
     if new != old:
         logger.info("open-file limit raised from %s to %s (the soft limit, up to the hard one)", old, new)
@@ -54,21 +56,21 @@ def run(config: RunConfig) -> dict:
     if stage == "sft":
         from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
 
-        return run_sft(config)
+        return run_sft(plan)
     if stage == "pt":
         from tunelab.train.stages.pt import run_pt  # noqa: PLC0415
 
-        return run_pt(config)
+        return run_pt(plan)
     if stage in ("rm", "dpo", "kto"):
         from tunelab.train.stages import dpo, kto, rm  # noqa: PLC0415
 
-        return {"rm": rm.run_rm, "dpo": dpo.run_dpo, "kto": kto.run_kto}[stage](config)
+        return {"rm": rm.run_rm, "dpo": dpo.run_dpo, "kto": kto.run_kto}[stage](plan)
     if stage == "grpo":
         from tunelab.train.stages.grpo import run_grpo  # noqa: PLC0415
 
-        return run_grpo(config)
+        return run_grpo(plan)
     if stage == "ppo":
         from tunelab.train.stages.ppo import run_ppo  # noqa: PLC0415
 
-        return run_ppo(config)
+        return run_ppo(plan)
     raise AssertionError(f"stage {stage} passed the config checks but has no workflow")

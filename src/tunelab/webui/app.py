@@ -111,7 +111,7 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
         try:
             options = forms.options_from_form(form)
             roots.check_options(options)
-            from tunelab.config.loader import load_config  # noqa: PLC0415
+            from tunelab.preflight import load_config  # noqa: PLC0415
 
             with config_lock:
                 config = load_config(None, dict(options), purpose="data", warn=False)

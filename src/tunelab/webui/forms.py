@@ -176,7 +176,7 @@ def key_of_message(message: str, options: dict[str, Any]) -> str | None:
 
 def check_options(options: dict[str, Any], roots: Roots, purpose: str = "train"):
     """(RunConfig or None, CheckResult): the paths confined, then the config built and checked as the CLI does."""
-    from tunelab.config.loader import load_config  # noqa: PLC0415
+    from tunelab.preflight import load_config  # noqa: PLC0415
 
     try:
         roots.check_options(options)

@@ -27,7 +27,7 @@ from typing import Any
 
 from tunelab.errors import ConfigError
 from tunelab.run_folder import (
-    CHECKPOINT_PREFIX, LOG_FILE, RESULTS, RUN_RECORD, checkpoint_folders, checkpoint_step, is_complete, read_json,
+    CHECKPOINT_PREFIX, LOG_FILE, RESULTS, RUN_RECORD, STAGING_PREFIX, checkpoint_folders, checkpoint_step, is_complete, read_json,
     read_log,
 )
 from tunelab.webui.security import Roots
@@ -238,7 +238,7 @@ class RunManager:
                 return
             for entry in sorted(entries):
                 if entry.is_dir() and not entry.is_symlink() and entry.name not in SKIPPED_DIRS \
-                        and not entry.name.startswith((".", "checkpoint-", "tmp-checkpoint")):
+                        and not entry.name.startswith((".", f"{CHECKPOINT_PREFIX}-", STAGING_PREFIX)):
                     walk(entry, depth + 1)
 
         for root in self.roots.folders:

@@ -8,7 +8,7 @@ one render; ``Template.training_examples`` then encodes it per answer).
 
 ``TEMPLATE_ALIASES`` are LlamaFactory's names for a built-in, each with the template variables it implies;
 ``resolve_template_name`` turns one into (built-in, variables) where a name enters from the user (the config
-loader, ``--template``). ``template_variables`` / ``check_template_kwargs`` (variables.py): what a template's
+loader, ``--template``); both live with the options (config/template_names.py). ``template_variables`` / ``check_template_kwargs`` (variables.py): what a template's
 source reads, and refusing a ``template_kwargs`` key it does not read.
 """
 
@@ -19,6 +19,7 @@ import logging
 from functools import lru_cache
 from typing import Any
 
+from tunelab.config.template_names import TEMPLATE_ALIASES, resolve_template_name
 from tunelab.data.templates.builtin import BUILTIN_NAMES, builtin_source, builtin_stop_words
 from tunelab.data.templates.mismatch import mismatch_message
 from tunelab.data.templates.model_folder import tokenizer_chat_template
@@ -35,36 +36,10 @@ from tunelab.errors import TemplateError
 
 TEMPLATE_NAMES: tuple[str, ...] = BUILTIN_NAMES
 
-# LlamaFactory template name -> (built-in, template variables it implies, what it is). qwen, gemma and gemma3n
-# render exactly like LlamaFactory's templates of those names (compared on conversations with and without a system
-# turn, one and two exchanges). qwen3_nothink is Qwen3's own non-thinking mode: the empty think block the
-# official template pre-fills when enable_thinking is false; LlamaFactory's template of that name writes no
-# think block at all (its format for the Qwen3 Instruct-2507 models, which ship their own chat_template).
-TEMPLATE_ALIASES: dict[str, tuple[str, dict[str, Any], str]] = {
-    "qwen": ("qwen2_5", {}, "Qwen2 / Qwen2.5 (ChatML with Qwen's default system prompt)"),
-    "qwen3_nothink": (
-        "qwen3", {"enable_thinking": False}, "Qwen3 with thinking off (an empty think block in the prompt)"
-    ),
-    "gemma": ("gemma3", {}, "Gemma (a system message is folded into the first user turn, as Gemma-3 does)"),
-    "gemma3n": ("gemma3", {}, "Gemma-3n (Gemma-3's format)"),
-}
-
 __all__ = [
     "TEMPLATE_ALIASES", "TEMPLATE_NAMES", "HistoryRewriteError", "Template", "check_template_kwargs", "get_template",
     "resolve_template_name", "template_variables", "tokenizer_chat_template",
 ]
-
-
-def resolve_template_name(
-    name: str | None, template_kwargs: dict[str, Any] | None = None
-) -> tuple[str | None, dict[str, Any] | None]:
-    """An alias as (built-in, its variables merged under ``template_kwargs``: the caller's values win);
-    any other name unchanged."""
-    if name not in TEMPLATE_ALIASES:
-        return name, template_kwargs
-    builtin, implied, _ = TEMPLATE_ALIASES[name]
-    merged = {**implied, **(template_kwargs or {})}
-    return builtin, merged or template_kwargs
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from tunelab.config.args import RunConfig
+from tunelab.train.plan import RunPlan
 from tunelab.data.collate import build_paired_collator
 from tunelab.data.pairwise import pair_sides, preference_bundle
 from tunelab.data.templates import get_template
@@ -31,12 +31,13 @@ from tunelab.train.stages.rm import first_eval_set, single_or_named
 logger = logging.getLogger(__name__)
 
 
-def run_dpo(config: RunConfig) -> dict:
-    return train_against_reference(config, "dpo")
+def run_dpo(plan: RunPlan) -> dict:
+    return train_against_reference(plan, "dpo")
 
 
-def train_against_reference(config: RunConfig, stage: str) -> dict:
+def train_against_reference(plan: RunPlan, stage: str) -> dict:
     """Stage dpo or kto."""
+    config = plan.config
     args, ft = config.training, config.finetuning
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
@@ -81,7 +82,7 @@ def train_against_reference(config: RunConfig, stage: str) -> dict:
     trainer = PreferenceTrainer(
         stage=stage, finetuning=ft, ref_model=ref_model,
         model=model, args=args, train_dataset=train_set, eval_dataset=single_or_named(evals),
-        data_collator=collator, processing_class=tokenizer, callbacks=run_callbacks(config),
+        data_collator=collator, processing_class=tokenizer, callbacks=run_callbacks(config, plan.user_callbacks),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

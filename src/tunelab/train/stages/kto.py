@@ -7,9 +7,9 @@ undesirable example each, or rows carry a kto_tag) with the KTO loss (train/pref
 
 from __future__ import annotations
 
-from tunelab.config.args import RunConfig
+from tunelab.train.plan import RunPlan
 from tunelab.train.stages.dpo import train_against_reference
 
 
-def run_kto(config: RunConfig) -> dict:
-    return train_against_reference(config, "kto")
+def run_kto(plan: RunPlan) -> dict:
+    return train_against_reference(plan, "kto")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tunelab.config.args import RunConfig
 from tunelab.model.reward import load_reward_model
+from tunelab.train.plan import RunPlan
 from tunelab.train.rl import workflow
 from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, RewardModelScorer
 
 
-def run_ppo(config: RunConfig) -> dict:
+def run_ppo(plan: RunPlan) -> dict:
+    config = plan.config
+
     def reward_model(device, tokenizer, template):
         reward_model = load_reward_model(
             config.finetuning.reward_model, device=device, allow_pickle_weights=config.model.allow_pickle_weights

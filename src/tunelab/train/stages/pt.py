@@ -11,6 +11,7 @@ import logging
 import math
 
 from tunelab.config.args import RunConfig
+from tunelab.train.plan import RunPlan
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
 from tunelab.data.pretrain import build_pretrain_datasets
@@ -26,7 +27,8 @@ from tunelab.train.trainer import TunelabTrainer
 logger = logging.getLogger(__name__)
 
 
-def run_pt(config: RunConfig) -> dict:
+def run_pt(plan: RunPlan) -> dict:
+    config = plan.config
     args = config.training
     if config.data.template:
         logger.info("stage pt trains on raw text: template %r is not used", config.data.template)
@@ -56,7 +58,7 @@ def run_pt(config: RunConfig) -> dict:
         # Windows are cutoff_len long except a kept tail, so padding only ever touches that one.
         data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
         processing_class=tokenizer,
-        callbacks=run_callbacks(config),
+        callbacks=run_callbacks(config, plan.user_callbacks),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

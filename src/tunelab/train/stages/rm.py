@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from tunelab.config.args import RunConfig
+from tunelab.train.plan import RunPlan
 from tunelab.data.collate import PairedCollator
 from tunelab.data.pairwise import preference_bundle
 from tunelab.data.templates import get_template
@@ -23,7 +24,8 @@ from tunelab.train.preference_trainer import PreferenceTrainer
 logger = logging.getLogger(__name__)
 
 
-def run_rm(config: RunConfig) -> dict:
+def run_rm(plan: RunPlan) -> dict:
+    config = plan.config
     args = config.training
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
@@ -37,7 +39,7 @@ def run_rm(config: RunConfig) -> dict:
         stage="rm", finetuning=config.finetuning,
         model=model, args=args, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
         data_collator=PairedCollator(tokenizer.pad_token_id), processing_class=tokenizer,
-        callbacks=run_callbacks(config),
+        callbacks=run_callbacks(config, plan.user_callbacks),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from tunelab.config.args import RunConfig
+from tunelab.train.plan import RunPlan
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
 from tunelab.data.pipeline import build_datasets
@@ -30,7 +31,8 @@ from tunelab.train.trainer import TunelabTrainer
 logger = logging.getLogger(__name__)
 
 
-def run_sft(config: RunConfig) -> dict:
+def run_sft(plan: RunPlan) -> dict:
+    config = plan.config
     args = config.training
     tokenizer = load_tokenizer(config.model)
     template = get_template(config.data.template, tokenizer)
@@ -65,7 +67,7 @@ def run_sft(config: RunConfig) -> dict:
         eval_dataset=evals,
         data_collator=collator,
         processing_class=tokenizer,
-        callbacks=run_callbacks(config, *_generation_metrics(data.eval_rows, tokenizer, template, config)),
+        callbacks=run_callbacks(config, plan.user_callbacks, *_generation_metrics(data.eval_rows, tokenizer, template, config)),
     )
 
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}

@@ -1,0 +1,127 @@
+"""Resolve a run once, before any weights load, into a frozen plan, and ask each layer to check what it owns.
+
+    tunelab <command> cfg.yaml key=value
+      config/loader.py read_values     YAML + overrides → typed values (unknown keys, types, ranges; bf16 / fp16
+                                       auto from this machine: model/device.py)
+      train/launch.py                  the DeepSpeed file (transformers reads it while TrainingArguments is built)
+      config/loader.py build_config    the option groups, and every check of the values alone (config/checks.py)
+      then the layers' own checks, each resolving once what later steps take from the plan:
+      model/qat.py                     torchao for qat / export_quantization; an adapter's export names its base
+      model/folder.py                  Hub id → cache folder; a model folder; its remote code; the adapter's files
+      model/qat.py                     the quantized layers fit the group size            → qat_group_size
+      data/templates/choice.py         the template exists and reads the template_kwargs given
+      data/registry.py                 the datasets exist and suit the stage              → plan.registry
+      data/dedup.py                    datasketch for dedup: near
+      train/rl/rewards.py              the reward functions import                        → plan.reward_functions
+      model/folder.py                  the reward model folder (ppo)
+      model/sharding.py                what FSDP on CPU cannot do
+      train/callbacks.py               the user's callback classes import and take their arguments
+                                                                                          → plan.user_callbacks
+      infer/metrics.py                 sacrebleu and rouge-score for the generation scores
+      train/outputs.py                 output_dir
+      train/resume.py                  the checkpoint to resume verifies and comes from the same run
+      export/merge.py                  export_dir
+
+Which of them a command runs depends on its purpose (train, data, estimate, eval, export, serve), as in the value
+checks: only a training run checks its output_dir and imports its callbacks, export and serve read no dataset. The
+messages are the layers' own, one line each (ConfigError). The config the plan holds is the resolved one: local
+folders for Hub ids, the checkpoint folder for `resume_from_checkpoint: true`, the group size QAT and quantized
+exports use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from tunelab.config.args import RunConfig
+from tunelab.config.loader import Purpose, build_config, read_values
+from tunelab.data import dedup
+from tunelab.data.registry import check_datasets
+from tunelab.data.templates.choice import check_template
+from tunelab.infer.metrics import check_scoring_packages
+from tunelab.model import device, qat, sharding
+from tunelab.model.folder import resolve_model_folders, resolve_reward_model
+from tunelab.train import launch, outputs, resume
+from tunelab.train.plan import RunPlan
+from tunelab.train.rl.rewards import RewardFunction, load_reward_functions
+
+
+def plan_run(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    purpose: Purpose = "train",
+    warn: bool = True,
+) -> RunPlan:
+    """Read, check and resolve a configuration: fails with one line before any weights or data load."""
+    read = read_values(path, overrides, purpose, device.machine())
+    launch.check_deepspeed(read.training)
+    config = build_config(read, warn)
+    qat.check_quantization_sources(config)
+    model_folder, adapter_folder = resolve_model_folders(config.model)
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder,
+    ))
+    if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
+        config.finetuning.qat_group_size = qat.check_quantized_layers(config)
+    reads_data = purpose not in ("export", "serve")
+    if reads_data:
+        check_template(config)
+    registry = check_datasets(config) if reads_data else None
+    if reads_data:
+        dedup.check_dedup_available(config.data)
+    reward_functions: tuple[RewardFunction, ...] = ()
+    if purpose != "serve":
+        reward_functions = _rl_resources(config)
+    if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
+        processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
+                        int(os.environ.get("WORLD_SIZE", "1")))
+        sharding.check_cpu_fsdp(config.training, processes, config.finetuning.stage)
+    user_callbacks = _user_callbacks(config) if purpose == "train" else ()
+    if config.generation.generate_at_eval and purpose not in ("export", "serve"):
+        check_scoring_packages("generate_at_eval")
+    if purpose == "train":
+        outputs.check_output_dir(config)
+        found = resume.check_resume(config.training, outputs.run_options(config))
+        if found is not None:
+            config.training.resume_from_checkpoint = found
+    if purpose == "eval" or (purpose == "train" and config.training.do_predict):
+        check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
+    if purpose == "export":
+        from tunelab.export.merge import check_export_dir  # noqa: PLC0415 - start-up time: merge imports peft
+
+        check_export_dir(config)
+    return RunPlan(config, purpose, registry, reward_functions, user_callbacks)
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    purpose: Purpose = "train",
+    warn: bool = True,
+) -> RunConfig:
+    """The resolved config of `plan_run`, for commands that need nothing else of the plan."""
+    return plan_run(path, overrides, purpose, warn).config
+
+
+def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
+    """grpo: the reward functions, imported (a missing file or function fails now); ppo: the reward model folder."""
+    ft, stage = config.finetuning, config.finetuning.stage
+    if stage == "ppo":
+        ft.reward_model = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
+    if stage != "grpo":
+        return ()
+    base_dir = Path(config.source).parent if config.source else None
+    return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, base_dir))
+
+
+def _user_callbacks(config: RunConfig) -> tuple[tuple[type, dict[str, Any]], ...]:
+    args = config.training
+    if not args.callbacks:
+        return ()
+    from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415 - start-up time: imports the Trainer's
+
+    base_dir = Path(config.source).parent if config.source else None
+    return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir))
