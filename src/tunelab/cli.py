@@ -100,6 +100,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     try:
         metrics = run(plan)
     except TrainingInterrupted as stop:  # SIGTERM / SIGINT: a checkpoint was saved (train/signals.py)
+        launch.end_process_group()  # every rank saved the same step and stops there
         if config.training.process_index == 0:
             print(f"tunelab: {stop}; resume with: {resume_command(path, overrides)}", file=sys.stderr)
         return stop.exit_code
@@ -118,6 +119,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
         if not is_out_of_memory(exc):
             raise
         out_of_memory = str(exc)
+    else:
+        launch.end_process_group()
     if out_of_memory is not None:  # outside the handler: the failed step's tensors are released by now
         from tunelab.errors import TrainingError  # noqa: PLC0415
         from tunelab.train.oom import out_of_memory_message  # noqa: PLC0415

@@ -154,6 +154,17 @@ def start_deepspeed_comm(args: TrainingArguments) -> None:
         deepspeed.init_distributed(dist_backend=args.ddp_backend or "gloo")
 
 
+def end_process_group() -> None:
+    """Every rank reaches the end, then the process group is torn down before the interpreter exits. Left to
+    interpreter teardown, gloo's threads were sometimes destroyed while joinable and a rank of a finished run
+    died with SIGABRT ("terminate called without an active exception"), failing the launch."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # What gloo and NCCL say when a peer's connection ends mid-collective (its process or machine died).
 LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted")
 
