@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from tunelab.cli import main
-from tunelab.preflight import load_config
-from tunelab.data import inspect as data_inspect
+from tunelab.data.run_data import RunData, batch_order
+from tunelab.preflight import load_config, plan_run
+from tunelab.train.recipe import recipe_for
+from tunelab.train.stages.sft import SupervisedRecipe
 from tunelab.data.pairwise import pair_sides
 from tunelab.data.collate import SupervisedCollator
 from tunelab.errors import ConfigError
@@ -156,7 +158,7 @@ class ShiftingCollator(SupervisedCollator):
 
 
 def test_verify_fails_with_one_line_and_exit_1(demo: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(data_inspect, "stage_collator", lambda config, tokenizer: ShiftingCollator(tokenizer.pad_token_id))
+    monkeypatch.setattr(SupervisedRecipe, "inspection_collator", lambda recipe: ShiftingCollator(recipe.tokenizer.pad_token_id))
     code, lines, err = run(capsys, "verify", str(demo))
     assert (code, lines) == (1, [])
     assert re.fullmatch(
@@ -247,9 +249,9 @@ def test_stats_of_pairs_count_sequences_as_the_collators_batch_them(tmp_path: Pa
     path = pairs_config(tmp_path)
     code, lines, _ = run(capsys, "stats", str(path))
     assert code == 0
-    data = data_inspect.load_run_data(load_config(path, purpose="data"))
+    data = inspection(path)
     rows = list(data.train)
-    order = data_inspect.batch_order(len(rows), "random", 42)
+    order = batch_order(len(rows), "random", 42)
     batches = [[rows[i] for i in order[s : s + 4]] for s in range(0, len(rows), 4)]
     padded = sum(PairedCollator(0)(b)["input_ids"].numel() for b in batches)
     free = sum(PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))(b)["input_ids"].numel()
@@ -286,8 +288,13 @@ def test_verify_and_coverage_of_pair_stages(tmp_path: Path, capsys, stage: str, 
     assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
 
     code, lines, _ = run(capsys, "coverage", str(path), f"stage={stage}")
-    data = data_inspect.load_run_data(load_config(path, [f"stage={stage}"], purpose="data"))
+    data = inspection(path, [f"stage={stage}"])
     first, second = pair_sides(stage)
     tokens = sum(len(r[f"{first}input_ids"]) + len(r[f"{second}input_ids"]) for r in data.train)
     assert code == 0
     assert lines[0].startswith(f"train: {rows} rows of 2 sequences, {tokens} tokens (tokenizer: byte-level")
+
+
+def inspection(path: Path, overrides: list[str] | None = None) -> RunData:
+    """The data `tunelab data` inspects (the stage recipe's view)."""
+    return recipe_for(plan_run(path, overrides or [], purpose="data")).inspection()

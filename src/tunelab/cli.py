@@ -83,6 +83,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     launch.check_node_shares()  # a torchrun worker whose nodes brought unequal shares: stop before the heavy imports
     from tunelab.log import setup_logging  # noqa: PLC0415
     from tunelab.preflight import plan_run  # noqa: PLC0415
+    from tunelab.train.recipe import recipe_for  # noqa: PLC0415
     from tunelab.train.run import run  # noqa: PLC0415
     from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
     from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
@@ -127,21 +128,7 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
         raise TrainingError(out_of_memory_message(config, out_of_memory))
     if config.training.process_index == 0:
-        before, after = metrics.get("exact_match_before"), metrics.get("exact_match_after")
-        if before is not None and after is not None:
-            print(f"exact match (held-out): before {100 * before:.1f}% → after {100 * after:.1f}%")
-        for key, what in (
-            ("reward_accuracy", "reward accuracy (held-out pairs, r(chosen) > r(rejected))"),
-            ("preference_accuracy", "preference accuracy (held-out pairs, log p(chosen) > log p(rejected))"),
-        ):
-            if f"{key}_before" in metrics and f"{key}_after" in metrics:
-                print(f"{what}: before {100 * metrics[f'{key}_before']:.1f}% → after {100 * metrics[f'{key}_after']:.1f}%")
-        if "reward_first" in metrics and "reward_last" in metrics:  # grpo / ppo: mean reward of the rollouts
-            print(f"train reward (mean of rollouts): first log {metrics['reward_first']:.3f} → "
-                  f"last log {metrics['reward_last']:.3f}")
-        if "eval_loss" in metrics:
-            print(f"eval loss: {metrics['eval_loss']:.4f}")
-        print(f"saved to {config.training.output_dir}")
+        print("\n".join(recipe_for(plan).summary(metrics)))
     return 0
 
 
@@ -173,10 +160,11 @@ def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 def _cmd_data(ns: argparse.Namespace) -> int:
     from pathlib import Path  # noqa: PLC0415
 
-    from tunelab.preflight import load_config  # noqa: PLC0415
-    from tunelab.data import inspect as data_inspect  # noqa: PLC0415
+    from tunelab.data import coverage, stats, verify  # noqa: PLC0415
     from tunelab.errors import ConfigError  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
+    from tunelab.preflight import plan_run  # noqa: PLC0415
+    from tunelab.train.recipe import recipe_for  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
     out, overrides = _take_option(overrides, "--out")
@@ -186,18 +174,18 @@ def _cmd_data(ns: argparse.Namespace) -> int:
         max_batches = int(max_batches) if max_batches is not None else ns.max_batches
     except ValueError:
         raise ConfigError(f"--max-batches: expected a number, got {max_batches!r}") from None
-    config = load_config(path, overrides, purpose="data")
+    plan = plan_run(path, overrides, purpose="data")
     setup_logging(is_main_process=False)  # warnings only: the report below is the output
-    data = data_inspect.load_run_data(config)
+    data = recipe_for(plan).inspection()
     if ns.action == "stats":
-        lines = data_inspect.stats_report(data, Path(out) if out else data_inspect.default_stats_dir(config))
+        lines = stats.stats_report(data, Path(out) if out else stats.default_stats_dir(plan.config))
     elif ns.action == "verify":
-        problem, lines = data_inspect.verify_report(data, max_batches)
+        problem, lines = verify.verify_report(data, max_batches)
         if problem:
             print(f"tunelab: verify failed: {problem}", file=sys.stderr)
             return 1
     else:
-        lines = data_inspect.coverage_report(data)
+        lines = coverage.coverage_report(data)
     print("\n".join(lines))
     return 0
 

@@ -1,4 +1,4 @@
-"""data/inspect.py: stats on hand-computed numbers, verify_batch's exact messages, coverage of byte pieces."""
+"""data/stats.py, verify.py, coverage.py (on data/run_data.py): stats on hand-computed numbers, verify_batch's exact messages, coverage of byte pieces."""
 
 from __future__ import annotations
 
@@ -9,23 +9,10 @@ import torch
 
 from tunelab.config.args import DataArguments
 from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedCollator, SupervisedCollator
-from tunelab.data.inspect import (
-    batch_order,
-    byte_piece_kind,
-    histogram,
-    histogram_lines,
-    id_coverage,
-    in_batches,
-    length_stats,
-    pack_rows,
-    padded_slots,
-    padding_free_slots,
-    source_line,
-    split_characters,
-    supervised_counts,
-    verify_batch,
-    verify_split,
-)
+from tunelab.data.coverage import byte_piece_kind, id_coverage, split_characters
+from tunelab.data.run_data import batch_order, in_batches, pack_rows, supervised_counts
+from tunelab.data.stats import histogram, histogram_lines, length_stats, padded_slots, padding_free_slots, source_line
+from tunelab.data.verify import verify_batch, verify_split
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.templates import get_template
 

@@ -8,8 +8,9 @@ import yaml
 
 from tests.e2e.test_vision_sft import image_dataset
 from tunelab.cli import main
-from tunelab.preflight import load_config
-from tunelab.data.inspect import load_run_data, verify_images
+from tunelab.data.verify import verify_images
+from tunelab.preflight import plan_run
+from tunelab.train.recipe import recipe_for
 
 
 def _config(tmp_path, model_dir) -> str:
@@ -40,7 +41,7 @@ def test_stats_and_verify_count_and_check_images(tmp_path, capsys, tiny_vlm_dirs
 
 
 def test_verify_finds_a_placeholder_without_its_image(tmp_path, tiny_vlm_dirs):
-    data = load_run_data(load_config(_config(tmp_path, tiny_vlm_dirs["llava"])))
+    data = recipe_for(plan_run(_config(tmp_path, tiny_vlm_dirs["llava"]), [], purpose="data")).inspection()
     first_with_image = next(i for i, images in enumerate(data.train["images"]) if images)
     data.train = data.train.map(lambda row, i: {"images": [] if i == first_with_image else row["images"]},
                                 with_indices=True)

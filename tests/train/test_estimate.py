@@ -14,7 +14,8 @@ from tunelab.cli import main
 from tunelab.preflight import load_config
 from tunelab.model.load import load_model
 from tunelab.model.tokenizer import load_tokenizer
-from tunelab.train.estimate import NOT_COUNTED_CPU, ModelShape, activation_bytes, estimate, meta_model, training_shape
+from tunelab.model.adapters import trained_skeleton
+from tunelab.train.estimate import NOT_COUNTED_CPU, ModelShape, activation_bytes, estimate, training_shape
 from tunelab.train.losses import causal_lm_loss, next_token_mask
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -108,7 +109,7 @@ def test_activation_formula_matches_what_autograd_saves(options, prompt):
     """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864): within 1% of the real saved tensors, with every
     position supervised and with long prompts (the logits of 4 of 64 positions: 6.6% less than all)."""
     config = _config("tiny", **options, per_device_train_batch_size=8, cutoff_len=64)
-    meta = meta_model(config)
+    meta = trained_skeleton(config)
     supervised = 64 - max(prompt, 1)  # positions whose next token is a label
     predicted = activation_bytes(ModelShape.from_config(meta.config), training_shape(meta, config, 64, supervised))
     model = load_model(config.model, config.finetuning, config.training, load_tokenizer(config.model))
@@ -139,11 +140,13 @@ def test_estimate_against_a_real_training_run():
 def test_row_lengths_come_from_the_tokenized_training_data():
     """The micro-batch is batch x the longest tokenized row, each with the most supervised positions of any row,
     read as `tunelab data stats` reads the data."""
-    from tunelab.data.inspect import load_run_data, supervised_counts, token_lengths
+    from tunelab.data.run_data import supervised_counts, token_lengths
+    from tunelab.train.plan import RunPlan
+    from tunelab.train.recipe import recipe_for
 
     config = _config("tiny", max_samples=64, cutoff_len=64, per_device_train_batch_size=8)
     result = estimate(config, probe_steps=0)
-    train = load_run_data(config).train
+    train = recipe_for(RunPlan(config, "data")).inspection().train
     lengths, supervised = token_lengths(train), int(supervised_counts(train).max())
     longest = int(lengths.max())
     assert 5 <= supervised < 12  # sorted digits + end of turn: the answers, not the prompts
@@ -152,7 +155,7 @@ def test_row_lengths_come_from_the_tokenized_training_data():
     assert result.lengths.source == (
         f"demo_sort: 64 rows of {int(lengths.min())}-{longest} tokens (mean {float(lengths.mean()):.1f}, cutoff_len 64), "
         f"up to {supervised} supervised")
-    meta = meta_model(config)
+    meta = trained_skeleton(config)
     shape = training_shape(meta, config, longest, supervised)
     assert shape.supervised == 8 * supervised
     assert result.memory.activations == activation_bytes(ModelShape.from_config(meta.config), shape)

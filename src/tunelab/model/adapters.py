@@ -22,10 +22,10 @@ from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tunelab.config.args import FinetuningArguments
+from tunelab.config.args import FinetuningArguments, RunConfig
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError, ModelError, first_line
-from tunelab.model import vision
+from tunelab.model import skeleton, vision
 
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
 LORA_LAYER_TYPES = (nn.Linear, Conv1D)
@@ -341,3 +341,9 @@ def _upcast_trainable(model: nn.Module, only: torch.dtype | None = None) -> None
     for param in model.parameters():
         if param.requires_grad and param.dtype in HALF_DTYPES and (only is None or param.dtype == only):
             param.data = param.data.to(torch.float32)
+
+
+def trained_skeleton(config: RunConfig) -> torch.nn.Module:
+    """model/skeleton.py's skeleton set up as training sets it up (adapters, upcasts): what trains and in which
+    dtype. An existing adapter's own rank decides in training; the skeleton uses the configured LoRA options."""
+    return setup_finetuning(skeleton.skeleton(config), config.finetuning, config.training, adapter_name_or_path=None)

@@ -68,8 +68,12 @@ import torch
 from torch import nn
 
 from tunelab.config.args import RunConfig
+from tunelab.data.run_data import supervised_counts, token_lengths
+from tunelab.model.adapters import trained_skeleton
 from tunelab.train.losses import CHUNK_ELEMENTS
 from tunelab.train.memory import reset_peak_rss, rss_bytes
+from tunelab.train.plan import RunPlan
+from tunelab.train.recipe import recipe_for
 
 logger = logging.getLogger(__name__)
 
@@ -261,21 +265,6 @@ def optimizer_state_bytes(model: nn.Module, optim: str) -> tuple[int, str | None
 # ---- the estimate ----------------------------------------------------------------------------------------
 
 
-def meta_model(config: RunConfig) -> nn.Module:
-    """The model as training sets it up (adapters, upcasts), on the meta device: shapes and dtypes, no memory."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
-
-    from tunelab.model.adapters import setup_finetuning  # noqa: PLC0415
-    from tunelab.model.resolve import resolve_dtype  # noqa: PLC0415
-
-    model_config = AutoConfig.from_pretrained(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
-    dtype = resolve_dtype(config.model, config.training, config.finetuning)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype, trust_remote_code=config.model.trust_remote_code)
-    # An existing adapter's own rank decides; the meta copy uses the configured LoRA options instead.
-    return setup_finetuning(model, config.finetuning, config.training, adapter_name_or_path=None)
-
-
 def training_shape(
     model: nn.Module, config: RunConfig, seq_len: int | None = None, supervised: int | None = None
 ) -> TrainingShape:
@@ -323,7 +312,7 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     lengths, train = row_lengths(config) if read_data else (cutoff_lengths(config, "read_data=False"), None)
     baseline = rss_bytes()["VmRSS"]
     reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
-    model = meta_model(config)
+    model = trained_skeleton(config)
     model_shape = ModelShape.from_config(model.config)
     shape = training_shape(model, config, lengths.longest, lengths.supervised)
     weights, grads, trainable = parameter_bytes(model, config.model.quantization_bit)
@@ -360,8 +349,8 @@ def cutoff_lengths(config: RunConfig, why: str) -> RowLengths:
 
 
 def row_lengths(config: RunConfig):
-    """(RowLengths, the tokenized train set or None): read through the tokenized cache as the sft / pt workflows
-    read it (train/stages/sft.py, pt.py), so a later `tunelab train` finds the same cache entry."""
+    """(RowLengths, the tokenized train set or None): the stage recipe's datasets (train/recipe.py), read through
+    the tokenized cache as `tunelab train` reads them, so a later run finds the same cache entry."""
     from tunelab.errors import DataError, TemplateError  # noqa: PLC0415
 
     stage = config.finetuning.stage
@@ -370,13 +359,11 @@ def row_lengths(config: RunConfig):
     if config.data.streaming:
         return cutoff_lengths(config, "streaming: the data is not read ahead"), None
     try:
-        train = _tokenized_train_set(config)
+        train = recipe_for(RunPlan(config, "estimate")).datasets().train
     except (DataError, TemplateError) as exc:
         return cutoff_lengths(config, f"the dataset could not be read: {exc}"), None
     if train is None or len(train) == 0:
         return cutoff_lengths(config, "no training rows"), None
-    from tunelab.data.inspect import supervised_counts, token_lengths  # noqa: PLC0415
-
     lengths = token_lengths(train)
     supervised = supervised_counts(train)
     names = ", ".join(config.data.dataset or [])
@@ -384,29 +371,6 @@ def row_lengths(config: RunConfig):
               f"(mean {float(lengths.mean()):.1f}, cutoff_len {config.data.cutoff_len}), "
               f"up to {int(supervised.max())} supervised")
     return RowLengths(int(lengths.max()), source, True, int(supervised.max())), train
-
-
-def _tokenized_train_set(config: RunConfig):
-    from tunelab.data.cache import cached_bundle  # noqa: PLC0415
-    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
-
-    args = config.training
-    tokenizer = load_tokenizer(config.model)
-    if config.finetuning.stage == "pt":
-        from tunelab.data.pretrain import build_pretrain_datasets  # noqa: PLC0415
-
-        return cached_bundle(
-            config.data, tokenizer, None, "pt", args.seed,
-            build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
-        ).train
-    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
-    from tunelab.data.templates import get_template  # noqa: PLC0415
-
-    template = get_template(config.data.template, tokenizer)
-    return cached_bundle(
-        config.data, tokenizer, template.jinja, "sft", args.seed,
-        build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed),
-    ).train
 
 
 # ---- the probe -----------------------------------------------------------------------------------------

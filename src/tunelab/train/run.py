@@ -9,6 +9,7 @@ from tunelab.errors import ConfigError
 from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
 from tunelab.train.plan import RunPlan
+from tunelab.train.recipe import recipe_for
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
@@ -53,24 +54,4 @@ def run(plan: RunPlan) -> dict:
             f"stage: {stage} is not supported for vision-language models yet (model_name_or_path "
             f"{config.model.model_name_or_path} is one); train it with stage: sft or dpo"
         )
-    if stage == "sft":
-        from tunelab.train.stages.sft import run_sft  # noqa: PLC0415
-
-        return run_sft(plan)
-    if stage == "pt":
-        from tunelab.train.stages.pt import run_pt  # noqa: PLC0415
-
-        return run_pt(plan)
-    if stage in ("rm", "dpo", "kto"):
-        from tunelab.train.stages import dpo, kto, rm  # noqa: PLC0415
-
-        return {"rm": rm.run_rm, "dpo": dpo.run_dpo, "kto": kto.run_kto}[stage](plan)
-    if stage == "grpo":
-        from tunelab.train.stages.grpo import run_grpo  # noqa: PLC0415
-
-        return run_grpo(plan)
-    if stage == "ppo":
-        from tunelab.train.stages.ppo import run_ppo  # noqa: PLC0415
-
-        return run_ppo(plan)
-    raise AssertionError(f"stage {stage} passed the config checks but has no workflow")
+    return recipe_for(plan).run()

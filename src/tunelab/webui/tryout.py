@@ -1,7 +1,7 @@
 """The data before training and the model after it, for the web UI, through the CLI's own functions.
 
 - preview: a few encoded training samples split into supervised / unsupervised text (the labels the loss sees,
-  as `tunelab template show` marks them) and `tunelab data stats` (data/inspect.py: stats_report), its
+  as `tunelab template show` marks them) and `tunelab data stats` (data/stats.py: stats_report), its
   histogram as numbers for the page to draw;
 - chat: one ChatEngine at a time (infer/engine.py: load_engine, the folder's own template), answers streamed;
 - eval / export: the `tunelab eval` / `tunelab export` command lines for a run folder, from what it recorded.
@@ -35,9 +35,11 @@ def _segments(tokenizer, ids: list[int], labels: list[int]) -> list[dict[str, An
 
 
 def preview(config, count: int = 3) -> dict[str, Any]:
-    from tunelab.data import inspect as data_inspect  # noqa: PLC0415
+    from tunelab.data.stats import stats_report  # noqa: PLC0415
+    from tunelab.train.plan import RunPlan  # noqa: PLC0415
+    from tunelab.train.recipe import recipe_for  # noqa: PLC0415
 
-    data = data_inspect.load_run_data(config)
+    data = recipe_for(RunPlan(config, "data")).inspection()
     prefixes = data.sides or ("",)
     examples = []
     for index in range(min(count, len(data.train))):
@@ -49,7 +51,7 @@ def preview(config, count: int = 3) -> dict[str, Any]:
             examples.append({"title": f"sample {index + 1}" + (f" ({prefix.rstrip('_')})" if prefix else ""),
                              "tokens": len(ids), "segments": _segments(data.tokenizer, list(ids), list(labels))})
     with tempfile.TemporaryDirectory() as tmp:
-        lines = data_inspect.stats_report(data, Path(tmp))
+        lines = stats_report(data, Path(tmp))
         stats = json.loads((Path(tmp) / "stats.json").read_text(encoding="utf-8"))
     # The text histogram and the files written to the temporary folder are the CLI's; the page draws its own.
     at = next((i for i, line in enumerate(lines) if line.startswith("length histogram")), len(lines))

@@ -6,23 +6,32 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tunelab.model.reward import load_reward_model
-from tunelab.train.plan import RunPlan
-from tunelab.train.rl import workflow
-from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, RewardModelScorer
+from tunelab.train.stages.grpo import GenerationRecipe
 
 
-def run_ppo(plan: RunPlan) -> dict:
-    config = plan.config
+class PPORecipe(GenerationRecipe):
+    stage = "ppo"
 
-    def reward_model(device, tokenizer, template):
-        reward_model = load_reward_model(
-            config.finetuning.reward_model, device=device, allow_pickle_weights=config.model.allow_pickle_weights
-        )
-        return RewardModelScorer(reward_model, tokenizer, template, config.data.template_kwargs)
+    def run(self) -> dict:
+        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
+        from tunelab.model.reward import load_reward_model  # noqa: PLC0415
+        from tunelab.train.rl import workflow  # noqa: PLC0415
+        from tunelab.train.rl.ppo import PPO, VALUE_HEAD_FILE, PolicyWithValueHead, RewardModelScorer  # noqa: PLC0415
 
-    def save_value_head(loop) -> None:
-        if loop.accelerator.is_main_process:
-            loop.accelerator.unwrap_model(loop.model).save_value_head(Path(config.training.output_dir) / VALUE_HEAD_FILE)
+        config = self.config
 
-    return workflow.run_stage(config, PPO, reward_model, policy=PolicyWithValueHead, after_save=save_value_head)
+        def reward_model(device, tokenizer, template):
+            reward_model = load_reward_model(
+                config.finetuning.reward_model, device=device, allow_pickle_weights=config.model.allow_pickle_weights
+            )
+            return RewardModelScorer(reward_model, tokenizer, template, config.data.template_kwargs)
+
+        def save_value_head(loop) -> None:
+            if loop.accelerator.is_main_process:
+                path = Path(config.training.output_dir) / VALUE_HEAD_FILE
+                loop.accelerator.unwrap_model(loop.model).save_value_head(path)
+
+        return workflow.run_stage(config, PPO, reward_model, policy=PolicyWithValueHead, after_save=save_value_head)
+
+
+RECIPES = {"ppo": PPORecipe}

@@ -10,65 +10,79 @@ from __future__ import annotations
 import logging
 import math
 
-from tunelab.config.args import RunConfig
-from tunelab.train.plan import RunPlan
+from tunelab import run_folder
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
+from tunelab.data.pipeline import DatasetBundle
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
-from tunelab.model.load import count_parameters, load_model
-from tunelab.model.tokenizer import load_tokenizer
-from tunelab import run_folder
 from tunelab.train import outputs
-from tunelab.train.callbacks import run_callbacks
+from tunelab.train.recipe import Recipe, single_or_named
 from tunelab.train.stages.sft import _final_eval_metrics
-from tunelab.train.trainer import TunelabTrainer
 
 logger = logging.getLogger(__name__)
 
 
-def run_pt(plan: RunPlan) -> dict:
-    config = plan.config
-    args = config.training
-    if config.data.template:
-        logger.info("stage pt trains on raw text: template %r is not used", config.data.template)
-    tokenizer = load_tokenizer(config.model)
-    if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
-        data = build_streaming_pretrain(config.data, tokenizer, args)
-    else:
-        data = cached_bundle(
-            config.data, tokenizer, None, "pt", args.seed,
-            build=lambda: build_pretrain_datasets(config.data, tokenizer, seed=args.seed),
-            is_main_process=args.local_process_index == 0,
-        )
-    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+class PretrainRecipe(Recipe):
+    stage = "pt"
 
-    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
-    trainable, total = count_parameters(model)
-    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
+    @property
+    def template(self) -> None:
+        return None  # raw text: no chat template
 
-    evals = data.eval or None
-    if evals and len(evals) == 1:
-        evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
-    trainer = TunelabTrainer(
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=evals,
+    @property
+    def vision(self) -> None:
+        return None
+
+    def encode(self, data_args) -> DatasetBundle:
+        return build_pretrain_datasets(data_args, self.tokenizer, seed=self.config.training.seed)
+
+    def datasets(self) -> DatasetBundle:
+        config, args = self.config, self.config.training
+        if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
+            return build_streaming_pretrain(config.data, self.tokenizer, args)
+        return cached_bundle(config.data, self.tokenizer, None, "pt", args.seed,
+                             build=lambda: self.encode(config.data), is_main_process=args.local_process_index == 0)
+
+    def collator(self, model):
         # Windows are cutoff_len long except a kept tail, so padding only ever touches that one.
-        data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
-        processing_class=tokenizer,
-        callbacks=run_callbacks(config, plan.user_callbacks),
-    )
+        return build_collator(model, self.tokenizer.pad_token_id, self.config.data.packing,
+                              self.config.data.padding_free)
 
-    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    metrics.update(result.metrics)
-    outputs.save_model(trainer, tokenizer, None, config)
-    if data.eval:
-        metrics.update(with_perplexity(_final_eval_metrics(trainer)))
-    outputs.finish(trainer, metrics, config)
-    return metrics
+    def inspection_collator(self):
+        return self.example_collator()
+
+    def run(self) -> dict:
+        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
+        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
+        from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
+        config, args = self.config, self.config.training
+        if config.data.template:
+            logger.info("stage pt trains on raw text: template %r is not used", config.data.template)
+        data = self.datasets()
+        run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+        model = self.model()
+        metrics: dict = self.parameter_counts(model)
+        trainer = TunelabTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=single_or_named(data.eval),
+            data_collator=self.collator(model),
+            processing_class=self.tokenizer,
+            callbacks=run_callbacks(config, self.plan.user_callbacks),
+        )
+
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        metrics.update(result.metrics)
+        outputs.save_model(trainer, self.tokenizer, None, config)
+        if data.eval:
+            metrics.update(with_perplexity(_final_eval_metrics(trainer)))
+        outputs.finish(trainer, metrics, config)
+        return metrics
+
+
+RECIPES = {"pt": PretrainRecipe}
 
 
 def with_perplexity(eval_metrics: dict) -> dict:

@@ -9,64 +9,84 @@ from __future__ import annotations
 
 import logging
 
-from tunelab.config.args import RunConfig
-from tunelab.train.plan import RunPlan
-from tunelab.data.collate import PairedCollator
-from tunelab.data.pairwise import preference_bundle
-from tunelab.data.templates import get_template
-from tunelab.model.load import count_parameters, load_model
-from tunelab.model.tokenizer import load_tokenizer
 from tunelab import run_folder
+from tunelab.data.collate import PairedCollator
+from tunelab.data.pairwise import pair_sides, preference_bundle, preference_encoder
+from tunelab.data.pipeline import DatasetBundle, build_datasets
 from tunelab.train import outputs
-from tunelab.train.callbacks import run_callbacks
-from tunelab.train.preference_trainer import PreferenceTrainer
+from tunelab.train.recipe import Recipe, first_eval_set, single_or_named
 
 logger = logging.getLogger(__name__)
 
 
-def run_rm(plan: RunPlan) -> dict:
-    config = plan.config
-    args = config.training
-    tokenizer = load_tokenizer(config.model)
-    template = get_template(config.data.template, tokenizer)
-    data = preference_bundle(config.data, tokenizer, template, "rm", args.seed, args.local_process_index == 0)
-    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+class PairRecipe(Recipe):
+    """What the pair stages (rm, dpo, kto) share: their rows, each two sequences (data/pairwise.py)."""
 
-    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True, reward_head=True)
-    trainable, total = count_parameters(model)
-    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
-    trainer = PreferenceTrainer(
-        stage="rm", finetuning=config.finetuning,
-        model=model, args=args, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
-        data_collator=PairedCollator(tokenizer.pad_token_id), processing_class=tokenizer,
-        callbacks=run_callbacks(config, plan.user_callbacks),
-    )
+    @property
+    def sides(self) -> tuple[str, str]:
+        return pair_sides(self.stage)
 
-    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-    held_out = first_eval_set(data)
-    if held_out is not None:
-        metrics["reward_accuracy_before"] = trainer.evaluate(held_out, metric_key_prefix="before")["before_accuracy"]
-    metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
-    outputs.save_model(trainer, tokenizer, template, config)
-    if held_out is not None:
-        after = trainer.evaluate(held_out, metric_key_prefix="after")
-        metrics.update(after)
-        metrics["reward_accuracy_after"] = after["after_accuracy"]
-        logger.info(
-            "reward accuracy on %d held-out pairs: %.1f%% before training → %.1f%% after",
-            len(held_out), 100 * metrics["reward_accuracy_before"], 100 * metrics["reward_accuracy_after"],
+    def encode(self, data_args) -> DatasetBundle:
+        encoder = preference_encoder(self.stage, self.tokenizer, self.template, data_args, self.vision)
+        return build_datasets(data_args, self.tokenizer, self.template, self.config.training.seed, encoder=encoder,
+                              images=self.vision is not None)
+
+    def datasets(self) -> DatasetBundle:
+        args = self.config.training
+        return preference_bundle(self.config.data, self.tokenizer, self.template, self.stage, args.seed,
+                                 args.local_process_index == 0, vision=self.vision)
+
+
+class RewardModelRecipe(PairRecipe):
+    stage = "rm"
+
+    @property
+    def vision(self) -> None:
+        return None  # (stage rm on a vision-language model is refused by train/run.py)
+
+    def model(self):
+        from tunelab.model.load import load_model  # noqa: PLC0415  (peft, bitsandbytes: imported when training)
+
+        return load_model(self.config.model, self.config.finetuning, self.config.training, self.tokenizer,
+                          is_trainable=True, reward_head=True)
+
+    def collator(self, model=None) -> PairedCollator:
+        return PairedCollator(self.tokenizer.pad_token_id)  # rewards are read at each padded row's end
+
+    def inspection_collator(self) -> PairedCollator:
+        return self.collator()
+
+    def run(self) -> dict:
+        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
+        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
+        from tunelab.train.preference_trainer import PreferenceTrainer  # noqa: PLC0415
+        config, args = self.config, self.config.training
+        data = self.datasets()
+        run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+        model = self.model()
+        metrics: dict = self.parameter_counts(model)
+        trainer = PreferenceTrainer(
+            stage="rm", finetuning=config.finetuning,
+            model=model, args=args, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
+            data_collator=self.collator(model), processing_class=self.tokenizer,
+            callbacks=run_callbacks(config, self.plan.user_callbacks),
         )
-    outputs.finish(trainer, metrics, config)
-    return metrics
+
+        held_out = first_eval_set(data)
+        if held_out is not None:
+            metrics["reward_accuracy_before"] = trainer.evaluate(held_out, metric_key_prefix="before")["before_accuracy"]
+        metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
+        outputs.save_model(trainer, self.tokenizer, self.template, config)
+        if held_out is not None:
+            after = trainer.evaluate(held_out, metric_key_prefix="after")
+            metrics.update(after)
+            metrics["reward_accuracy_after"] = after["after_accuracy"]
+            logger.info(
+                "reward accuracy on %d held-out pairs: %.1f%% before training → %.1f%% after",
+                len(held_out), 100 * metrics["reward_accuracy_before"], 100 * metrics["reward_accuracy_after"],
+            )
+        outputs.finish(trainer, metrics, config)
+        return metrics
 
 
-def single_or_named(evals: dict):
-    """The trainer's eval_dataset: None, the one set (logged as plain eval_*), or the sets by name."""
-    if not evals:
-        return None
-    return next(iter(evals.values())) if len(evals) == 1 else evals
-
-
-def first_eval_set(data):
-    """The held-out set the before/after figures are measured on: the first eval set."""
-    return next(iter(data.eval.values())) if data.eval else None
+RECIPES = {"rm": RewardModelRecipe}

@@ -1,110 +1,119 @@
 """Supervised fine-tuning: the workflow, top to bottom.
 
-tokenizer + template → datasets → model (+ adapters) → [exact match before] → train (evaluations with
-generate_at_eval: + exact match, BLEU, ROUGE-L; early stopping; the user's callbacks) → save
-→ [exact match after] → [do_predict: predictions.jsonl, BLEU/ROUGE-L] → metrics. Everything written lands in output_dir.
+SupervisedRecipe (train/recipe.py): tokenizer + template → datasets → model (+ adapters) → [exact match before] →
+train (evaluations with generate_at_eval: + exact match, BLEU, ROUGE-L; early stopping; the user's callbacks) → save
+→ [exact match after] → [do_predict: predictions.jsonl, BLEU/ROUGE-L] → metrics. Everything written lands in
+output_dir.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tunelab.config.args import RunConfig
-from tunelab.train.plan import RunPlan
+from tunelab import run_folder
 from tunelab.data.cache import cached_bundle
 from tunelab.data.collate import build_collator
-from tunelab.data.pipeline import build_datasets
+from tunelab.data.pipeline import DatasetBundle, build_datasets
 from tunelab.data.streaming import build_streaming_supervised
-from tunelab.data.templates import get_template
+from tunelab.data.vision import save_processor_files, vision_collator, vision_fingerprint
+from tunelab.errors import ConfigError
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
-from tunelab.data.vision import save_processor_files, vision_collator, vision_fingerprint, vision_inputs
-from tunelab.errors import ConfigError
-from tunelab.model.load import count_parameters, load_model
-from tunelab.model.tokenizer import load_processor, load_tokenizer
-from tunelab import run_folder
 from tunelab.train import outputs
-from tunelab.train.callbacks import run_callbacks
-from tunelab.train.generation_metrics import GenerationMetricsCallback
-from tunelab.train.trainer import TunelabTrainer
+from tunelab.train.recipe import Recipe, single_or_named
 
 logger = logging.getLogger(__name__)
 
 
-def run_sft(plan: RunPlan) -> dict:
-    config = plan.config
-    args = config.training
-    tokenizer = load_tokenizer(config.model)
-    template = get_template(config.data.template, tokenizer)
-    processor = load_processor(config.model)  # vision-language models only (data/vision.py)
-    vision = vision_inputs(processor, config.model)
-    if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
-        if processor is not None:
-            raise ConfigError("streaming: not supported for vision-language models yet; set streaming: false")
-        data = build_streaming_supervised(config.data, tokenizer, template, args)
-    else:
-        data = cached_bundle(
-            config.data, tokenizer, template.jinja + vision_fingerprint(vision), "sft", args.seed,
-            build=lambda: build_datasets(config.data, tokenizer, template, seed=args.seed, vision=vision),
-            is_main_process=args.local_process_index == 0,
-        )
-    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+class SupervisedRecipe(Recipe):
+    stage = "sft"
+    inspection_packs = True
 
-    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
-    trainable, total = count_parameters(model)
-    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
+    def encode(self, data_args) -> DatasetBundle:
+        return build_datasets(data_args, self.tokenizer, self.template, seed=self.config.training.seed,
+                              vision=self.vision)
 
-    collator = build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free)
-    if vision is not None:
-        collator = vision_collator(collator, model, vision, config.data.padding_free)
-    evals = data.eval or None
-    if evals and len(evals) == 1:
-        evals = next(iter(evals.values()))  # a single eval set logs as plain eval_loss
-    trainer = TunelabTrainer(
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=evals,
-        data_collator=collator,
-        processing_class=tokenizer,
-        callbacks=run_callbacks(config, plan.user_callbacks, *_generation_metrics(data.eval_rows, tokenizer, template, config)),
-    )
-
-    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-    generation_rows = held_out_rows(data.eval_rows, config)
-    if generation_rows is not None:
-        metrics["exact_match_before"] = held_out_exact_match(
-            trainer.model, tokenizer, template, generation_rows, config, vision
+    def datasets(self) -> DatasetBundle:
+        config, args = self.config, self.config.training
+        if config.data.streaming:  # an iterable train set, read as training goes: nothing to cache
+            if self.vision is not None:
+                raise ConfigError("streaming: not supported for vision-language models yet; set streaming: false")
+            return build_streaming_supervised(config.data, self.tokenizer, self.template, args)
+        return cached_bundle(
+            config.data, self.tokenizer, self.template.jinja + vision_fingerprint(self.vision), "sft", args.seed,
+            build=lambda: self.encode(config.data), is_main_process=args.local_process_index == 0,
         )
 
-    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    metrics.update(result.metrics)
-    outputs.save_model(trainer, tokenizer, template, config)
-    if processor is not None and trainer.is_world_process_zero():
-        save_processor_files(processor, args.output_dir)
+    def collator(self, model):
+        data_args = self.config.data
+        collator = build_collator(model, self.tokenizer.pad_token_id, data_args.packing, data_args.padding_free)
+        if self.vision is not None:
+            collator = vision_collator(collator, model, self.vision, data_args.padding_free)
+        return collator
 
-    if data.eval:
-        metrics.update(_final_eval_metrics(trainer))
-    if generation_rows is not None:
-        metrics["exact_match_after"] = held_out_exact_match(
-            trainer.model, tokenizer, template, generation_rows, config, vision
+    def inspection_collator(self):
+        return self.example_collator()  # (the images' own checks are data/verify.py's verify_images)
+
+    def run(self) -> dict:
+        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
+        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
+        from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
+        config, args = self.config, self.config.training
+        tokenizer, template, vision = self.tokenizer, self.template, self.vision
+        data = self.datasets()
+        run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
+        model = self.model()
+        metrics: dict = self.parameter_counts(model)
+        trainer = TunelabTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=single_or_named(data.eval),
+            data_collator=self.collator(model),
+            processing_class=tokenizer,
+            callbacks=run_callbacks(config, self.plan.user_callbacks,
+                                    *_generation_metrics(data.eval_rows, tokenizer, template, config)),
         )
-        logger.info(
-            "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
-            len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
-        )
-    if args.do_predict and trainer.is_world_process_zero():  # predictions.jsonl + predict_results.json
-        metrics.update(predict(
-            trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
-            max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
-            template_vars=config.data.template_kwargs, vision=vision,
-        ))
-    outputs.finish(trainer, metrics, config)
-    return metrics
+
+        generation_rows = held_out_rows(data.eval_rows, config)
+        if generation_rows is not None:
+            metrics["exact_match_before"] = held_out_exact_match(
+                trainer.model, tokenizer, template, generation_rows, config, vision
+            )
+
+        result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+        metrics.update(result.metrics)
+        outputs.save_model(trainer, tokenizer, template, config)
+        if vision is not None and trainer.is_world_process_zero():
+            save_processor_files(vision[0], args.output_dir)
+
+        if data.eval:
+            metrics.update(_final_eval_metrics(trainer))
+        if generation_rows is not None:
+            metrics["exact_match_after"] = held_out_exact_match(
+                trainer.model, tokenizer, template, generation_rows, config, vision
+            )
+            logger.info(
+                "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
+                len(generation_rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
+            )
+        if args.do_predict and trainer.is_world_process_zero():  # predictions.jsonl + predict_results.json
+            metrics.update(predict(
+                trainer.model, tokenizer, template, data.eval_rows, args.output_dir,
+                max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
+                template_vars=config.data.template_kwargs, vision=vision,
+            ))
+        outputs.finish(trainer, metrics, config)
+        return metrics
 
 
-def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list[GenerationMetricsCallback]:
-    """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation."""
+RECIPES = {"sft": SupervisedRecipe}
+
+
+def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list:
+    """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation (a TrainerCallback)."""
+    from tunelab.train.generation_metrics import GenerationMetricsCallback  # noqa: PLC0415  (the training stack)
+
     if not config.generation.generate_at_eval or not eval_rows:
         return []
     return [GenerationMetricsCallback.from_config(eval_rows, tokenizer, template, config)]

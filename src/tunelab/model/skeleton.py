@@ -1,0 +1,48 @@
+"""A model on the meta device: the class, attention backend, dtype and (set up for training) trainable parameters a
+run would get, with no weights read. `tunelab data` chooses the stage's collator on it; `tunelab estimate` counts
+the parameters and activations of model/adapters.py's trained_skeleton (it set up for training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+from tunelab.config.args import RunConfig
+from tunelab.errors import ModelError, first_line
+from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
+from tunelab.model.vision import is_vision_model_folder
+
+
+def skeleton(config: RunConfig) -> torch.nn.Module:
+    """The model class, attention backend and dtype training would load, on the meta device. flash_attn: fa2 builds
+    with transformers' default attention (flash-attn need not be installed to plan a run)."""
+    path = config.model.model_name_or_path
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training, config.finetuning),
+                              "trust_remote_code": config.model.trust_remote_code}
+    attn = ATTN_IMPLEMENTATIONS[config.model.flash_attn]
+    if attn is not None and attn != "flash_attention_2":
+        kwargs["attn_implementation"] = attn
+    try:
+        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        model_config.use_cache = False  # as load_model sets it for training
+        model_config.get_text_config().use_cache = False
+        auto_class = AutoModelForImageTextToText if is_vision_model_folder(path) else AutoModelForCausalLM
+        with torch.device("meta"):
+            return auto_class.from_config(model_config, **kwargs)
+    except Exception as exc:  # noqa: BLE001  (unknown architecture, unreadable config.json, ...)
+        raise ModelError(f"model_name_or_path: cannot build the model class from {path}/config.json: "
+                         f"{first_line(exc)}") from exc
+
+
+def vocab_size(model_dir: str | Path) -> int | None:
+    """vocab_size from config.json (or its text_config), without loading the model."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if size else None
