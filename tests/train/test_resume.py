@@ -18,6 +18,7 @@ from tests.train.reliability_helpers import assert_same_weights, losses, train, 
 from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 from tunelab.run_folder import latest_checkpoint
+from tunelab.train.resume import checkpoint_problem
 
 MODES = {
     "unpacked": {},
@@ -59,6 +60,30 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path, uninterrupted, mode)
     assert_same_weights(weights(out / "checkpoint-6"), weights(reference / "checkpoint-6"))
     state = json.loads((out / "checkpoint-6" / "tunelab_state.json").read_text())
     assert state == json.loads((reference / "checkpoint-6" / "tunelab_state.json").read_text())  # token counts too
+
+
+@pytest.mark.slow
+def test_a_checkpoint_between_log_lines_resumes_the_same_log_line_and_replaces_a_newer_folder(tmp_path):
+    """Logged every 2 steps, saved every 3: checkpoint-3 holds the loss of step 3, so the resumed run's line at
+    step 4 averages steps 3-4 as the uninterrupted run's does. Resumed explicitly from checkpoint-3 beside the
+    earlier run's checkpoint-6, the new save at step 6 replaces that folder whole."""
+    options = {"logging_steps": 2}
+    reference = tmp_path / "full" / "out"
+    assert train(write_config(tmp_path / "full", **options)) == 0
+    out = tmp_path / "out"
+    for name in ("checkpoint-3", "checkpoint-6"):
+        shutil.copytree(reference / name, out / name)
+    (out / "checkpoint-6" / "from-the-earlier-run").write_bytes(b"")
+
+    assert train(write_config(tmp_path, **options, resume_from_checkpoint=str(out / "checkpoint-3"))) == 0
+
+    expected = losses(reference)
+    assert sorted(expected) == [2, 4, 6]
+    assert losses(out) == {4: expected[4], 6: expected[6]}  # exact floats
+    state = json.loads((out / "checkpoint-6" / "tunelab_state.json").read_text())
+    assert state == json.loads((reference / "checkpoint-6" / "tunelab_state.json").read_text())
+    assert not (out / "checkpoint-6" / "from-the-earlier-run").exists()
+    assert checkpoint_problem(out / "checkpoint-6") is None
 
 
 @pytest.mark.slow

@@ -69,6 +69,11 @@ class TunelabTrainer(transformers.Trainer):
         self.stop_on_signal = StopOnSignal(reduce)
         self.last_checkpoint: str | None = None
         self._run_state_to_restore: dict = {}
+        # The training loss summed since the last log line, as the Trainer sums it, and that line's step: kept here
+        # because tunelab_state.json saves them (_add_to_loss_window).
+        self._loss_since_log: torch.Tensor | None = None
+        self._last_logged_step = 0
+        self._resumed_loss_window = False  # the first log line after a resume averages steps from before it
         self.add_callback(NonFiniteCallback(self.nonfinite, reduce, scaler_active=self._has_grad_scaler))
         self.add_callback(self.stop_on_signal)
         self.add_callback(checkpoints.RestoreRunState(self))
@@ -110,9 +115,9 @@ class TunelabTrainer(transformers.Trainer):
     def run_state(self) -> dict:
         """What tunelab_state.json keeps beside the Trainer's own state (called on every process)."""
         self._flush_token_counts()
+        window = self._loss_since_log if self._loss_since_log is not None else 0.0
         values = torch.tensor(
-            [self.tokens_seen, self.supervised_tokens_seen, float(getattr(self, "_tr_loss", 0.0))],
-            dtype=torch.float64, device=self.args.device,
+            [self.tokens_seen, self.supervised_tokens_seen, float(window)], dtype=torch.float64, device=self.args.device,
         )
         if self.args.world_size > 1:
             values = self.accelerator.reduce(values, reduction="sum")
@@ -122,12 +127,15 @@ class TunelabTrainer(transformers.Trainer):
             "supervised_tokens_seen": int(values[1]),
             # the loss summed since the last log line (mean over processes), so the next line averages the same steps
             "loss_since_last_log": float(values[2]) / max(self.args.world_size, 1),
-            "last_logged_step": getattr(self, "_globalstep_last_logged", self.state.global_step),
+            "last_logged_step": self._last_logged_step,
             "nonfinite": self.nonfinite.state_dict(),
         }
 
     def restore_run_state(self) -> None:
-        """Called at train begin (after the Trainer reset its counters) when resuming."""
+        """Called at train begin (after the Trainer reset its counters): a new loss window, and when resuming what
+        tunelab_state.json saved."""
+        self._loss_since_log = torch.zeros((), device=self.args.device)  # float32, as the Trainer's own sum
+        self._last_logged_step, self._resumed_loss_window = self.state.global_step, False
         saved = self._run_state_to_restore
         if not saved:
             return
@@ -137,8 +145,9 @@ class TunelabTrainer(transformers.Trainer):
         self._token_counts = None
         self.nonfinite.load_state_dict(saved.get("nonfinite", {}))
         if "loss_since_last_log" in saved and saved.get("global_step") == self.state.global_step:
-            self._tr_loss = torch.tensor(saved["loss_since_last_log"], device=self.args.device)
-            self._globalstep_last_logged = saved["last_logged_step"]
+            self._loss_since_log = torch.tensor(saved["loss_since_last_log"], device=self.args.device)
+            self._last_logged_step = saved["last_logged_step"]
+            self._resumed_loss_window = self._last_logged_step < self.state.global_step
         for callback in self.callback_handler.callbacks:
             if isinstance(callback, JsonlLogCallback):
                 callback.last_tokens = (self.tokens_seen, self.supervised_tokens_seen)
@@ -162,7 +171,33 @@ class TunelabTrainer(transformers.Trainer):
         self._count_tokens(inputs)
         loss = super().training_step(model, self._with_kept_logits(model, inputs), num_items_in_batch)
         self.nonfinite.observe_loss(loss)
+        self._add_to_loss_window(loss)
         return loss
+
+    def _add_to_loss_window(self, loss: torch.Tensor) -> None:
+        """Sum the micro-batch loss as the Trainer sums the loss it logs (with logging_nan_inf_filter a non-finite
+        loss adds the window's mean instead), on the device: no host sync."""
+        window = self._loss_since_log
+        if window is None:  # a training_step outside train()
+            return
+        if self.args.logging_nan_inf_filter:
+            steps = 1 + self.state.global_step - self._last_logged_step
+            self._loss_since_log = torch.where(torch.isfinite(loss), window + loss, window + window / steps)
+        else:
+            self._loss_since_log = window + loss
+
+    def _close_loss_window(self, logs: dict[str, float]) -> None:
+        """At a log line with the training loss. After a resume from a checkpoint saved between log lines, the
+        first line averages the steps since the line before that checkpoint, as the uninterrupted run's line does
+        (the Trainer's average starts at the resumed step). Then a new window starts."""
+        if self._resumed_loss_window and self._loss_since_log is not None:
+            window = self._loss_since_log
+            if self.args.world_size > 1:  # the mean over processes, as the Trainer's log line takes it
+                window = self.accelerator.gather(window).mean()
+            logs["loss"] = window.item() / (self.state.global_step - self._last_logged_step)
+        self._resumed_loss_window = False
+        self._loss_since_log = torch.zeros((), device=self.args.device)
+        self._last_logged_step = self.state.global_step
 
     def _count_tokens(self, inputs) -> None:
         """Add the batch's real and supervised tokens to the running counts without reading them back: on a GPU
@@ -192,6 +227,7 @@ class TunelabTrainer(transformers.Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            self._close_loss_window(logs)
             self._flush_token_counts()
             tokens = torch.tensor([self.tokens_seen, self.supervised_tokens_seen], device=self.args.device)
             if self.args.world_size > 1:
