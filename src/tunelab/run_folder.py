@@ -44,7 +44,7 @@ EXPORT_REPORT = "export_report.json"
 CHAT_TEMPLATE = "chat_template.jinja"  # transformers' file for a tokenizer's chat template
 
 CHECKPOINT_PREFIX = "checkpoint"  # transformers' PREFIX_CHECKPOINT_DIR
-STAGING_PREFIX = "tmp-checkpoint"  # a checkpoint being written, renamed to checkpoint-N once complete
+STAGING_PREFIX = "tmp-checkpoint"  # older tunelab staged saves in tmp-checkpoint-N; a run removes leftovers
 TRAINER_STATE = "trainer_state.json"  # transformers' TRAINER_STATE_NAME
 RUN_STATE = "tunelab_state.json"
 MANIFEST = "tunelab_manifest.json"

@@ -283,7 +283,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(tmp_path, capsys, 
         2, f"tunelab: error: no space left on device while writing {out}/run: free space or change output_dir / "
         "TUNELAB_CACHE\n",
     )
-    assert left == ["checkpoint-2"]  # the staging folder of checkpoint-4 removed
+    assert left == ["checkpoint-2"]  # the half-written checkpoint-4 removed
     assert (problem, picked) == (None, str(previous))  # the previous checkpoint intact, and the one resume picks
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from tests.train.reliability_helpers import cli_command, cli_env, losses, train, weights, write_config
 from tunelab.errors import ConfigError
 from tunelab.run_folder import complete_checkpoints, is_complete, latest_checkpoint, write_manifest
-from tunelab.train.checkpoints import SLOW_SAVE_ENV, publish, rotate
+from tunelab.train.checkpoints import SLOW_SAVE_ENV, CheckpointCallback, remove_unfinished_saves, rotate
 from tunelab.train.resume import checkpoint_problem, resolve_resume
 
 
@@ -35,22 +36,21 @@ def _wait_for(predicate, process: subprocess.Popen, timeout: float = 120.0) -> N
 def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     config = write_config(tmp_path, save_steps=2, max_steps=4, save_total_limit=1)
     out = tmp_path / "out"
-    # The test hook sleeps 1.5 s in every save, after the weights are written into tmp-checkpoint-N.
+    # The test hook sleeps 1.5 s in every save, after the Trainer wrote checkpoint-N, before its manifest.
     process = subprocess.Popen(
         cli_command(config), env=cli_env(**{SLOW_SAVE_ENV: "1.5"}),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
-        _wait_for(lambda: (out / "tmp-checkpoint-4" / "adapter_model.safetensors").is_file(), process)
+        _wait_for(lambda: (out / "checkpoint-4" / "adapter_model.safetensors").is_file(), process)
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
     finally:
         process.kill()
     assert process.returncode == -signal.SIGKILL
 
-    partial = out / "tmp-checkpoint-4"
+    partial = out / "checkpoint-4"
     assert (partial / "adapter_model.safetensors").is_file() and not is_complete(partial)
-    assert not (out / "checkpoint-4").exists()
     previous = out / "checkpoint-2"
     assert is_complete(previous) and latest_checkpoint(out) == previous
     assert json.loads((previous / "trainer_state.json").read_text())["global_step"] == 2
@@ -58,9 +58,10 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path):
     torch.load(previous / "optimizer.pt", weights_only=True)
     torch.load(previous / "rng_state.pth", weights_only=False)
 
+    (partial / "leftover").write_bytes(b"")
     assert train(config, "resume_from_checkpoint=true") == 0
     assert sorted(losses(out)) == [1, 2, 3, 4]  # the log kept steps 1-2 and continued from checkpoint-2
-    assert not partial.exists()  # the leftover is removed when the next run starts
+    assert not (partial / "leftover").exists()  # the leftover is removed when the next run starts
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-4"]  # save_total_limit: 1
 
 
@@ -91,15 +92,35 @@ def test_rotation_never_deletes_the_newest_complete_checkpoint(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-3"]
 
 
-def test_publish_replaces_a_folder_of_the_same_name(tmp_path):
-    _fake_checkpoint(tmp_path, 5, complete=False)
-    staging = tmp_path / "tmp-checkpoint-5"
-    staging.mkdir()
-    (staging / "trainer_state.json").write_text(json.dumps({"global_step": 5}))
-    write_manifest(staging, 5, optimizer_state=False)
-    publish(staging, tmp_path / "checkpoint-5")
-    assert not staging.exists() and is_complete(tmp_path / "checkpoint-5")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-5"]
+def test_a_run_starts_by_removing_saves_that_did_not_finish_above_its_step(tmp_path):
+    for step in (2, 6):
+        _fake_checkpoint(tmp_path, step)
+    legacy = _fake_checkpoint(tmp_path, 4, complete=False)  # at the start step: may be transformers' own checkpoint
+    cut_short = [_fake_checkpoint(tmp_path, 5, complete=False), _fake_checkpoint(tmp_path, 8, complete=False)]
+    staged = tmp_path / "tmp-checkpoint-7"  # where an older tunelab staged its saves
+    staged.mkdir()
+
+    assert sorted(remove_unfinished_saves(tmp_path, after_step=4)) == sorted([*cut_short, staged])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert legacy.is_dir()
+
+
+def test_save_total_limit_1_with_load_best_keeps_only_the_best_at_the_end(tmp_path):
+    """transformers' end-of-training rule, applied by tunelab while it holds the limit aside."""
+    for step in (2, 4, 6):
+        _fake_checkpoint(tmp_path, step)
+    half = _fake_checkpoint(tmp_path, 8, complete=False)
+    callback = CheckpointCallback(trainer=None)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True)
+    state = SimpleNamespace(best_model_checkpoint=str(tmp_path / "checkpoint-4"))
+
+    callback.limit = 2
+    callback.on_train_end(args, state, None)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    callback.limit = 1
+    callback.on_train_end(args, state, None)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["checkpoint-4"]
+    assert half.is_dir()  # not a checkpoint: neither counted nor deleted
 
 
 # ---- the manifest: a checkpoint is resumed only when its files are the ones it recorded ---------------------

@@ -1,22 +1,32 @@
-"""Checkpoints: atomic writes checked by a manifest, finding the newest sound one, what tunelab adds to them.
+"""Checkpoints: what tunelab adds to the Trainer's, the manifest that marks one complete, rotation, a run's start.
 
-transformers.Trainer (5.x) writes a checkpoint straight into `output_dir/checkpoint-N`: a kill during
-the save leaves a half-written folder with the newest step number, which `get_last_checkpoint` then
-picks. TunelabTrainer._save_checkpoint calls `save_checkpoint` below instead, which writes the same
-files with the same Trainer methods, but
+transformers.Trainer (5.x) writes a checkpoint straight into `output_dir/checkpoint-N` (model or adapter,
+optimizer, scheduler, scaler, RNG states, trainer_state.json), then fires `on_save`. CheckpointCallback.on_save
+finishes it, on every process, through public events only:
 
-    output_dir/tmp-checkpoint-N/   every file written (model or adapter, optimizer, scheduler, scaler,
-                                   RNG states, trainer_state.json, tunelab_state.json, the run's
-                                   tunelab_config.yaml), then tunelab_manifest.json last: the size and
-                                   SHA-256 of every other file; then everything fsynced
-         │ rename (atomic on one filesystem), then the parent folder fsynced
-         ▼
-    output_dir/checkpoint-N/       exists only complete
+    output_dir/checkpoint-N/   the Trainer's files, every process's part (a barrier waits for all of them)
+                               + tunelab_state.json, the run's tunelab_config.yaml
+                               every file fsynced, then tunelab_manifest.json LAST: the size and SHA-256 of
+                               every other file (run_folder.write_manifest), fsynced with its folders
 
-so a crash at any moment leaves every `checkpoint-N` loadable; a leftover `tmp-checkpoint-N` is
-deleted when the next run starts. A save that fails (a full disk) removes its staging folder and
-raises the OSError it is. Old checkpoints are rotated (`save_total_limit`) only after the rename,
-counting complete checkpoints only, and never the one just written.
+A checkpoint is complete when its manifest is there, so a crash at any moment of a save leaves a folder that
+`resume_from_checkpoint: true` skips (resume.py) and rotation neither counts nor deletes. Around that:
+
+- when a run starts, incomplete `checkpoint-N` folders above the step it starts from (saves a killed run did not
+  finish, none of them resumable) are deleted, and so are `tmp-checkpoint-N` folders older tunelab versions staged
+  saves in;
+- before a save (`on_step_end` / `on_epoch_end` asking for one, a signal's save included), a folder already at
+  that step, left by the run resumed from an older checkpoint, is deleted, so none of its files or its manifest
+  outlive the new save. Under `save_strategy: best` the save is decided after the last event: such a folder is
+  then written over, and its old manifest's checksums reject it if that save is cut short;
+- rotation (`save_total_limit`) is ours: the Trainer's own runs inside its save, before the new manifest exists,
+  and counts half-written folders, so `managed_saves` holds the limit aside while the Trainer trains (its
+  TrainingArguments offer no other switch; a checkpoint's training_args.bin therefore records none). `rotate`
+  runs after the manifest, counts complete checkpoints only, and never deletes the one just written or the best
+  one; with `load_best_model_at_end` and `save_total_limit: 1` the end of training keeps only the best one, as
+  transformers does;
+- a save that fails (a full disk) leaves its half-written folder, which `managed_saves` deletes before raising the
+  OSError the failure is (a full disk surfaces from torch.save as a RuntimeError without an errno).
 
 Which checkpoint a run resumes from is resume.py's. tunelab_state.json carries what the Trainer does not save:
 our token counters, the non-finite-step counters (guards.py) and the loss summed since the last log line, so the
@@ -34,6 +44,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +53,15 @@ import transformers
 
 from tunelab.errors import as_os_error
 from tunelab.run_folder import (
-    CHECKPOINT_PREFIX, RUN_RECORD, RUN_STATE, STAGING_PREFIX, TRAINER_STATE, complete_checkpoints, write_manifest,
+    CHECKPOINT_PREFIX, MANIFEST, RUN_RECORD, RUN_STATE, STAGING_PREFIX, TRAINER_STATE, checkpoint_folders,
+    checkpoint_step, complete_checkpoints, is_complete, write_manifest,
 )
 from tunelab.train.resume import resolve_resume
 
 logger = logging.getLogger(__name__)
 
-# Test hook: seconds to sleep after the weights are written into the staging folder, so a test can
-# kill the process mid-save. Read only here; unset in normal runs.
+# Test hook: seconds to sleep in every save once the Trainer has written its files, before the manifest, so a test
+# can kill the process mid-save. Read only here; unset in normal runs.
 SLOW_SAVE_ENV = "TUNELAB_TEST_SLOW_CHECKPOINT_SAVE"
 
 
@@ -59,18 +72,22 @@ def fsync_tree(folder: Path) -> None:
     """Flush every file under folder, then the folders themselves, to disk."""
     for root, _dirs, files in os.walk(folder):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_file(Path(root) / name)
         _fsync_dir(Path(root))
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some platforms cannot open folders; the rename is still atomic
+    except OSError:  # some platforms cannot open folders
         return
     try:
         os.fsync(fd)
@@ -80,30 +97,26 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def publish(staging: Path, final: Path) -> None:
-    """Make a fully written, fsynced staging folder the checkpoint `final`, atomically.
-
-    A folder of that name may exist (a save at the same step, or a half-written folder left by
-    another tool): it is moved aside first and deleted once the new one is in place.
-    """
-    fsync_tree(staging)
-    old = None
-    if final.exists():
-        old = final.with_name(f"{STAGING_PREFIX}-replaced-{final.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(staging, final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def checkpoint_folder(args, state) -> Path:
+    """Where the Trainer saves the checkpoint of the current step (`output_dir/checkpoint-N`)."""
+    return Path(args.output_dir) / f"{CHECKPOINT_PREFIX}-{state.global_step}"
 
 
-def remove_staging_leftovers(output_dir: str | Path) -> list[Path]:
-    """Delete tmp-checkpoint-* folders a killed save left behind (never a complete checkpoint)."""
+def unfinished_saves(output_dir: str | Path, after_step: int) -> list[Path]:
+    """Folders of saves that did not finish: incomplete `checkpoint-N` folders with N above `after_step` (the step
+    a run starts from; at or below it an incomplete folder may be a checkpoint written by transformers or an older
+    tunelab, which a run can still be pointed at), and any `tmp-checkpoint-N` staging folder of an older tunelab."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    leftovers = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX + "-")]
+    staged = [p for p in out.iterdir() if p.is_dir() and p.name.startswith(STAGING_PREFIX + "-")]
+    cut_short = [p for p in checkpoint_folders(out) if checkpoint_step(p) > after_step and not is_complete(p)]
+    return staged + cut_short
+
+
+def remove_unfinished_saves(output_dir: str | Path, after_step: int) -> list[Path]:
+    """Delete `unfinished_saves` (never a complete checkpoint)."""
+    leftovers = unfinished_saves(output_dir, after_step)
     for path in leftovers:
         logger.info("removing %s, left by a save that did not finish", path)
         shutil.rmtree(path, ignore_errors=True)
@@ -131,83 +144,97 @@ def rotate(output_dir: str | Path, limit: int | None, keep: list[Path]) -> list[
     return deleted
 
 
-def save_checkpoint(trainer, trial=None) -> Path:
-    """What Trainer._save_checkpoint writes, through a staging folder renamed when complete.
-
-    Every process writes its part (weights, sharded optimizer, its RNG state) into the staging
-    folder; the saving process then copies the run's options, writes the manifest, fsyncs and renames
-    it, and rotates old checkpoints. A failed save removes the staging folder and raises the OSError it
-    is (a full disk surfaces from torch.save as a RuntimeError without an errno).
-    """
-    args = trainer.args
-    run_dir = Path(trainer._get_output_dir(trial=trial))
-    staging = run_dir / f"{STAGING_PREFIX}-{trainer.state.global_step}"
-    try:
-        return _save_checkpoint(trainer, trial, run_dir, staging)
-    except Exception as exc:
-        error = as_os_error(exc, str(run_dir))  # before the staging folder goes: a full disk is still full
-        if args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)
-        if error is exc:
-            raise
-        raise error from exc
-
-
-def _save_checkpoint(trainer, trial, run_dir: Path, staging: Path) -> Path:
-    from transformers.trainer_callback import ExportableState  # noqa: PLC0415
-    from transformers.trainer_utils import SaveStrategy  # noqa: PLC0415
-
+def finish_checkpoint(trainer, limit: int | None) -> Path:
+    """Complete the checkpoint the Trainer just saved (called from on_save on every process): tunelab_state.json,
+    the run record, the manifest last, then rotation down to `limit`."""
     args, state = trainer.args, trainer.state
-    final = run_dir / f"{CHECKPOINT_PREFIX}-{state.global_step}"
-    if args.should_save and staging.exists():
-        shutil.rmtree(staging)
-    trainer.accelerator.wait_for_everyone()
-
+    run_dir, folder = Path(args.output_dir), checkpoint_folder(args, state)
+    trainer.accelerator.wait_for_everyone()  # every process has written its part (its RNG state, its shards)
     run_state = trainer.run_state()  # on every process: it reduces counters across them
-    if trainer.hp_search_backend is None and trial is None:
-        trainer.store_flos()
-    trainer.save_model(str(staging), _internal_call=True)
-    _slow_save_hook(staging)
-
-    if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
-        best = run_dir / f"{CHECKPOINT_PREFIX}-{state.best_global_step}"
-        if best.exists() or state.best_global_step == state.global_step:
-            state.best_model_checkpoint = str(best)
-    if not args.save_only_model:
-        trainer._save_optimizer_and_scheduler(str(staging))
-        trainer._save_scaler(str(staging))
-        trainer._save_rng_state(str(staging))
     if args.should_save:
-        callbacks = [*trainer.callback_handler.callbacks, trainer.control]
-        for callback in (cb for cb in callbacks if isinstance(cb, ExportableState)):
-            name = callback.__class__.__name__
-            if isinstance(state.stateful_callbacks[name], list):
-                state.stateful_callbacks[name].append(callback.state())
-            else:
-                state.stateful_callbacks[name] = callback.state()
-        (staging / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n", encoding="utf-8")
-        if (run_dir / RUN_RECORD).is_file():  # what config/checks.py compares a resume against
-            shutil.copyfile(run_dir / RUN_RECORD, staging / RUN_RECORD)
-        state.save_to_json(str(staging / TRAINER_STATE))
-    trainer.accelerator.wait_for_everyone()
-
-    if args.should_save:
-        write_manifest(staging, state.global_step, optimizer_state=not args.save_only_model)  # last: marks it complete
-        publish(staging, final)
+        (folder / RUN_STATE).write_text(json.dumps(run_state, indent=2) + "\n", encoding="utf-8")
+        if (run_dir / RUN_RECORD).is_file():  # what resume.py compares a resume against
+            shutil.copyfile(run_dir / RUN_RECORD, folder / RUN_RECORD)
+        _slow_save_hook(folder)
+        fsync_tree(folder)  # every file on disk before the manifest says it is there
+        write_manifest(folder, state.global_step, optimizer_state=not args.save_only_model)  # last: marks it complete
+        _fsync_file(folder / MANIFEST)
+        _fsync_dir(folder)
+        _fsync_dir(run_dir)
         best = [Path(state.best_model_checkpoint)] if state.best_model_checkpoint else []
-        rotate(run_dir, args.save_total_limit, keep=[final, *best])
-        logger.info("checkpoint saved: %s", final)
+        rotate(run_dir, limit, keep=[folder, *best])
+        logger.info("checkpoint saved: %s", folder)
     trainer.accelerator.wait_for_everyone()
-    if args.push_to_hub:
-        trainer._push_from_checkpoint(str(final))
-    return final
+    return folder
 
 
-def _slow_save_hook(staging: Path) -> None:
+def _slow_save_hook(folder: Path) -> None:
     delay = os.environ.get(SLOW_SAVE_ENV)
     if delay:
-        logger.warning("%s=%s: sleeping mid-save in %s (test hook)", SLOW_SAVE_ENV, delay, staging)
+        logger.warning("%s=%s: sleeping mid-save in %s (test hook)", SLOW_SAVE_ENV, delay, folder)
         time.sleep(float(delay))
+
+
+class CheckpointCallback(transformers.TrainerCallback):
+    """tunelab's part of the Trainer's checkpoints (the module docstring), and at train begin, after the Trainer
+    reset its counters, what tunelab_state.json saved. `limit` is save_total_limit while `managed_saves` holds it."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.limit: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.restore_run_state()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._clear_folder_of_this_step(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._clear_folder_of_this_step(args, state, control)
+
+    def _clear_folder_of_this_step(self, args, state, control) -> None:
+        if not control.should_save:
+            return
+        folder = checkpoint_folder(args, state)
+        if args.should_save and folder.exists():
+            logger.info("deleting %s, left by an earlier run, before this run saves step %d", folder, state.global_step)
+            shutil.rmtree(folder)
+        self.trainer.accelerator.wait_for_everyone()  # no process writes its part into the old folder
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.last_checkpoint = str(finish_checkpoint(self.trainer, self.limit))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # transformers' own end-of-training rule for its (held aside) limit: save_total_limit 1 keeps the best only
+        if self.limit != 1 or not args.should_save or not state.best_model_checkpoint:
+            return
+        for path in complete_checkpoints(args.output_dir):
+            if path.name != Path(state.best_model_checkpoint).name:
+                logger.info("deleting %s (save_total_limit: 1 keeps the best checkpoint only)", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def managed_saves(trainer, checkpoint: str | None) -> Iterator[None]:
+    """Around Trainer.train: save_total_limit held aside for tunelab's rotation (CheckpointCallback), and a save that
+    fails turned into the OSError it is once its half-written folder is gone. `checkpoint`: the one the run resumes
+    from (None: a fresh start); every incomplete folder above its step is this run's (resume_point removed the older
+    ones)."""
+    args, callback = trainer.args, trainer.checkpointing
+    start = checkpoint_global_step(checkpoint) if checkpoint else 0
+    callback.limit, args.save_total_limit = args.save_total_limit, None
+    try:
+        yield
+    except Exception as exc:
+        error = as_os_error(exc, str(args.output_dir))  # before the folder goes: a full disk is still full
+        unfinished = unfinished_saves(args.output_dir, start)
+        if args.should_save:
+            remove_unfinished_saves(args.output_dir, start)
+        if unfinished and error is not exc:
+            raise error from exc
+        raise
+    finally:
+        args.save_total_limit = callback.limit
 
 
 def read_run_state(checkpoint: str | Path) -> dict[str, Any]:
@@ -250,23 +277,14 @@ def resume_point(trainer, value: Any) -> str | None:
         from accelerate.utils import broadcast_object_list  # noqa: PLC0415
 
         checkpoint = broadcast_object_list([checkpoint], from_process=0)[0]
+    done = checkpoint_global_step(checkpoint) if checkpoint is not None else 0
     if args.should_save:
-        remove_staging_leftovers(args.output_dir)
+        remove_unfinished_saves(args.output_dir, after_step=done)
     if checkpoint is not None:
-        done = checkpoint_global_step(checkpoint)
+        # set_initial_training_values is public; its last value is max_steps (tests/test_private_names.py pins that)
         total = args.max_steps if args.max_steps > 0 else trainer.set_initial_training_values(
             args, trainer.get_train_dataloader()
         )[-1]
         if done >= total:
             raise NothingToTrain(checkpoint, done, total)
     return checkpoint
-
-
-class RestoreRunState(transformers.TrainerCallback):
-    """At train begin, after the Trainer reset its counters, put back what tunelab_state.json saved."""
-
-    def __init__(self, trainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.restore_run_state()

@@ -2,7 +2,7 @@
 
 While TunelabTrainer.train runs, `StopOnSignal` replaces the SIGTERM and SIGINT handlers with one
 that only records the signal. At the next optimizer-step boundary (`on_step_end`) the callback asks
-the Trainer to save a checkpoint (atomically, checkpoints.py) and stop; TunelabTrainer.train then
+the Trainer to save a checkpoint (complete once its manifest is written, checkpoints.py) and stop; TunelabTrainer.train then
 raises TrainingInterrupted, which the CLI prints as one line with the exact command to resume and
 turns into exit code 128 + the signal number (143 for SIGTERM, 130 for SIGINT), the code a shell
 reports for a process the signal ended, so `tunelab train ... && next-step` does not go on.

@@ -12,8 +12,10 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
   `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
   batch means), `eval[_{name}]_perplexity` its exp, and with `compute_token_accuracy` the share of
   supervised tokens whose argmax prediction is the label (`eval[_{name}]_token_accuracy`);
-- reliability (docs/reliability.md): atomic checkpoints and `resume_from_checkpoint: true`
-  (checkpoints.py), save-and-stop on SIGTERM/SIGINT (signals.py), the NaN/inf guard (guards.py);
+- reliability (docs/reliability.md): checkpoints the Trainer saves, completed by a manifest written last from
+  `on_save`, and `resume_from_checkpoint: true` (checkpoints.py), save-and-stop on SIGTERM/SIGINT
+  (signals.py), the NaN/inf guard (guards.py); transformers' private names used are listed, with why, in
+  tests/test_private_names.py;
 - what the loop tells a user (docs/training.md): the metrics of EvalMetricsCallback callbacks in each
   evaluation's line (generate_at_eval), why early stopping stopped (and which checkpoint
   load_best_model_at_end loads) in the run summary, and a warning before training when the open-file limit
@@ -74,11 +76,12 @@ class TunelabTrainer(transformers.Trainer):
         self._loss_since_log: torch.Tensor | None = None
         self._last_logged_step = 0
         self._resumed_loss_window = False  # the first log line after a resume averages steps from before it
+        self.checkpointing = checkpoints.CheckpointCallback(self)
         self.add_callback(NonFiniteCallback(self.nonfinite, reduce, scaler_active=self._has_grad_scaler))
         self.add_callback(self.stop_on_signal)
-        self.add_callback(checkpoints.RestoreRunState(self))
+        self.add_callback(self.checkpointing)  # after StopOnSignal: it sees the save a signal asks for
 
-    # ---- reliability: resume, atomic checkpoints, signals, the non-finite guard (docs/reliability.md) ---------
+    # ---- reliability: resume, checkpoints, signals, the non-finite guard (docs/reliability.md) ----------------
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """Trainer.train, resuming from `resume_from_checkpoint` (argument, else the training argument):
@@ -92,7 +95,8 @@ class TunelabTrainer(transformers.Trainer):
         check_open_file_budget(self.args.dataloader_num_workers, self.args.dataloader_prefetch_factor)
         self.stop_on_signal.install()
         try:
-            output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            with checkpoints.managed_saves(self, checkpoint):  # tunelab's rotation; a failed save as its OSError
+                output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
             self.stop_on_signal.uninstall()
         if self.nonfinite.stop_message:
@@ -101,9 +105,7 @@ class TunelabTrainer(transformers.Trainer):
             raise TrainingInterrupted(self.stop_on_signal.received, self.state.global_step, self.last_checkpoint)
         return output
 
-    def _save_checkpoint(self, model, trial):
-        self.last_checkpoint = str(checkpoints.save_checkpoint(self, trial))
-
+    # Private override kept (tests/test_private_names.py): the Trainer's only point of loading resumed weights.
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # A model sharded at load (fsdp on CPU, model/sharding.py) takes the checkpoint's gathered weights through
         # torch's FSDP2 state-dict API: the Trainer's plain load_state_dict cannot copy full tensors into shards.
@@ -152,6 +154,8 @@ class TunelabTrainer(transformers.Trainer):
             if isinstance(callback, JsonlLogCallback):
                 callback.last_tokens = (self.tokens_seen, self.supervised_tokens_seen)
 
+    # Private override kept (tests/test_private_names.py): the only place the Trainer hands over the gradient norm it
+    # computed before clipping, reduced the way each engine (DDP, FSDP, DeepSpeed) needs.
     def _get_grad_norm(self, model, grad_norm=None):
         grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         self.nonfinite.observe_grad_norm(grad_norm)
