@@ -18,7 +18,12 @@ class TunelabError(Exception):
 
 
 class ConfigError(TunelabError):
-    """A bad configuration key, value or combination of values."""
+    """A bad configuration key, value or combination of values. `key` names the option the message is about and
+    `fix` what to do, where the check knows them (the web UI marks that field)."""
+
+    def __init__(self, message: str, *, key: str | None = None, fix: str | None = None):
+        super().__init__(message)
+        self.key, self.fix = key, fix
 
 
 class DataError(TunelabError):

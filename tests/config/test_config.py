@@ -154,3 +154,26 @@ def test_transformers4_names_are_aliases(tmp_path, base):
     assert error_of(tmp_path, {**base, "warmup_ratio": 0.1, "warmup_steps": 5}) == (
         "warmup_ratio and warmup_steps are the same option: keep warmup_steps"
     )
+
+
+def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix():
+    """Every option that acts only under some stage or method says so in its metadata (config/applicability.py), and
+    the error names the option as `key` (the web UI marks that field) and the fix."""
+    import dataclasses
+
+    from tunelab.config.applicability import rules_of
+    from tunelab.config.args import DataArguments, FinetuningArguments
+
+    declared = {f.name: tuple((r.key, r.values) for r in rules_of(f))
+                for group in (DataArguments, FinetuningArguments) for f in dataclasses.fields(group) if rules_of(f)}
+    assert declared["stride"] == (("stage", ("pt",)),)
+    assert declared["lora_rank"] == (("finetuning_type", ("lora",)),)
+    assert declared["simpo_gamma"] == (("stage", ("dpo",)), ("pref_loss", ("simpo",)))
+    assert declared["kl_coef"] == (("stage", ("grpo", "ppo")),)
+    assert len(declared) == 30  # 5 pt, 7 LoRA, 8 preference, 10 grpo / ppo options
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
+                           "output_dir": "unused"})
+    assert (str(caught.value), caught.value.key, caught.value.fix) == (
+        "lora_rank, use_dora only apply to finetuning_type: lora (got 'full'): remove them or set finetuning_type: lora",
+        "lora_rank", "remove lora_rank, use_dora")

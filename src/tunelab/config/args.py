@@ -11,10 +11,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunelab.assets import EMBEDDED_MODELS
+from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
+from tunelab.config.applicability import LORA_ONLY, PT_ONLY, Applies
 from tunelab.config.training_options import _help
 
 if TYPE_CHECKING:
     from tunelab.config.training_args import TrainingArguments
+
+
+# Where the stage options act (checked by config/applicability.py).
+DPO, KTO, DPO_KTO = Applies("stage", ("dpo",)), Applies("stage", ("kto",)), Applies("stage", ("dpo", "kto"))
+GRPO, PPO, RL = Applies("stage", ("grpo",)), Applies("stage", ("ppo",)), Applies("stage", ("grpo", "ppo"))
 
 
 @dataclass
@@ -117,20 +124,25 @@ class DataArguments:
         default=0.85,
     )
     stride: int | None = _help(
-        "pt: step between window starts (< cutoff_len overlaps windows); default cutoff_len.", default=None
+        "pt: step between window starts (< cutoff_len overlaps windows); default cutoff_len.",
+        default=None, applies=PT_ONLY,
     )
-    min_length: int = _help("pt: drop documents shorter than this many tokens (counted in the log).", default=1)
+    min_length: int = _help(
+        "pt: drop documents shorter than this many tokens (counted in the log).",
+        default=1, applies=PT_ONLY,
+    )
     tail: Literal["keep", "drop"] = _help(
         "pt: the last window shorter than cutoff_len is kept as a shorter window, or dropped (counted).",
-        default="keep",
+        default="keep", applies=PT_ONLY,
     )
     text_column: list[str] | None = _help(
         "pt: the text column(s) of json/csv/parquet rows; with several, each row takes the first one it has a "
         "value in. Default: 'text' and 'content'.",
-        default=None,
+        default=None, applies=PT_ONLY,
     )
     txt_sample_by: Literal["line", "paragraph", "document"] = _help(
-        "pt: a .txt document is one line, one blank-line-separated block, or the whole file.", default="line"
+        "pt: a .txt document is one line, one blank-line-separated block, or the whole file.",
+        default="line", applies=PT_ONLY,
     )
     streaming: bool = _help("Read, tokenise and batch on the fly with bounded memory (needs max_steps).", default=False)
     buffer_size: int = _help("streaming: shuffle buffer size in examples.", default=16384)
@@ -159,18 +171,19 @@ class DataArguments:
 class FinetuningArguments:
     stage: Literal["pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"] = _help("Training stage.", default="sft")
     finetuning_type: Literal["lora", "freeze", "full"] = _help("Which parameters train.", default="lora")
-    lora_rank: int = _help("LoRA rank r.", default=8)
-    lora_alpha: int | None = _help("LoRA scale alpha; default 2 * lora_rank.", default=None)
-    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.0)
+    lora_rank: int = _help("LoRA rank r.", default=8, applies=LORA_ONLY)
+    lora_alpha: int | None = _help("LoRA scale alpha; default 2 * lora_rank.", default=None, applies=LORA_ONLY)
+    lora_dropout: float = _help("Dropout on the LoRA input.", default=0.0, applies=LORA_ONLY)
     lora_target: list[str] = _help(
         "Modules that get LoRA: 'all' (every linear layer but the output head) or names, comma separated.",
-        default_factory=lambda: ["all"],
+        default_factory=lambda: ["all"], applies=LORA_ONLY,
     )
     additional_target: list[str] | None = _help(
-        "Modules trained in full beside LoRA and saved with the adapter (e.g. embed_tokens,lm_head).", default=None
+        "Modules trained in full beside LoRA and saved with the adapter (e.g. embed_tokens,lm_head).",
+        default=None, applies=LORA_ONLY,
     )
-    use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False)
-    use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False)
+    use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False, applies=LORA_ONLY)
+    use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False, applies=LORA_ONLY)
     pure_bf16: bool = _help(
         "Training in bf16: the trainable weights themselves are bf16 (no float32 master copy: less memory for the "
         "weights, gradients and optimizer states, but AdamW drops updates smaller than bf16's resolution). Off: "
@@ -190,58 +203,65 @@ class FinetuningArguments:
     pref_beta: float = _help(
         "dpo / kto: beta, the strength of the reference (KL) constraint; orpo: weight of the odds-ratio term; "
         "simpo: reward scale.",
-        default=0.1,
+        default=0.1, applies=DPO_KTO,
     )
     pref_loss: Literal["sigmoid", "ipo", "hinge", "orpo", "simpo"] = _help(
         "dpo: the preference loss: sigmoid (DPO), ipo, hinge (SLiC), orpo or simpo (these two use no reference model).",
-        default="sigmoid",
+        default="sigmoid", applies=DPO,
     )
     pref_ftx: float = _help(
-        "dpo: weight of an extra SFT term, the mean token NLL of the chosen answer (0: none).", default=0.0
+        "dpo: weight of an extra SFT term, the mean token NLL of the chosen answer (0: none).",
+        default=0.0, applies=DPO,
     )
     dpo_label_smoothing: float = _help(
         "dpo, pref_loss sigmoid: probability that a preference label is flipped (conservative DPO), in [0, 0.5).",
-        default=0.0,
+        default=0.0, applies=(DPO, Applies("pref_loss", ("sigmoid",))),
     )
-    simpo_gamma: float = _help("dpo, pref_loss simpo: the target reward margin gamma.", default=0.5)
+    simpo_gamma: float = _help("dpo, pref_loss simpo: the target reward margin gamma.", default=0.5,
+                               applies=(DPO, Applies("pref_loss", ("simpo",))))
     precompute_ref_log_probs: bool = _help(
         "dpo / kto: compute the reference log-probs once before training (stored as dataset columns) instead of "
         "a reference forward pass every step.",
-        default=False,
+        default=False, applies=DPO_KTO,
     )
-    kto_desirable_weight: float = _help("kto: weight of the loss of desirable examples.", default=1.0)
-    kto_undesirable_weight: float = _help("kto: weight of the loss of undesirable examples.", default=1.0)
+    kto_desirable_weight: float = _help("kto: weight of the loss of desirable examples.", default=1.0, applies=KTO)
+    kto_undesirable_weight: float = _help("kto: weight of the loss of undesirable examples.", default=1.0, applies=KTO)
     reward_funcs: list[str] | None = _help(
         "grpo: reward functions, comma separated: built-ins exact_match (1 when the answer equals the dataset's "
         "reference), format (1 when it ends at the end-of-turn token with the reference's shape) and item_match (the "
         "share of list items in the reference's positions), or your own "
         "path/to/file.py:fn / package.module:fn with fn(prompts, completions, references) -> list[float].",
-        default=None,
+        default=None, applies=GRPO,
     )
     reward_weights: list[float] | None = _help(
         "grpo: one weight per reward function (default 1 each); a completion's reward is the weighted sum.",
-        default=None,
+        default=None, applies=GRPO,
     )
     reward_model: str | None = _help(
-        "ppo: the reward model folder a stage rm run wrote (a full model or a LoRA adapter).", default=None
+        "ppo: the reward model folder a stage rm run wrote (a full model or a LoRA adapter).",
+        default=None, applies=PPO,
     )
-    num_generations: int = _help("grpo: completions sampled per prompt (the group), at least 2.", default=8)
+    num_generations: int = _help(
+        "grpo: completions sampled per prompt (the group), at least 2.",
+        default=8, applies=GRPO,
+    )
     kl_coef: float = _help(
         "grpo / ppo: weight of the KL penalty to the reference (the model training started from; for LoRA the "
         "base with the adapter disabled). grpo: k3 estimator in the loss; ppo: per-token penalty in the reward. "
         "0 skips the reference.",
-        default=0.04,
+        default=0.04, applies=RL,
     )
     epsilon: float = _help(
-        "grpo / ppo: clip range of the policy ratio, 1 ± epsilon (ppo: also of the value update).", default=0.2
+        "grpo / ppo: clip range of the policy ratio, 1 ± epsilon (ppo: also of the value update).",
+        default=0.2, applies=RL,
     )
     num_iterations: int = _help(
         "grpo / ppo: optimizer steps on each batch of rollouts (mu); >1 reuses samples with the clipped ratio.",
-        default=1,
+        default=1, applies=RL,
     )
-    ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1)
-    ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0)
-    ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95)
+    ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
+    ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
+    ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)
     # Quantization-aware training (model/qat.py, docs/quantization.md).
     qat: str | None = _help(
         "Quantization-aware training with torchao (stages pt / sft): the linear layers train through the rounding "
@@ -301,7 +321,8 @@ class GenerationArguments:
 class ExportArguments:
     export_dir: str | None = _help(
         "tunelab export: folder for the plain model (LoRA merged into its base), tokenizer, chat template and "
-        "generation config.",
+        "generation config; with export_format gguf, the .gguf file and its Ollama Modelfile. The export's check "
+        "writes export_report.json there.",
         default=None,
     )
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
@@ -317,6 +338,28 @@ class ExportArguments:
         "tunelab export: quantize the exported model with torchao using a qat scheme (int8-int4, int4-weight, "
         "int8-weight), with or without QAT before it; the folder loads with plain transformers + torchao.",
         default=None,
+    )
+    export_format: Literal["hf", "gguf"] = _help(
+        "tunelab export: hf writes a Hugging Face model folder; gguf writes one .gguf file (llama.cpp, Ollama, LM "
+        "Studio) with an Ollama Modelfile beside it, a LoRA adapter merged first, the chat template the run trained "
+        "with embedded (docs/deploy.md).",
+        default="hf",
+    )
+    export_gguf_type: str = field(
+        metadata={
+            "help": "tunelab export with export_format gguf: the tensor type of the file's matrices (f32, f16 and "
+            "bf16 keep the weights; q8_0 to q4_0 quantize them in blocks; k-quants come from llama.cpp's "
+            "llama-quantize run on an f16 file).",
+            "choices": tuple(GGUF_TYPES),
+        },
+        default=DEFAULT_GGUF_TYPE,
+    )
+    export_parity: bool = _help(
+        "tunelab export: read the export back with plain transformers (a folder) or transformers' GGUF loader (a "
+        ".gguf) and compare it with the model as trained on a few probe conversations (template, token ids, logits "
+        "within the type's tolerance, greedy answers); export_report.json, and the export fails when they differ. "
+        "false skips it (it holds a float32 copy of the model and runs both models on the probes).",
+        default=True,
     )
 
 

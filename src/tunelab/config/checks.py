@@ -16,27 +16,15 @@ import difflib
 import logging
 import math
 
-from tunelab.config.args import DataArguments, FinetuningArguments, RunConfig
+from tunelab.config.applicability import check_applicability
+from tunelab.config.args import DataArguments, RunConfig
+from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, check_gguf_type
 from tunelab.config.metric_names import eval_metric_names
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, check_scheme
 from tunelab.errors import ConfigError
 
 RL_STAGES = ("grpo", "ppo")
-# Options of the generating stages and the stages they apply to (set elsewhere: ConfigError).
-RL_KEYS = {
-    "reward_funcs": ("grpo",), "reward_weights": ("grpo",), "num_generations": ("grpo",),
-    "reward_model": ("ppo",), "ppo_vf_coef": ("ppo",), "ppo_gamma": ("ppo",), "ppo_lam": ("ppo",),
-    "kl_coef": RL_STAGES, "epsilon": RL_STAGES, "num_iterations": RL_STAGES,
-}
 PREFERENCE_STAGES = ("rm", "dpo", "kto")
-# Preference options and the stages they apply to (set to a non-default value elsewhere: ConfigError).
-PREFERENCE_KEYS = {
-    "pref_beta": ("dpo", "kto"), "pref_loss": ("dpo",), "pref_ftx": ("dpo",), "dpo_label_smoothing": ("dpo",),
-    "simpo_gamma": ("dpo",), "precompute_ref_log_probs": ("dpo", "kto"),
-    "kto_desirable_weight": ("kto",), "kto_undesirable_weight": ("kto",),
-}
-PT_ONLY_KEYS = ("stride", "min_length", "tail", "text_column", "txt_sample_by")
-LORA_ONLY_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target", "use_dora", "use_rslora")
 # Training keys that only act under one value of a strategy key: key -> (strategy key, the value it needs).
 STRATEGY_KEYS = {
     "save_steps": ("save_strategy", "steps"),
@@ -110,6 +98,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)
+    _check_applicability(config, purpose)
     for check in (
         _check_finetuning,
         _check_quantization,
@@ -135,6 +124,13 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_predict(config, "tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
         _check_export(config)
+
+
+def _check_applicability(config: RunConfig, purpose: str) -> None:
+    """Options set where they do not act (their `applies` metadata): LoRA options without LoRA always; stage
+    options unless the command only serves the model."""
+    keys = ("finetuning_type",) if purpose == "serve" else ("finetuning_type", "stage", "pref_loss")
+    check_applicability([config.model, config.data, config.finetuning, config.generation], keys)
 
 
 def _check_template_options(config: RunConfig) -> None:
@@ -190,19 +186,31 @@ def _check_export(config: RunConfig) -> None:
     size = export.export_size
     if isinstance(size, (int, float)) and size <= 0:
         raise ConfigError(f"export_size must be a positive number of GB or a size string like 500MB, got {size}")
+    _check_export_format(config)
+
+
+def _check_export_format(config: RunConfig) -> None:
+    """export_gguf_type names a type tunelab writes and applies to GGUF only; the folder options apply to hf only."""
+    export = config.export
+    check_gguf_type(export.export_gguf_type)
+    if export.export_format == "hf":
+        if export.export_gguf_type != DEFAULT_GGUF_TYPE:
+            raise ConfigError(f"export_gguf_type: {export.export_gguf_type} applies to export_format: gguf; add "
+                              "export_format=gguf, or remove export_gguf_type to export a Hugging Face folder")
+        return
+    defaults = type(export)()
+    folder_only = {
+        "export_quantization": "a GGUF is quantized by export_gguf_type (q8_0 ... q4_0), not torchao",
+        "export_dtype": "a GGUF's tensor type is export_gguf_type (f32, f16, bf16, ...)",
+        "export_size": "a GGUF is one file, never sharded",
+    }
+    for key, why in folder_only.items():
+        if getattr(export, key) != getattr(defaults, key):
+            raise ConfigError(f"{key} applies to export_format: hf, not gguf: {why}; remove {key}")
 
 
 def _check_finetuning(config: RunConfig) -> None:
     ft = config.finetuning
-    if ft.finetuning_type != "lora":
-        defaults = {f.name: (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-                    for f in dataclasses.fields(FinetuningArguments)}
-        changed = [k for k in LORA_ONLY_KEYS if getattr(ft, k) != defaults[k]]
-        if changed:
-            raise ConfigError(
-                f"{', '.join(changed)} only apply to finetuning_type: lora (got '{ft.finetuning_type}'): "
-                "remove them or set finetuning_type: lora"
-            )
     if ft.pure_bf16 and config.training.fp16:
         raise ConfigError("pure_bf16 keeps bf16 weights, but fp16 is true: set bf16 (or leave it to auto) instead of fp16, "
                           "or remove pure_bf16")
@@ -290,10 +298,6 @@ def _check_stage_data(config: RunConfig) -> None:
     """pt's window options (which datasets suit the stage is data/registry.py's check_datasets)."""
     data, stage = config.data, config.finetuning.stage
     if stage != "pt":
-        defaults = {f.name: f.default for f in dataclasses.fields(DataArguments) if f.name in PT_ONLY_KEYS}
-        changed = [k for k in PT_ONLY_KEYS if getattr(data, k) != defaults[k]]
-        if changed:
-            raise ConfigError(f"{', '.join(changed)} only apply to stage pt (got stage: {stage}): remove them")
         return
     if data.stride is not None and not 1 <= data.stride <= data.cutoff_len:
         raise ConfigError(
@@ -316,10 +320,6 @@ def _check_stage_data(config: RunConfig) -> None:
 def _check_preference(config: RunConfig) -> None:
     """Stages rm / dpo / kto: unpacked pairs and their own options (ranking data: data/registry.py)."""
     ft, data, stage = config.finetuning, config.data, config.finetuning.stage
-    defaults = {f.name: f.default for f in dataclasses.fields(FinetuningArguments) if f.name in PREFERENCE_KEYS}
-    for key, stages in PREFERENCE_KEYS.items():
-        if stage not in stages and getattr(ft, key) != defaults[key]:
-            raise ConfigError(f"{key} only applies to stage {' / '.join(stages)} (got stage: {stage}): remove it")
     if stage not in PREFERENCE_STAGES:
         return
     if data.packing:
@@ -343,12 +343,8 @@ def _check_preference(config: RunConfig) -> None:
         raise ConfigError(
             f"precompute_ref_log_probs: pref_loss {ft.pref_loss} uses no reference model; remove precompute_ref_log_probs"
         )
-    if ft.dpo_label_smoothing != defaults["dpo_label_smoothing"] and ft.pref_loss != "sigmoid":
-        raise ConfigError(f"dpo_label_smoothing only applies to pref_loss: sigmoid (got {ft.pref_loss}): remove it")
     if not 0.0 <= ft.dpo_label_smoothing < 0.5:
         raise ConfigError(f"dpo_label_smoothing must be in [0, 0.5), got {ft.dpo_label_smoothing}")
-    if ft.simpo_gamma != defaults["simpo_gamma"] and ft.pref_loss != "simpo":
-        raise ConfigError(f"simpo_gamma only applies to pref_loss: simpo (got {ft.pref_loss}): remove it")
     if ft.pref_ftx < 0:
         raise ConfigError(f"pref_ftx must be >= 0, got {ft.pref_ftx}")
     if ft.pref_ftx and ft.pref_loss == "orpo":
@@ -358,10 +354,6 @@ def _check_preference(config: RunConfig) -> None:
 def _check_rl(config: RunConfig) -> None:
     """Stages grpo / ppo: reward functions or a reward model, and the loop's own options."""
     ft, stage = config.finetuning, config.finetuning.stage
-    defaults = {f.name: f.default for f in dataclasses.fields(FinetuningArguments) if f.name in RL_KEYS}
-    for key, stages in RL_KEYS.items():
-        if stage not in stages and getattr(ft, key) != defaults[key]:
-            raise ConfigError(f"{key} only applies to stage {' / '.join(stages)} (got stage: {stage}): remove it")
     if config.generation.temperature <= 0:
         raise ConfigError(f"temperature must be > 0 (rollouts are sampled), got {config.generation.temperature}")
     if stage not in RL_STAGES:

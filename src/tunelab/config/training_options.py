@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 
-def _help(text: str, **kwargs):
-    """A dataclass field whose help text (`tunelab train --help`, the web UI) is `text`."""
-    return field(metadata={"help": text}, **kwargs)
+def _help(text: str, applies=None, **kwargs):
+    """A dataclass field whose help text (`tunelab train --help`, the web UI) is `text`; `applies`
+    (config/applicability.py) says under which stage or method it acts."""
+    metadata = {"help": text} if applies is None else {"help": text, "applies": applies}
+    return field(metadata=metadata, **kwargs)
 
 
 @dataclass

@@ -183,5 +183,6 @@ def check_options(options: dict[str, Any], roots: Roots, purpose: str = "train")
         config = load_config(None, dict(options), purpose=purpose, warn=False)
     except TunelabError as exc:
         message = str(exc)
-        return None, CheckResult(False, message, key_of_message(message, options))
+        key = getattr(exc, "key", None)  # a check that knows its key says so (ConfigError.key); else the message's
+        return None, CheckResult(False, message, key if key in options else key_of_message(message, options))
     return config, CheckResult(True, "the config passes the checks of tunelab train")
