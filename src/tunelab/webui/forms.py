@@ -1,5 +1,11 @@
 """The configuration form: its fields (one per config key), form values <-> options <-> YAML, and the checks.
 
+The form's layout (which keys, in which order, their labels and sections) is written here; everything else a field
+is comes from the option's own declaration in config/ (args.py, training_options.py, and transformers' training
+options read from its source by training_fields.py, never imported): its kind and choices from the type, its
+placeholder from the default (HINTS where the default alone says nothing useful), its tooltip from the help, and
+when it shows from its applicability rules.
+
 A field left empty is a key left out, so the YAML the form shows holds exactly the keys the person set, and a
 loaded YAML fills the fields it has keys for; keys without a field of their own live in the "other options"
 YAML box and round-trip unchanged. Checking builds the same RunConfig as `tunelab train` (config/loader.py:
@@ -9,12 +15,22 @@ Paths typed into the form are confined to the allowed roots (security.py) before
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
+import types
+import typing
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import yaml
 
+from tunelab.config.applicability import default_of, rules_of
+from tunelab.config.args import (DataArguments, ExportArguments, FinetuningArguments, GenerationArguments,
+                                 ModelArguments)
+from tunelab.config.training_fields import OptionField, transformers_training_fields
+from tunelab.config.training_options import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingOptions
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.webui.security import Roots
 
@@ -25,49 +41,149 @@ class Field:
     label: str
     kind: str = "text"  # text | number | select
     choices: tuple[str, ...] = ()
-    hint: str = ""  # shown as the placeholder: the default, or an example
+    hint: str = ""  # shown as the placeholder (a select: its empty choice): the default, or an example
     section: str = "run"
     shows_for: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> values under which the field shows
+    help: str = ""  # the option's help text, the row's tooltip
 
 
-BOOL = ("", "true", "false")
-
-# The keys the form has a field for, in the order the form shows them.
-FIELDS: tuple[Field, ...] = (
-    Field("stage", "Stage", "select", ("", "pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"), "sft", "model"),
-    Field("model_name_or_path", "Model folder", hint="tiny, or a model folder / Hub id", section="model"),
-    Field("template", "Chat template", "select", (), "none", "model"),  # choices filled from the built-ins
-    Field("finetuning_type", "Finetuning type", "select", ("", "lora", "freeze", "full"), "lora", "model"),
-    Field("lora_rank", "LoRA rank", "number", hint="8", section="model", shows_for={"finetuning_type": ("", "lora")}),
-    Field("lora_alpha", "LoRA alpha", "number", hint="2 × rank", section="model",
-          shows_for={"finetuning_type": ("", "lora")}),
-    Field("lora_target", "LoRA target modules", hint="all", section="model", shows_for={"finetuning_type": ("", "lora")}),
-    Field("dataset_dir", "Dataset folder", hint="built-in datasets only", section="data"),
-    Field("dataset", "Datasets", hint="names, comma separated", section="data"),
-    Field("eval_dataset", "Eval datasets", hint="names, comma separated", section="data"),
-    Field("val_size", "Eval split (val_size)", "number", hint="0", section="data"),
-    Field("max_samples", "Max samples per dataset", "number", hint="all", section="data"),
-    Field("cutoff_len", "Cutoff length (tokens)", "number", hint="2048", section="data"),
-    Field("packing", "Packing", "select", BOOL, "false", "data"),
-    Field("per_device_train_batch_size", "Batch size", "number", hint="8", section="train"),
-    Field("gradient_accumulation_steps", "Gradient accumulation", "number", hint="1", section="train"),
-    Field("learning_rate", "Learning rate", "number", hint="5e-05", section="train"),
-    Field("num_train_epochs", "Epochs", "number", hint="3", section="train"),
-    Field("max_steps", "Max steps", "number", hint="-1 (epochs decide)", section="train"),
-    Field("lr_scheduler_type", "LR schedule", "select", ("", "linear", "cosine", "constant", "constant_with_warmup"),
-          "linear", "train"),
-    Field("warmup_steps", "Warmup (steps, or fraction < 1)", "number", hint="0", section="train"),
-    Field("bf16", "bf16", "select", BOOL, "auto", "train"),
-    Field("fp16", "fp16", "select", BOOL, "auto", "train"),
-    Field("logging_steps", "Log every (steps)", "number", hint="10", section="train"),
-    Field("save_steps", "Checkpoint every (steps)", "number", hint="no checkpoints", section="train"),
-    Field("output_dir", "Output folder", hint="saves/my-run", section="output"),
-    Field("overwrite_output_dir", "Overwrite output folder", "select", BOOL, "false", "output"),
-    Field("seed", "Seed", "number", hint="42", section="output"),
-)
-FIELD_KEYS = tuple(f.key for f in FIELDS)
+# The form's layout: the keys it has a field for, by section, in the order it shows them, with their labels.
+# What each field is — kind, choices, default, help, when it shows — is the option's own declaration (form_fields).
+LAYOUT: dict[str, dict[str, str]] = {
+    "model": {
+        "stage": "Stage",
+        "model_name_or_path": "Model folder",
+        "template": "Chat template",
+        "finetuning_type": "Finetuning type",
+        "lora_rank": "LoRA rank",
+        "lora_alpha": "LoRA alpha",
+        "lora_target": "LoRA target modules",
+    },
+    "data": {
+        "dataset_dir": "Dataset folder",
+        "dataset": "Datasets",
+        "eval_dataset": "Eval datasets",
+        "val_size": "Eval split (val_size)",
+        "max_samples": "Max samples per dataset",
+        "cutoff_len": "Cutoff length (tokens)",
+        "packing": "Packing",
+    },
+    "train": {
+        "per_device_train_batch_size": "Batch size",
+        "gradient_accumulation_steps": "Gradient accumulation",
+        "learning_rate": "Learning rate",
+        "num_train_epochs": "Epochs",
+        "max_steps": "Max steps",
+        "lr_scheduler_type": "LR schedule",
+        "warmup_steps": "Warmup (steps, or fraction < 1)",
+        "bf16": "bf16",
+        "fp16": "fp16",
+        "logging_steps": "Log every (steps)",
+        "save_steps": "Checkpoint every (steps)",
+    },
+    "output": {
+        "output_dir": "Output folder",
+        "overwrite_output_dir": "Overwrite output folder",
+        "seed": "Seed",
+    },
+}
+FIELD_KEYS = tuple(key for keys in LAYOUT.values() for key in keys)
 OTHER = "other"  # the form's YAML box for every other key
 SECTIONS = {"model": "Model and method", "data": "Data", "train": "Training", "output": "Output"}
+
+# Placeholders where the default alone says nothing useful: an unset option tunelab fills in (None, or a value it
+# reads specially), or a free-text field better shown by an example of what goes in it.
+HINTS = {
+    "model_name_or_path": "tiny, or a model folder / Hub id",  # the default 'tiny' hides that a path goes here
+    "template": "model",  # None: the model folder's own chat_template, as "model" (data/templates/choice.py)
+    "lora_alpha": "2 × rank",  # None: 2 * lora_rank (FinetuningArguments' help)
+    "dataset_dir": "built-in datasets only",  # None: only the built-in registry
+    "dataset": "names, comma separated",  # None: an example of the format (the check asks for one)
+    "eval_dataset": "names, comma separated",  # None: as dataset
+    "max_samples": "all",  # None: no limit
+    "max_steps": "-1 (epochs decide)",  # -1 alone does not say that num_train_epochs then decides
+    "bf16": "auto",  # transformers declares False; tunelab leaves it unset and decides (config/precision.py)
+    "fp16": "auto",  # as bf16
+    "save_steps": "no checkpoints",  # 500 acts only with save_strategy steps; tunelab's default save_strategy is no
+    "output_dir": "saves/my-run",  # None: an example (a run needs one)
+}
+BOOL = ("", "true", "false")  # "": the option left out, so its default holds
+# Choices the options do not declare as a Literal.
+CHOICES = {
+    # transformers types it as its SchedulerType enum (transformers.trainer_utils, which imports peft: not here);
+    # the form offers the usual four, each a SchedulerType value (tests/webui/test_forms.py holds them so).
+    "lr_scheduler_type": ("", "linear", "cosine", "constant", "constant_with_warmup"),
+}
+OPTION_GROUPS = (ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, TrainingOptions,
+                 ExportArguments)
+
+
+@functools.cache
+def declared_options() -> dict[str, OptionField]:
+    """Every option a config takes, as declared: transformers' training options (read from its source, not
+    imported), then tunelab's groups (which win where both name one, as in TrainingArguments), with the defaults
+    tunelab changes (TRAINING_DEFAULTS). A transformers option's help is its first sentence and tunelab's note,
+    as `tunelab train --help` shows it."""
+    options = {}
+    for name, option in transformers_training_fields().items():
+        text = " ".join(str(option.metadata.get("help", "")).split())
+        text = text.split(". ")[0].rstrip(".") + "." if text else ""
+        text = f"{text} {TRAINING_NOTES[name]}" if name in TRAINING_NOTES else text
+        options[name] = dataclasses.replace(option, metadata=MappingProxyType({**option.metadata, "help": text}))
+    for group in OPTION_GROUPS:
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            if f.init and not f.name.startswith("_"):
+                options[f.name] = OptionField(f.name, hints[f.name], default_of(f), f.metadata)
+    for name, value in TRAINING_DEFAULTS.items():
+        options[name] = dataclasses.replace(options[name], default=value)
+    return options
+
+
+def _members(annotation: Any) -> tuple[Any, ...]:
+    """The types of an annotation, None left out (`int | None` -> (int,))."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(a for a in typing.get_args(annotation) if a is not type(None))
+    return (annotation,)
+
+
+def _choices(option: OptionField) -> tuple[str, ...]:
+    (member, *more) = _members(option.annotation)
+    if more:
+        return ()
+    if typing.get_origin(member) is typing.Literal:
+        return ("", *map(str, typing.get_args(member)))
+    return BOOL if member is bool else ()
+
+
+def _kind(option: OptionField, choices: tuple[str, ...]) -> str:
+    if choices:
+        return "select"
+    numbers = _members(option.annotation)
+    return "number" if all(t in (int, float) for t in numbers) else "text"
+
+
+def default_text(value: Any) -> str:
+    """A default as the form would take it typed: 3.0 -> "3", False -> "false", ["all"] -> "all"."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return "" if value is None or value is dataclasses.MISSING else str(value)
+
+
+def _shows_for(option: OptionField, options: dict[str, OptionField]) -> dict[str, tuple[str, ...]]:
+    """The option's applicability rules (config/applicability.py) as values of the deciding fields; "" (left
+    out) is among them when the deciding option's default is. A rule on an option the form has no field for
+    is left to the check: the page cannot follow a value typed in the YAML box."""
+    shows = {}
+    for rule in rules_of(option):
+        if rule.key in FIELD_KEYS:
+            unset = ("",) if default_text(options[rule.key].default) in rule.values else ()
+            shows[rule.key] = (*unset, *rule.values)
+    return shows
 
 
 def template_choices() -> tuple[str, ...]:
@@ -76,9 +192,23 @@ def template_choices() -> tuple[str, ...]:
     return ("", "model", *TEMPLATE_NAMES)  # "model": the model folder's own chat_template
 
 
+@functools.cache
+def _form_fields() -> tuple[Field, ...]:
+    options = declared_options()
+    fields = []
+    for section, labels in LAYOUT.items():
+        for key, label in labels.items():
+            option = options[key]
+            choices = template_choices() if key == "template" else CHOICES.get(key) or _choices(option)
+            fields.append(Field(key, label, _kind(option, choices), choices,
+                                HINTS.get(key, default_text(option.default)), section, _shows_for(option, options),
+                                " ".join(str(option.metadata.get("help", "")).split())))
+    return tuple(fields)
+
+
 def form_fields() -> list[Field]:
-    return [Field(f.key, f.label, f.kind, template_choices(), f.hint, f.section) if f.key == "template" else f
-            for f in FIELDS]
+    """The form's fields: LAYOUT's keys with what their options declare."""
+    return list(_form_fields())
 
 
 def options_from_form(form: dict[str, Any]) -> dict[str, Any]:
