@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tunelab.config.applicability import check_applicability, default_of
+from tunelab.config.args import DataArguments, FinetuningArguments, GenerationArguments, ModelArguments, option_groups
+from tunelab.config.training_options import TRAINING_DEFAULTS
 from tunelab.errors import ConfigError
 from tunelab.webui import forms
 from tunelab.webui.runs import error_line
@@ -70,3 +76,116 @@ def test_error_line_prefers_tunelabs_line_then_the_traceback_end():
     traceback = "Traceback (most recent call last):\n  File \"x.py\", line 1\nRuntimeError: boom: here\n"
     assert error_line(traceback) == "RuntimeError: boom: here"
     assert error_line("") is None
+
+
+# The form's fields are the options' own declarations (config/args.py, config/training_options.py and transformers'
+# TrainingArguments, here imported as a run imports it): only the layout is the form's.
+
+def _declared():
+    """Every option by name: (dataclasses.Field, annotation, the default a run starts from)."""
+    declared = {}
+    for group in option_groups("train"):
+        hints = typing.get_type_hints(group)
+        for f in dataclasses.fields(group):
+            if f.init and not f.name.startswith("_"):
+                declared[f.name] = (f, hints[f.name], TRAINING_DEFAULTS.get(f.name, default_of(f)))
+    return declared
+
+
+def test_every_field_is_an_option_once_and_in_a_section():
+    declared = _declared()
+    assert [key for key in forms.FIELD_KEYS if key not in declared] == []
+    assert len(set(forms.FIELD_KEYS)) == len(forms.FIELD_KEYS)
+    assert [f.key for f in forms.form_fields()] == list(forms.FIELD_KEYS)
+    assert {f.section for f in forms.form_fields()} == set(forms.SECTIONS)
+    assert set(forms.HINTS) <= set(forms.FIELD_KEYS) and set(forms.CHOICES) <= set(forms.FIELD_KEYS)
+
+
+def test_kind_choices_hint_and_help_are_what_the_option_declares():
+    declared = _declared()
+    for f in forms.form_fields():
+        option, annotation, default = declared[f.key]
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        types_ = [t for t in typing.get_args(annotation) if t is not type(None)] if union else [annotation]
+        if f.key in forms.CHOICES or f.key == "template":
+            assert f.kind == "select" and f.choices[0] == "" and len(f.choices) > 2, f.key
+        elif typing.get_origin(annotation) is typing.Literal:
+            assert (f.kind, f.choices) == ("select", ("", *typing.get_args(annotation))), f.key
+        elif annotation is bool:
+            assert (f.kind, f.choices) == ("select", ("", "true", "false")), f.key
+        else:
+            number = all(t in (int, float) for t in types_)
+            assert (f.kind, f.choices) == ("number" if number else "text", ()), f.key
+        shown = forms.default_text(default)
+        if f.key in forms.HINTS:  # an override says more than the default would
+            assert f.hint == forms.HINTS[f.key] != shown, f.key
+        else:
+            assert f.hint == shown != "", f"{f.key}: a default of {default!r} needs a placeholder in forms.HINTS"
+        first = " ".join(option.metadata["help"].split()).split(". ")[0].rstrip(".")
+        assert first and f.help.startswith(first), f.key
+
+
+def test_fields_spot_checks():
+    fields = {f.key: f for f in forms.form_fields()}
+    assert fields["stage"].choices == ("", "pt", "sft", "rm", "dpo", "kto", "ppo", "grpo")
+    assert (fields["stage"].hint, fields["finetuning_type"].hint) == ("sft", "lora")
+    assert fields["logging_steps"].hint == "10"  # tunelab's default, not transformers' 500
+    assert (fields["num_train_epochs"].hint, fields["learning_rate"].hint, fields["val_size"].hint) == ("3", "5e-05", "0")
+    assert (fields["lora_target"].kind, fields["lora_target"].hint) == ("text", "all")
+    assert (fields["max_samples"].kind, fields["warmup_steps"].kind) == ("number", "number")
+    assert fields["bf16"].help.startswith("Enable bfloat16") and "auto: bf16 where" in fields["bf16"].help
+    assert fields["template"].choices[:2] == ("", "model")
+
+
+def test_offered_schedules_are_transformers_schedules():
+    from transformers.trainer_utils import SchedulerType  # noqa: PLC0415 - imports peft: only this test pays
+
+    assert set(forms.CHOICES["lr_scheduler_type"]) - {""} <= {s.value for s in SchedulerType}
+    assert _declared()["lr_scheduler_type"][2] == "linear" == {f.key: f for f in forms.form_fields()}[
+        "lr_scheduler_type"].hint
+
+
+def _changed(value):
+    """A value other than `value`, of its kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, list):
+        return [*value, "x"]
+    return 1 if value is None else f"{value}x"
+
+
+def test_lora_fields_show_for_lora_and_the_default():
+    shows = {f.key: f.shows_for for f in forms.form_fields() if f.shows_for}
+    lora = {"finetuning_type": ("", "lora")}
+    assert shows == {"lora_rank": lora, "lora_alpha": lora, "lora_target": lora}
+
+
+def test_a_field_shows_exactly_where_its_option_acts():
+    """For every value of the form's selects that decide where options act (stage, finetuning_type), a field shows
+    (as static/webui.js decides from shows_for) exactly when the config check accepts its option set there."""
+    fields = {f.key: f for f in forms.form_fields()}
+    deciding = ("stage", "finetuning_type")
+    groups_of = (ModelArguments, DataArguments, FinetuningArguments, GenerationArguments)
+    owner = {f.name: group for group in groups_of for f in dataclasses.fields(group)}
+    declared = _declared()
+    checked = 0
+    for key, field in fields.items():
+        if key not in owner or key in deciding:
+            continue
+        for decider in deciding:
+            for value in fields[decider].choices:
+                groups = {group: group() for group in groups_of}
+                if value:
+                    setattr(groups[owner[decider]], decider, value)
+                setattr(groups[owner[key]], key, _changed(declared[key][2]))
+                shows = all(value in allowed for k, allowed in field.shows_for.items() if k == decider)
+                try:
+                    check_applicability(list(groups.values()), deciding)
+                    acts = True
+                except ConfigError:
+                    acts = False
+                assert shows == acts, f"{key} under {decider}: {value!r}: shows {shows}, the check accepts {acts}"
+                checked += 1
+    assert checked > 50

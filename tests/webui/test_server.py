@@ -154,3 +154,14 @@ def test_a_yaml_fills_the_form_and_a_broken_one_says_where(server):
         "demo_sort", "64", "eval_generation: true\neval_generation_samples: 200\nmax_new_tokens: 16\n")
     status, answer = call(f"{url}/api/yaml", {"text": "stage: sft\ncutoff_len: [64\n"})
     assert status == 400 and answer["error"].startswith("YAML: line 3: not valid YAML")
+
+
+def test_the_page_renders_each_field_from_its_option(server):
+    url, _ = server
+    status, page = call(f"{url}/")
+    assert status == 200
+    assert ('<div class="field" id="row-lora_rank" title="LoRA rank r." '
+            'data-shows-for=\'{"finetuning_type": ["", "lora"]}\'>') in page
+    assert '<div class="field" id="row-packing" title="Pack several examples' in page  # no shows-for: always shown
+    assert 'name="logging_steps" type="text" placeholder="10" inputmode="decimal"' in page
+    assert '<option value="">(default: sft)</option><option value="pt">pt</option>' in page
