@@ -37,6 +37,7 @@ from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceErr
 from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.images import split_images
+from tunelab.infer.sampling import SamplingOptions
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.infer.trained import inference_template_kwargs, saved_template
 from tunelab import hub
@@ -47,32 +48,6 @@ from tunelab.run_folder import TrainedFolder
 
 Message = dict[str, Any]
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-@dataclass
-class SamplingOptions:
-    """How the next answer is drawn. temperature 0 means greedy decoding (the other sampling options then do nothing)."""
-
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    max_new_tokens: int | None = None  # None: up to the end of the model's context
-    repetition_penalty: float = 1.0
-    seed: int | None = None  # the answer's own random generator: repeatable, whatever shares its batch
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        checks = (
-            ("temperature", self.temperature >= 0, "a number >= 0 (0: greedy)"),
-            ("top_p", 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", self.top_k >= 0, "an integer >= 0 (0: off)"),
-            ("max_new_tokens", self.max_new_tokens is None or self.max_new_tokens >= 1, "an integer >= 1"),
-            ("repetition_penalty", self.repetition_penalty > 0, "a number > 0 (1: off)"),
-        )
-        for name, ok, expected in checks:
-            if not ok:
-                raise ConfigError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
-        self.stop = tuple(s for s in self.stop if s)
 
 
 # ---- loading -------------------------------------------------------------------------------------------------
