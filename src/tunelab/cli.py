@@ -3,6 +3,9 @@
 train, data, eval, export and estimate take a YAML file and/or key=value / --key value options (options
 alone work too, TRL-style); chat and api take a model or adapter folder, or a YAML file naming
 model_name_or_path, adapter_name_or_path and template (LlamaFactory's inference configs).
+Every option of every command reads in three spellings, anywhere on the line: key=value (LlamaFactory's),
+--key_name value / --key_name=value, and --key-name value (_CommandParser); an unknown one is one line that
+names the closest known spelling.
 Errors that the user can fix (tunelab.errors.TunelabError) print as one line and exit 2;
 anything else is a bug and keeps its traceback. `data verify` exits 1 when a batch fails a check.
 A training run stopped by SIGTERM / SIGINT saves a checkpoint, prints the command that resumes it
@@ -15,10 +18,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import os
+import re
 import sys
+import typing
 
-from tunelab.errors import TunelabError
+from tunelab.errors import ConfigError, TunelabError
+from tunelab.infer.sampling import SamplingOptions
 
 
 def _choices(annotation, metadata) -> list[str]:
@@ -142,38 +149,16 @@ def resume_command(config_path: str | None, overrides: list[str]) -> str:
     return shlex.join(["tunelab", "train", *([config_path] if config_path else []), *kept, "resume_from_checkpoint=true"])
 
 
-def _take_option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """Remove `name value` / `name=value` from argv (options after the config land among the overrides)."""
-    value, rest, i = None, [], 0
-    while i < len(argv):
-        if argv[i] == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith(name + "="):
-            value = argv[i].split("=", 1)[1]
-        else:
-            rest.append(argv[i])
-        i += 1
-    return value, rest
-
-
 def _cmd_data(ns: argparse.Namespace) -> int:
     from pathlib import Path  # noqa: PLC0415
 
     from tunelab.data import coverage, stats, verify  # noqa: PLC0415
-    from tunelab.errors import ConfigError  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
     from tunelab.preflight import plan_run  # noqa: PLC0415
     from tunelab.train.recipe import recipe_for  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
-    out, overrides = _take_option(overrides, "--out")
-    max_batches, overrides = _take_option(overrides, "--max-batches")
-    out = out or ns.out
-    try:
-        max_batches = int(max_batches) if max_batches is not None else ns.max_batches
-    except ValueError:
-        raise ConfigError(f"--max-batches: expected a number, got {max_batches!r}") from None
+    out, max_batches = ns.out, ns.max_batches
     plan = plan_run(path, overrides, purpose="data")
     setup_logging(is_main_process=False)  # warnings only: the report below is the output
     data = recipe_for(plan).inspection()
@@ -277,17 +262,10 @@ def _cmd_estimate(ns: argparse.Namespace) -> int:
     from tunelab.train.estimate import estimate, format_estimate  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
-    from tunelab.errors import ConfigError  # noqa: PLC0415
-
     path, overrides = _config_and_overrides(ns)
-    probe_steps, overrides = _take_option(overrides, "--probe-steps")
-    try:
-        probe_steps = int(probe_steps) if probe_steps is not None else ns.probe_steps
-    except ValueError:
-        raise ConfigError(f"--probe-steps: expected a number, got {probe_steps!r}") from None
     config = load_config(path, overrides, purpose="estimate")
     setup_logging(is_main_process=False)  # warnings only: the table below is the output
-    print(format_estimate(estimate(config, probe_steps=probe_steps)))
+    print(format_estimate(estimate(config, probe_steps=ns.probe_steps)))
     return 0
 
 
@@ -333,7 +311,6 @@ def _serving_choice(ns: argparse.Namespace) -> dict:
 
     from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.data.templates import resolve_template_name  # noqa: PLC0415
-    from tunelab.errors import ConfigError  # noqa: PLC0415
 
     kwargs = None
     if ns.template_kwargs is not None:
@@ -375,12 +352,8 @@ def _load_engine(ns: argparse.Namespace):
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
     from tunelab.infer.chat import chat_loop  # noqa: PLC0415
-    from tunelab.infer.engine import SamplingOptions  # noqa: PLC0415
 
-    options = SamplingOptions(
-        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, max_new_tokens=ns.max_new_tokens,
-        repetition_penalty=ns.repetition_penalty, seed=ns.seed,
-    )
+    options = SamplingOptions(**{f.name: getattr(ns, f.name) for f in _chat_sampling_fields()})
     engine = _load_engine(ns)
     if sys.stdin.isatty():
         import readline  # noqa: F401, PLC0415  (line editing and history for input())
@@ -388,10 +361,6 @@ def _cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def _cmd_api(ns: argparse.Namespace) -> int:
-    import os  # noqa: PLC0415
-
-    from tunelab.errors import ConfigError  # noqa: PLC0415
-
     try:
         from tunelab.infer.api import serve  # noqa: PLC0415
     except ImportError as exc:
@@ -409,6 +378,16 @@ def _cmd_api(ns: argparse.Namespace) -> int:
     serve(engine, host=ns.host, port=ns.port, api_key=api_key, max_batch_size=ns.max_batch_size,
           max_request_bytes=ns.max_request_bytes)
     return 0
+
+
+# Where chat's default differs from SamplingOptions': an answer in the terminal stops after 1024 tokens, not at
+# the end of the model's context.
+_CHAT_DEFAULTS = {"max_new_tokens": 1024}
+
+
+def _chat_sampling_fields() -> list[dataclasses.Field]:
+    """The SamplingOptions fields chat takes as flags: those with a help text (stop strings are the API's)."""
+    return [f for f in dataclasses.fields(SamplingOptions) if "help" in f.metadata]
 
 
 def _add_serving_commands(sub) -> None:
@@ -435,13 +414,13 @@ def _add_serving_commands(sub) -> None:
     )
     model_arguments(chat)
     chat.add_argument("--system", help="system prompt for the whole conversation")
-    chat.add_argument("--temperature", type=float, default=0.7, help="0: greedy (deterministic)")
-    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens "
-                      "whose probabilities add up to this")
-    chat.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
-    chat.add_argument("--max-new-tokens", type=int, default=1024, help="tokens per answer at most")
-    chat.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats (1: off)")
-    chat.add_argument("--seed", type=int, help="seed for sampling (the same seed and input give the same answers)")
+    for field in _chat_sampling_fields():  # type, default and help as SamplingOptions declares them
+        hint = typing.get_type_hints(SamplingOptions)[field.name]
+        kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))  # int | None: int
+        default = _CHAT_DEFAULTS.get(field.name, field.default)
+        shown = "" if default is None else f"; default {default}"
+        chat.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default,
+                          help=field.metadata["help"] + shown)
     chat.set_defaults(func=_cmd_chat)
     api = sub.add_parser(
         "api", help="serve a model or adapter over an OpenAI-compatible HTTP API",
@@ -463,7 +442,6 @@ def _add_serving_commands(sub) -> None:
 def _cmd_webui(ns: argparse.Namespace) -> int:
     from pathlib import Path  # noqa: PLC0415
 
-    from tunelab.errors import ConfigError  # noqa: PLC0415
     from tunelab.webui.security import Access, Roots, check_listen  # noqa: PLC0415
 
     access = Access(user_password=ns.auth, token=ns.token or None)
@@ -513,9 +491,123 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
 
+# ---- the three spellings of an option ---------------------------------------------------------------------------
+
+# `--key`, `-key`, `key=value`, `--key=value`: a name that could be an option's (a path or a value is not one).
+_OPTION_WORD = re.compile(r"(--?)?([A-Za-z_][A-Za-z0-9_-]*)")
+_TRUTH = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+SPELLINGS_NOTE = ("Each option also reads as key=value (LlamaFactory's spelling) or --key_name value:\n"
+                  "max_new_tokens=40, --max_new_tokens 40 and --max-new-tokens 40 are the same.")
+
+
+def _option_word(word: str) -> tuple[str, str, str | None] | None:
+    """(the name as typed, its key, the value after '=' or None) when `word` is spelled as an option:
+    `--max-new-tokens` → ('--max-new-tokens', 'max_new_tokens', None), `max_new_tokens=40` → (.., .., '40')."""
+    typed, equals, value = word.partition("=")
+    match = _OPTION_WORD.fullmatch(typed)
+    if match is None or not (match[1] or equals):  # a bare word is a path or a value
+        return None
+    return typed, match[2].replace("-", "_"), value if equals else None
+
+
+def _respelled(key: str, typed: str) -> str:
+    """`key` in the spelling of `typed`: max_new_tokens, --max_new_tokens or --max-new-tokens."""
+    if not typed.startswith("-"):
+        return key
+    return "--" + (key if "_" in typed else key.replace("_", "-"))
+
+
+def _argparse_words(action: argparse.Action, typed: str, value: str | None) -> list[str]:
+    """One option as argparse reads it (`--max-new-tokens=40`), its value checked against the declared type and
+    choices first, so that a wrong one is a one-line error that names the option as the user typed it."""
+    flag = next(f for f in action.option_strings if f.startswith("--"))
+    if action.nargs == 0:  # a switch: --trust-remote-code, or trust_remote_code=true|false
+        if value is None:
+            return [flag]
+        if value.lower() not in _TRUTH:
+            raise ConfigError(f"{typed}: expected true or false, got {value!r}")
+        return [flag] if _TRUTH[value.lower()] == action.const else []
+    if action.type is not None:
+        try:
+            checked = action.type(value)
+        except ValueError:
+            expected = "a number" if action.type in (int, float) else f"a {action.type.__name__}"
+            raise ConfigError(f"{typed}: expected {expected}, got {value!r}") from None
+    else:
+        checked = value
+    if action.choices is not None and checked not in action.choices:
+        raise ConfigError(f"{typed}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return [f"{flag}={value}"]
+
+
+class _CommandParser(_Parser):
+    """A command's parser that reads each of its options in three spellings, anywhere on the line:
+    `max_new_tokens=40` (LlamaFactory's), `--max_new_tokens 40` / `--max_new_tokens=40`, `--max-new-tokens 40`.
+
+    The options are declared once, with add_argument (type, default, choices, help); before argparse reads the
+    line, each option of the command is rewritten as argparse's `--max-new-tokens=40` and put in front of the
+    other words. Those left are the command's own arguments: for train, data, eval, export and estimate the
+    YAML file and the run's options (config/loader.py reads those, in the same spellings); for chat, api,
+    webui and template an option-shaped word left over is an unknown option, refused in one line with the
+    closest known spelling."""
+
+    def format_help(self) -> str:
+        return super().format_help() + f"\n{SPELLINGS_NOTE}\n"
+
+    def parse_known_args(self, args=None, namespace=None):  # argparse hands a command's words to it here
+        words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(self._argparse_spelling(words), namespace)
+
+    def _argparse_spelling(self, words: list[str]) -> list[str]:
+        actions = self._actions  # argparse keeps no public list of a parser's arguments
+        options = {flag[2:].replace("-", "_"): action for action in actions for flag in action.option_strings
+                   if flag.startswith("--") and flag != "--help"}
+        positionals = [action.dest for action in actions if not action.option_strings]
+        takes_run_options = "overrides" in positionals  # train, data, eval, export, estimate
+        front, rest, i = [], [], 0
+        while i < len(words):
+            word = words[i]
+            i += 1
+            if word == "--":  # the rest are arguments, whatever they look like
+                rest += words[i - 1:]
+                break
+            if word in ("-h", "--help"):
+                front.append(word)
+                continue
+            spelled = _option_word(word)
+            action = options.get(spelled[1]) if spelled else None
+            if action is None:
+                if spelled and not takes_run_options:
+                    raise ConfigError(self._unknown_option(spelled[0], options))
+                rest.append(word)
+                continue
+            typed, _, value = spelled
+            if value is None and action.nargs != 0:  # --key value
+                if i == len(words):
+                    raise ConfigError(f"{typed}: expected a value")
+                value, i = words[i], i + 1
+            elif value is None and i < len(words) and words[i].lower() in _TRUTH:  # a switch: --key true|false
+                value, i = words[i], i + 1
+            front += _argparse_words(action, typed, value)
+        if takes_run_options:
+            # `tunelab train --stage sft ...` (options without a YAML file): argparse would read a leading --stage
+            # as an option of the command and refuse it, so '--' marks the rest as the command's arguments.
+            at = positionals.index("config")
+            if len(rest) > at and rest[at].startswith("--") and rest[at] != "--":
+                rest.insert(at, "--")
+        return front + rest
+
+    def _unknown_option(self, typed: str, options: dict[str, argparse.Action]) -> str:
+        known = [_respelled(key, typed) for key in options]
+        close = difflib.get_close_matches(typed, known, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"see `{self.prog} --help` for its options"
+        return f"unknown option '{typed}' for {self.prog}; {hint}"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tunelab", description="Fine-tune causal language models end to end.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(prog="tunelab", description="Fine-tune causal language models end to end.",
+                     epilog=SPELLINGS_NOTE)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     train = sub.add_parser(
         "train", help="train a model from a YAML config", epilog=_options_help,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -591,31 +683,12 @@ def quiet_optional_kernel_notes() -> None:
         logging.getLogger(name).addFilter(note)
 
 
-# Where the config file goes in each command that takes one, and the options the command itself declares.
-_CONFIG_POSITION = {"train": 1, "eval": 1, "export": 1, "estimate": 1, "data": 2}
-_COMMAND_OPTIONS = {"data": ("--out", "--max-batches"), "estimate": ("--probe-steps",)}
-
-
-def _options_only(argv: list[str]) -> list[str]:
-    """`tunelab train --stage sft ...` (options without a YAML file): argparse would read a leading --stage as an
-    option of the command and refuse it, so '--' marks the rest as the command's arguments."""
-    if not argv or argv[0] not in _CONFIG_POSITION:
-        return argv
-    at = _CONFIG_POSITION[argv[0]]
-    if len(argv) <= at:
-        return argv
-    word = argv[at].split("=", 1)[0]
-    if not argv[at].startswith("--") or word in ("--help", *_COMMAND_OPTIONS.get(argv[0], ())):
-        return argv
-    return [*argv[:at], "--", *argv[at:]]
-
-
 def main(argv: list[str] | None = None) -> int:
     # Hub ids are fetched as the user's environment says (HF_HUB_OFFLINE, HF_TOKEN, HF_HOME: tunelab/hub.py).
     quiet_optional_kernel_notes()
     parser = build_parser()
-    ns = parser.parse_args(_options_only(list(sys.argv[1:] if argv is None else argv)))
     try:
+        ns = parser.parse_args(sys.argv[1:] if argv is None else argv)  # an unknown option: one line, exit 2
         return ns.func(ns)
     except TunelabError as exc:
         print(f"tunelab: error: {exc}", file=sys.stderr)
