@@ -38,6 +38,11 @@ class ModelError(TunelabError):
     """A model folder that cannot be loaded as configured."""
 
 
+class ExportError(TunelabError, ValueError):
+    """A model, tokenizer or option that cannot be exported as asked (the message says what can be), or an export
+    that reads back differently from the model as trained (export/parity.py's ParityError)."""
+
+
 class InferenceError(TunelabError):
     """A chat or API request the loaded model cannot answer as given (e.g. a prompt longer than its context)."""
 

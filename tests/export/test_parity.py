@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, TokenizersBackend
 
 from tunelab.data.templates import builtin_source
-from tunelab.export import gguf_writer
+from tunelab.export import gguf_writer, parity
 from tunelab.export.gguf_writer import write_gguf
 from tunelab.export.parity import PROBES, STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
 
@@ -109,44 +109,61 @@ def test_a_missing_rotary_permutation_is_caught(tiny, tmp_path, monkeypatch):
     assert "from the trained weights rounded as stored (f16)" in report.problems[0]
 
 
+def test_greedy_answers_parting_at_a_near_tie_are_reported_not_failed(tiny, tiny_gguf, monkeypatch):
+    """An f16 file must answer as the model as trained, except where rounding may legitimately swap two tokens: where
+    the answers part, the trained model's choice led the exported model's by at most twice the tolerance."""
+    greedy = parity.TransformersReader.greedy
+
+    def runner_up(self, ids, max_new_tokens, stops):  # the file's reader answers with the second most likely token
+        if not self.name.startswith("transformers (GGUF"):
+            return greedy(self, ids, max_new_tokens, stops)
+        return [int(self.logits(ids)[-1].topk(2).indices[1])]
+
+    monkeypatch.setattr(parity.TransformersReader, "greedy", runner_up)
+    (text,) = parity._rendered_probes(tiny.chat_template, None, tiny.tokenizer, PROBES[:1])[0]
+    with torch.no_grad():
+        logits = tiny.model(torch.tensor([tiny.tokenizer(text, add_special_tokens=False)["input_ids"]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    margin = float((top2[0] - top2[1]) / logits.std())
+
+    def check(tolerance: float) -> parity.ParityReport:
+        monkeypatch.setitem(TOLERANCES, "f16", tolerance)
+        return check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                            probes=PROBES[:1], llama_cpp=False, raise_on_mismatch=False)
+
+    near = check(margin / 2 + 1e-3)  # rounding within this tolerance may close a gap of `margin`
+    (probe,) = near.readers[0].probes
+    assert near.ok and not probe.answers_identical and probe.tie_margin == pytest.approx(margin, rel=1e-5)
+    assert "greedy answers differ at a near tie (reported)" in near.lines()[1]
+    clear = check(margin / 4)  # it may not
+    assert clear.problems == [
+        f"the GGUF's greedy answer to probe 1 is {clear.readers[0].probes[0].exported_text!r}, the trained model's "
+        f"{clear.readers[0].probes[0].reference_text!r} (its choice led by {margin:.3g} sd where it differs)"
+    ]
+
+
 @pytest.mark.slow
 def test_smollm2_f16_and_q8_0_ggufs_match(tmp_path):
     """SmolLM2-135M-Instruct (30 layers, grouped kv, its own template with a default system prompt), from the
     weights transformers reads out of its Q4_1 GGUF: f16 gives the same ids, template and greedy answers within the
-    f16 tolerance; q8_0 stays within its own (this small model's outlier weights make it sensitive: about 0.4 sd)."""
+    f16 tolerance; q8_0 stays within its own (this small model's outlier weights make it sensitive: about 0.4 sd).
+    Two probes (one with a system turn) and six answer tokens keep it to the reads themselves; all four probes and
+    every type: bench/export_parity.py."""
     from tests.real_assets import real  # noqa: PLC0415
 
     path = real("smollm2")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)  # AutoTokenizer's pick for llama
     for tensor_type in ("f16", "q8_0"):
         out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / f"smollm2-{tensor_type}.gguf",
                          tensor_type)
-        report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=8,
-                              llama_cpp=False)
+        report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=6,
+                              probes=PROBES[:2], llama_cpp=False)
         (result,) = report.readers
         assert report.ok and result.ids_identical and result.template_identical
         assert result.max_logit_gap <= TOLERANCES[tensor_type] and result.stored_gap <= STORED_TOLERANCE
         assert result.greedy_identical or tensor_type == "q8_0"
         assert "Paris" in result.probes[0].reference_text
-
-
-@pytest.mark.slow
-def test_gemma3_270m_sentencepiece_gguf_matches(tmp_path):
-    """Gemma 3 270M (SentencePiece vocabulary of 262k tokens, 1 + w norms, sliding layers), from its Q4_K_M GGUF,
-    chatting through tunelab's gemma3 template: re-exported f16, the same ids, template and answers."""
-    from tests.real_assets import real  # noqa: PLC0415
-
-    path = real("gemma3-270m")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    template = builtin_source("gemma3")
-    out = write_gguf(model, tokenizer, template, None, tmp_path / "gemma3-f16.gguf", "f16")
-    report = check_parity(model, tokenizer, template, None, out, "gguf", max_new_tokens=4, llama_cpp=False,
-                          probes=PROBES[:2])
-    (result,) = report.readers
-    assert report.ok and result.ids_identical and result.template_identical and result.greedy_identical
-    assert result.max_logit_gap <= TOLERANCES["f16"]
 
 
 def test_llama_cpp_reader_when_installed(tiny, tiny_gguf):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from tunelab.data.templates import Template
-from tunelab.errors import TunelabError
+from tunelab.errors import ExportError
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +53,6 @@ TENSOR_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = 
     "q4_1": (Q.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
 }
-FLOAT_TYPES = ("f32", "f16", "bf16")
-
-
-class ExportError(TunelabError, ValueError):
-    """A model, tokenizer or option that cannot be exported as asked; the message says what can be."""
-
 
 @dataclass(frozen=True)
 class Family:
