@@ -248,12 +248,19 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 def _cmd_export(ns: argparse.Namespace) -> int:
     from tunelab.preflight import load_config  # noqa: PLC0415
     from tunelab.export.merge import export_model  # noqa: PLC0415
+    from tunelab.export.parity import ParityError  # noqa: PLC0415
     from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
     config = load_config(path, overrides, purpose="export")
     setup_logging()
-    print(f"exported to {export_model(config)}")
+    try:
+        exported = export_model(config)
+    except ParityError as exc:  # the measurements first, then the one line naming what differs (exit 2)
+        print("\n".join(exc.report.lines() if exc.report else []))
+        raise
+    print(f"exported to {exported.path}")
+    print("\n".join(exported.report.lines()) if exported.report else f"export check: skipped ({exported.unchecked})")
     return 0
 
 
@@ -280,9 +287,11 @@ def _add_model_commands(sub) -> None:
     evaluate.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     evaluate.set_defaults(func=_cmd_eval)
     export = sub.add_parser(
-        "export", help="merge a LoRA adapter into its base and save a plain Hugging Face model",
-        description="Needs model_name_or_path, export_dir and optionally adapter_name_or_path, export_dtype, "
-        "export_size, export_quantization (in a YAML file and/or as key=value).",
+        "export", help="merge a LoRA adapter into its base and save a plain Hugging Face model or a GGUF, then check it",
+        description="Needs model_name_or_path, export_dir and optionally adapter_name_or_path, export_format (hf or "
+        "gguf), export_dtype, export_size, export_quantization (hf), export_gguf_type (gguf), export_parity (in a "
+        "YAML file and/or as key=value). The export is read back and compared with the model as trained "
+        "(export_report.json); it fails when they differ.",
     )
     export.add_argument("config", nargs="?", help="YAML file (optional: key=value options alone work too)")
     export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")

@@ -1,5 +1,9 @@
 """Exports a trained model to the formats other runtimes read, and checks every export by reading it back.
 
+    merge.py        export_model(config) -> Exported: `tunelab export`. The model as trained (base + adapter, in
+                    float32), the merge checked on the probes, then export_format hf (a plain Hugging Face folder,
+                    export_dtype / torchao export_quantization) or gguf (gguf_writer + modelfile), then the read-back
+                    check (parity) → export_report.json; check_export_dir: the preflight checks of an export
     gguf_writer.py  write_gguf(model, tokenizer, chat_template, template_vars, out_path, tensor_type) -> Path:
                     a merged Hugging Face causal LM + tokenizer + the run's chat template → one .gguf file
                     (llama.cpp, Ollama, LM Studio); ExportError for what cannot be written
@@ -10,7 +14,6 @@
                     reloaded through an independent reader and compared with the model as trained (token ids,
                     chat template, logits, greedy answers) → export_report.json; ParityError when it differs
 
-Merging a LoRA adapter and the plain Hugging Face folder stay in model/export.py; this package starts from the
-merged float32 model it produces. The modules import gguf (the `gguf` extra): import them where an export needs
-them, not at start-up.
+gguf_writer.py and modelfile.py import gguf (the `gguf` extra): merge.py imports them only for a GGUF export, and
+parity.py only to check a GGUF file, so a folder export and its check work without the extra.
 """

@@ -1,4 +1,5 @@
-"""`tunelab export`: a plain Hugging Face model folder from a base model and (optionally) a LoRA adapter.
+"""`tunelab export`: a plain Hugging Face model folder or a GGUF from a base model and (optionally) a LoRA adapter,
+then read back and compared with the model as trained (export/parity.py).
 
     base (float32) + adapter → PEFT merge_and_unload → export_dtype → save_pretrained (safetensors,
     sharded above export_size, with model.safetensors.index.json) + tokenizer with the chat template
@@ -20,6 +21,17 @@ the quantization_config in config.json, so plain `from_pretrained` (with torchao
 model. The same scheme applies whether or not the model trained with `qat` (post-training quantization). It does
 not merge into a 4-bit bitsandbytes base (the config check refuses quantization_bit).
 
+export_format gguf writes <export_dir>/model-<export_gguf_type>.gguf (export/gguf_writer.py) from the same merged
+float32 model, with the Ollama Modelfile beside it (export/modelfile.py); preflight refuses what it cannot write
+(check_export_dir) before any weights load.
+
+Every export is then checked (export_parity, default on): base + adapter against the merged model on the probe
+conversations before the adapter is dropped (a float32 merge stays within float noise), then the written folder or
+file read back by plain transformers and compared with the merged float32 model (parity.check_parity), the report
+in export_dir/export_report.json; ParityError, with the report, when anything differs beyond tolerance. The folder
+is written from a copy in export_dtype, so the float32 model stays the reference. Reward models are not checked
+(no next-token logits or answers to compare).
+
 A model_name_or_path that holds a DeepSpeed ZeRO checkpoint (a `latest` file and its global_stepN/ shards, as in a
 ZeRO run's checkpoint-N/) is consolidated from the shards (model/zero_checkpoint.py) instead of read from
 model.safetensors. Which tokenizer, template and template variables the export carries: infer/trained.py, as for
@@ -28,12 +40,15 @@ tunelab eval and chat.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import PeftModel
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification,
 )
@@ -42,7 +57,10 @@ from transformers.utils.hub import convert_file_size_to_int
 from tunelab import run_folder
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
-from tunelab.errors import ConfigError, ModelError, first_line
+from tunelab.data.templates import Template
+from tunelab.errors import ConfigError, ExportError, ModelError, first_line
+from tunelab.export import parity
+from tunelab.export.parity import ParityReport
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
 from tunelab import hub
@@ -78,6 +96,19 @@ def export_dtype(config: RunConfig) -> torch.dtype:
 
 def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module:
     """Base (+ adapter merged) in float32, ready to save."""
+    return merge_adapter(trained_model(config, pad_token_id))
+
+
+def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
+    """The adapter merged into its base (a model without one as it is), set up to serve generation."""
+    if isinstance(model, PeftModel):
+        model = model.merge_and_unload()
+    model.config.use_cache = True  # training runs save use_cache: false; the exported model serves generation
+    return model.eval()
+
+
+def trained_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module:
+    """The model as trained, in float32: the base with the adapter loaded on it (not merged), or the trained weights."""
     model_args = config.model
     seq_cls = is_sequence_classification(model_args)
     auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
@@ -107,32 +138,114 @@ def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module
                 f"model_name_or_path: cannot load {model_args.model_name_or_path} as {auto.__name__}: {first_line(exc)}"
             ) from exc
     if model_args.adapter_name_or_path:
-        model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False).merge_and_unload()
-    model.config.use_cache = True  # training runs save use_cache: false; the exported model serves generation
+        model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False)
     return model.eval()
 
 
-def export_model(config: RunConfig) -> Path:
-    """Write the merged model, tokenizer, chat template and generation config to export_dir."""
+@dataclass
+class Exported:
+    """What `tunelab export` wrote: the folder (export_format hf) or .gguf file, and what its check measured."""
+
+    path: Path
+    report: ParityReport | None  # None when export_parity is false or the model is not one the check reads
+    unchecked: str | None = None  # why there is no report
+
+
+def export_model(config: RunConfig) -> Exported:
+    """Write the export into export_dir (hf: the merged model, tokenizer, chat template and generation config; gguf:
+    one .gguf file and its Ollama Modelfile), then, with export_parity, read it back and compare it with the model as
+    trained (export/parity.py) into export_report.json; ParityError, carrying the report, when they differ."""
     out = Path(config.export.export_dir)
-    max_shard_size = shard_size_bytes(config.export.export_size)
-    dtype = export_dtype(config)
     tokenizer = load_inference_tokenizer(config.model)
     template, template_vars = None, None
     if config.finetuning.stage != "pt" and (config.data.template or tokenizer.chat_template):
         template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
         template_vars = inference_template_kwargs(config.data.template_kwargs, trained_folder(config.model), template)
-
-    model = merged_model(config, tokenizer.pad_token_id).to(dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    scheme = config.export.export_quantization
-    _warn_scheme_mismatch(config)
-    if scheme:
-        model = save_quantized(model, scheme, config.finetuning.qat_group_size, dtype, out, max_shard_size)
-    else:
-        model.save_pretrained(out, max_shard_size=max_shard_size)
     if template is not None:
         tokenizer.chat_template = template.jinja
+    gguf = config.export.export_format == "gguf"
+    # What the check renders the probes with: the GGUF's template (none for pt), or what the folder's tokenizer holds.
+    chat_template = _template(template) if gguf else tokenizer.chat_template
+    unchecked = _unchecked_reason(config)
+
+    model = trained_model(config, tokenizer.pad_token_id)
+    merge = None
+    if isinstance(model, PeftModel) and unchecked is None:
+        # The merge is checked here, where base + adapter still exist: on the probes, before and after.
+        ids = parity.probe_ids(tokenizer, chat_template, template_vars)
+        before = [_logits(model, probe) for probe in ids]
+        model = merge_adapter(model)
+        gap = max(parity.logit_gap(b, _logits(model, probe)) for b, probe in zip(before, ids))
+        merge = parity.MergeResult(gap, parity.TOLERANCES["f32"])
+    model = merge_adapter(model)
+    out.mkdir(parents=True, exist_ok=True)
+    if gguf:
+        path, kind = _write_gguf(config, model, tokenizer, template, template_vars, out), "gguf"
+    else:
+        # The check compares with the float32 model: the folder is written from a copy in export_dtype.
+        dtype = export_dtype(config)
+        keep = unchecked is None and dtype != torch.float32 and not config.export.export_quantization
+        _write_folder(config, copy.deepcopy(model) if keep else model, tokenizer, template, template_vars, out)
+        path, kind = out, "hf"
+    if unchecked is not None:
+        logger.info("export check skipped: %s", unchecked)
+        return Exported(path, None, unchecked)
+    report = parity.check_parity(model, tokenizer, chat_template, template_vars, path, kind, raise_on_mismatch=False)
+    report.merge = merge
+    report.write(out / run_folder.EXPORT_REPORT)
+    if report.problems:
+        raise parity.ParityError(report.failure(), report)
+    return Exported(path, report)
+
+
+def _template(template: Template | None) -> str | None:
+    return template.jinja if template is not None else None
+
+
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _unchecked_reason(config: RunConfig) -> str | None:
+    """Why this export is not read back, or None: export_parity says so, or a reward model (its check reads logits
+    and greedy answers of a language model)."""
+    if not config.export.export_parity:
+        return "export_parity: false"
+    if is_sequence_classification(config.model):
+        return "a reward model (sequence classification) has no next-token logits or answers to compare"
+    return None
+
+
+def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
+                template_vars: dict | None, out: Path) -> Path:
+    """<export_dir>/model-<type>.gguf and the Ollama Modelfile beside it."""
+    from tunelab.export.gguf_writer import write_gguf  # noqa: PLC0415 - the gguf extra
+    from tunelab.export.modelfile import write_modelfile  # noqa: PLC0415 - the gguf extra (imports parity)
+
+    tensor_type = config.export.export_gguf_type
+    path = write_gguf(model, tokenizer, _template(template), template_vars, out / f"model-{tensor_type}.gguf",
+                      tensor_type)
+    stop_words = list(template.stop_words) if template is not None else None
+    write_modelfile(path, tokenizer, _template(template), template_vars, stop_words=stop_words)
+    run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})
+    logger.info("exported %s as GGUF %s to %s (with its Ollama Modelfile)", type(model).__name__, tensor_type, path)
+    return path
+
+
+def _write_folder(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
+                  template_vars: dict | None, out: Path) -> None:
+    """The merged model in export_dtype (or quantized with torchao), tokenizer, processor, generation config and
+    run record."""
+    max_shard_size = shard_size_bytes(config.export.export_size)
+    dtype = export_dtype(config)
+    scheme = config.export.export_quantization
+    _warn_scheme_mismatch(config)
+    if scheme:  # quantized from the float32 weights, rounded to dtype as transformers reloads them
+        model = save_quantized(model, scheme, config.finetuning.qat_group_size, dtype, out, max_shard_size)
+    else:
+        model = model.to(dtype)
+        model.save_pretrained(out, max_shard_size=max_shard_size)
     if model.can_generate():
         tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
     tokenizer.save_pretrained(out)
@@ -149,7 +262,6 @@ def export_model(config: RunConfig) -> Path:
         generation_config.save_pretrained(out)
     quantized = f", linear layers {scheme} in groups of {config.finetuning.qat_group_size}" if scheme else ""
     logger.info("exported %s (%s%s) to %s", type(model).__name__, str(dtype).removeprefix("torch."), quantized, out)
-    return out
 
 
 def save_quantized(
@@ -187,3 +299,25 @@ def check_export_dir(config: RunConfig) -> None:
     out = Path(config.export.export_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
         raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
+    if config.export.export_format == "gguf":
+        _check_gguf_source(config.model)
+
+
+def _check_gguf_source(model_args: ModelArguments) -> None:
+    """export_format gguf: the gguf package is there and the model is a causal LM of a family gguf_writer writes."""
+    try:
+        from tunelab.export.gguf_writer import model_family  # noqa: PLC0415 - imports gguf
+    except ImportError as exc:
+        raise ConfigError(f"export_format gguf needs the gguf package ({first_line(exc)}): pip install "
+                          "'tunelab[gguf]'") from None
+    if is_sequence_classification(model_args):
+        raise ConfigError("export_format gguf: a reward model (sequence classification) has no GGUF form llama.cpp "
+                          "runs; export it with export_format: hf")
+    if vision.is_vision_model_folder(model_args.model_name_or_path):
+        raise ConfigError("export_format gguf: tunelab writes GGUF for text models; a vision-language model exports "
+                          "with export_format: hf")
+    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    try:
+        model_family(config)
+    except ExportError as exc:
+        raise ConfigError(str(exc)) from None
