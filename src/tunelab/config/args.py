@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunelab.assets import EMBEDDED_MODELS
-from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
 from tunelab.config.applicability import LORA_ONLY, PT_ONLY, Applies
+from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
 from tunelab.config.training_options import _help
+from tunelab.config.training_values import TrainingValues
 
 if TYPE_CHECKING:
     from tunelab.config.training_args import TrainingArguments
@@ -367,10 +368,9 @@ def training_group(purpose: str = "train") -> type:
     """Where a config's training options go. `tunelab data` (purpose "data") reads them into TrainingValues: the
     same names and defaults, without building transformers' TrainingArguments."""
     if purpose == "data":
-        from tunelab.config.training_values import TrainingValues  # noqa: PLC0415
 
         return TrainingValues
-    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415 - imports peft: commands that train only
 
     return TrainingArguments
 

@@ -33,10 +33,16 @@ import yaml
 from tunelab.config import checks
 from tunelab.config.args import DataArguments, RunConfig, option_groups, training_group
 from tunelab.config.llamafactory import llamafactory_advice
-from tunelab.config.precision import Machine, PrecisionChoice, choose_precision, resolve_flags
+from tunelab.config.precision import (
+    Machine,
+    PrecisionChoice,
+    choose_precision,
+    resolve_flags,
+)
 from tunelab.config.template_names import resolve_template_name
 from tunelab.config.training_fields import OptionField, dataclass_options
 from tunelab.config.training_options import TRAINING_DEFAULTS
+from tunelab.config.training_values import training_value_fields
 from tunelab.errors import ConfigError
 
 COMMAND_LINE = "the command line"
@@ -89,7 +95,6 @@ def _unknown_keys_message(unknown: list[str], origins: dict[str, str], owners: d
 
 def _group_fields(group: type) -> dict[str, OptionField]:
     if not dataclasses.is_dataclass(group):  # TrainingValues (purpose "data"): the options as declared
-        from tunelab.config.training_values import training_value_fields  # noqa: PLC0415
 
         return training_value_fields()
     return dataclass_options(group)
@@ -375,7 +380,7 @@ def _default_training_dict(output_dir: str) -> dict[str, Any]:
     would reset it and silently turn a distributed run into independent single-process runs. The
     existing state is reused instead (transformers' `use_configured_state`).
     """
-    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415 - imports peft: commands that train only
 
     try:
         default = TrainingArguments(

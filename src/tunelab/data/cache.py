@@ -28,6 +28,10 @@ from typing import Any
 
 import datasets
 
+from tunelab import __version__
+from tunelab.data.pipeline import DatasetBundle
+from tunelab.data.registry import _generator_module, load_registry, resolve_files
+
 logger = logging.getLogger(__name__)
 
 # 2: per-segment ids, truncation by exchanges, empty answers kept, reasoning, pt BOS; new report keys;
@@ -71,14 +75,11 @@ def files_fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
 
 def generator_fingerprint(spec) -> str:
     """sha256 of the source file of the module that generates a generator dataset's rows."""
-    from tunelab.data.registry import _generator_module  # noqa: PLC0415
 
     return hashlib.sha256(Path(_generator_module(spec).__file__).read_bytes()).hexdigest()
 
 
 def fingerprint(inputs: dict[str, Any]) -> str:
-    from tunelab import __version__  # noqa: PLC0415
-
     payload = json.dumps({"format": CACHE_FORMAT_VERSION, "tunelab": __version__, **inputs}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:24]
 
@@ -89,7 +90,6 @@ def data_options(data_args) -> dict[str, Any]:
 
 def dataset_inputs(data_args, tokenizer, template_source: str | None, stage: str, seed: int) -> dict[str, Any]:
     """Everything that shapes a run's tokenized datasets, as a JSON-able dict."""
-    from tunelab.data.registry import load_registry, resolve_files  # noqa: PLC0415
 
     registry = load_registry(data_args.dataset_dir)
     sources = {}
@@ -187,7 +187,6 @@ def cached_bundle(data_args, tokenizer, template_source: str | None, stage: str,
     The local main process of each node builds (atomic rename makes concurrent builders on a shared
     file system safe); the others wait for the finished entry and read it.
     """
-    from tunelab.data.pipeline import DatasetBundle  # noqa: PLC0415 - the pipeline imports this module's users
 
     inputs = dataset_inputs(data_args, tokenizer, template_source, stage, seed)
 

@@ -29,8 +29,11 @@ from typing import Any
 
 import datasets
 
+from tunelab.data.cache import cached_bundle
 from tunelab.data.encode import SupervisedEncoder
-from tunelab.data.formats import is_ranking_row
+from tunelab.data.formats import IMAGES_FEATURE, is_ranking_row
+from tunelab.data.pipeline import build_datasets
+from tunelab.data.vision import VisionEncoder, vision_fingerprint
 from tunelab.errors import DataError
 
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
@@ -98,10 +101,6 @@ class PairwiseEncoder:
         """The encoded columns' types, given to datasets.map in vision runs (None: inferred, as for text)."""
         if not self.vision:
             return None
-        import datasets  # noqa: PLC0415
-
-        from tunelab.data.formats import IMAGES_FEATURE  # noqa: PLC0415
-
         ints = datasets.List(datasets.Value("int64"))
         columns = {key: ints for key in PAIR_COLUMNS}
         columns.update(truncated=datasets.Value("bool"), num_supervised=datasets.Value("int64"),
@@ -226,7 +225,6 @@ def preference_encoder(stage: str, tokenizer, template, data_args, vision=None) 
         template_vars=data_args.template_kwargs or {},
     )
     if vision is not None:
-        from tunelab.data.vision import VisionEncoder  # noqa: PLC0415
 
         inner = VisionEncoder(inner, *vision)
     return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
@@ -236,9 +234,6 @@ def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_
                       vision=None):
     """The encoded datasets of stage rm / dpo / kto, through the tokenized cache (rm and dpo share
     their entries: the same pairs), with the val split and eval sets as for sft."""
-    from tunelab.data.cache import cached_bundle  # noqa: PLC0415
-    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
-    from tunelab.data.vision import vision_fingerprint  # noqa: PLC0415
 
     encoder = preference_encoder(stage, tokenizer, template, data_args, vision)
     return cached_bundle(

@@ -23,15 +23,20 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tunelab.config.args import DataArguments
+from tunelab.config.metric_names import VAL_SPLIT_NAME
 from tunelab.data.dedup import deduplicate_training_rows
-from tunelab.data.encode import COUNTER_COLUMNS, IMAGE_COUNTERS, EncodeStats, SupervisedEncoder
+from tunelab.data.encode import (
+    COUNTER_COLUMNS,
+    IMAGE_COUNTERS,
+    EncodeStats,
+    SupervisedEncoder,
+)
 from tunelab.data.formats import IDENTICAL_PAIR, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.registry import describe, describe_files, load_registry, load_rows
 from tunelab.data.templates import Template
 from tunelab.data.trainable import TrainableRow
-
-from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.vision import VisionEncoder
 from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)
@@ -238,7 +243,6 @@ def build_datasets(
             template_vars=data_args.template_kwargs or {},
         )
         if vision is not None:
-            from tunelab.data.vision import VisionEncoder  # noqa: PLC0415
 
             encoder = VisionEncoder(encoder, *vision)
     num_proc = data_args.preprocessing_num_workers

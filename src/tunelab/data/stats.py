@@ -21,8 +21,16 @@ from tunelab.config.args import RunConfig
 from tunelab.data.collate import (
     padding_free_layout,
 )
+from tunelab.data.run_data import (
+    RunData,
+    batch_order,
+    flat_column,
+    in_batches,
+    sequence_arrays,
+    token_lengths,
+)
+from tunelab.data.vision import image_token_ids
 from tunelab.run_folder import DATA_STATS_DIR
-from tunelab.data.run_data import RunData, batch_order, flat_column, in_batches, sequence_arrays, token_lengths
 
 HISTOGRAM_BINS = 12
 BAR_WIDTH = 40
@@ -277,7 +285,6 @@ def stats_report(data: RunData, out_dir: Path | None) -> list[str]:
 
 def image_stats(dataset: datasets.Dataset, processor: Any) -> tuple[list[str], dict[str, Any]]:
     """Images per sample, image tokens per sample and their share of the sequence (vision runs)."""
-    from tunelab.data.vision import image_token_ids  # noqa: PLC0415
 
     table = dataset.select_columns(["input_ids", "images"]).with_format("arrow")[:]
     per_sample = pc.list_value_length(table["images"]).to_numpy(zero_copy_only=False)

@@ -22,14 +22,17 @@ from tunelab.data.collate import (
     block_causal_mask,
     padding_free_layout,
 )
-from tunelab.data.encode import IGNORE_INDEX
+from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder, encoded_row_problem
+from tunelab.data.pairwise import with_answer
+from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.run_data import RunData, batch_order
+from tunelab.data.templates import get_template
+from tunelab.data.vision import expansions, image_token_ids, prepare_images
 
 
 def verify_images(data: RunData, max_rows: int) -> tuple[str | None, list[str]]:
     """Every placeholder got its image: in each sample, the image tokens are exactly those of its images' expansions
     (asked of the processor again, independently of encoding), and none of them is supervised."""
-    from tunelab.data.vision import expansions, image_token_ids, prepare_images  # noqa: PLC0415
 
     processor, settings = data.vision
     mm = image_token_ids(processor)
@@ -362,10 +365,6 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
 def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = False) -> tuple[str | None, list[str]]:
     """Re-encode up to ``max_rows`` training rows (0: all) and check each with ``encoded_row_problem``: answers
     after their exact inference prompts, ending with the end-of-turn token, truncation keeping the last answer."""
-    from tunelab.data.encode import SupervisedEncoder, encoded_row_problem  # noqa: PLC0415
-    from tunelab.data.pairwise import with_answer  # noqa: PLC0415
-    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
-    from tunelab.data.templates import get_template  # noqa: PLC0415
 
     data_args = config.data
     pairs = config.finetuning.stage in PREFERENCE_STAGES

@@ -31,7 +31,19 @@ from typing import Any
 
 import datasets
 
-from tunelab.data.encode import COUNTER_COLUMNS, IGNORE_INDEX, IMAGE_COUNTERS, SupervisedEncoder
+from tunelab.data.collate import (
+    PackedCollator,
+    PaddingFreeCollator,
+    PairedCollator,
+    SupervisedCollator,
+    padding_free_layout,
+)
+from tunelab.data.encode import (
+    COUNTER_COLUMNS,
+    IGNORE_INDEX,
+    IMAGE_COUNTERS,
+    SupervisedEncoder,
+)
 from tunelab.data.formats import IMAGE_PLACEHOLDER, IMAGES_FEATURE, template_messages
 from tunelab.data.images import fit_pixels, open_images
 from tunelab.errors import ConfigError, DataError
@@ -188,7 +200,6 @@ class VisionCollator:
         """The batch's image references in the order of their tokens in the batch: examples (or, for pairs,
         every row's first sequence, then every row's second: PairedCollator's order, both with the row's
         images) laid out as the inner collator lays them out."""
-        from tunelab.data.collate import PairedCollator, PaddingFreeCollator, padding_free_layout  # noqa: PLC0415
 
         if isinstance(self.inner, PairedCollator):
             first, second = self.inner.first, self.inner.second
@@ -261,7 +272,6 @@ def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings], p
     """The run's collator with images. A family whose processor marks image tokens with token types (Gemma 3:
     image tokens attend to each other both ways) is not isolated by packed rows (measured: packed != padded loss
     in tests/train/test_vision_train.py): packing is refused and padding-free batches fall back to padding."""
-    from tunelab.data.collate import PackedCollator, PaddingFreeCollator, SupervisedCollator  # noqa: PLC0415
 
     processor, settings = vision
     key = token_type_key(model, processor)

@@ -15,6 +15,7 @@ import torch
 
 from tunelab.data.formats import IMAGE_PLACEHOLDER, prompt_and_reference
 from tunelab.data.templates import Template
+from tunelab.data.vision import expansions, image_inputs, prepare_images
 
 
 @dataclass
@@ -86,7 +87,6 @@ def generate_predictions(
 def _with_images(prompts: list[str], rows: list, vision: tuple[Any, Any]) -> tuple[list[str], dict[str, Any]]:
     """The prompts with each `<image>` replaced by the processor's expansion of its row's image, and the image
     tensors of the chunk (its rows' images in order: the order the model meets their image tokens)."""
-    from tunelab.data.vision import expansions, image_inputs, prepare_images  # noqa: PLC0415
 
     processor, settings = vision
     texts, images = [], []

@@ -22,10 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from tunelab.config.args import RunConfig
+from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
+from tunelab.data.vision import vision_inputs
 from tunelab.infer.generate import Prediction, generate_predictions
 from tunelab.infer.metrics import generation_metrics
-from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
+from tunelab.infer.trained import (
+    inference_template,
+    inference_template_kwargs,
+    load_inference_tokenizer,
+    trained_folder,
+)
+from tunelab.model.tokenizer import load_processor
+from tunelab.model.vision import is_vision_model_folder
 from tunelab.run_folder import PREDICT_RESULTS, PREDICTIONS
 
 logger = logging.getLogger(__name__)
@@ -33,9 +42,7 @@ logger = logging.getLogger(__name__)
 
 def eval_rows(config: RunConfig) -> dict:
     """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
-    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
 
-    from tunelab.model.vision import is_vision_model_folder  # noqa: PLC0415
 
     images = is_vision_model_folder(config.model.model_name_or_path)  # rows may carry images for such a model
     _, rows = load_canonical_splits(config.data, config.training.seed, report={}, images=images)
@@ -70,9 +77,8 @@ def score(predictions: list[Prediction]) -> dict[str, float]:
 
 def run_predict(config: RunConfig) -> dict[str, float]:
     """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
-    from tunelab.data.vision import vision_inputs  # noqa: PLC0415
+    # peft: the stage modules import this one, and tunelab data reads their recipes without the training stack.
     from tunelab.model.load import load_model  # noqa: PLC0415
-    from tunelab.model.tokenizer import load_processor  # noqa: PLC0415
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))

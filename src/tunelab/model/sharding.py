@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tunelab.errors import ConfigError
+
 if TYPE_CHECKING:  # annotations only: the config checks call check_cpu_fsdp without importing peft
     from tunelab.config.training_args import TrainingArguments
 
@@ -52,7 +54,6 @@ CPU_FSDP_STAGES = ("sft", "pt")
 
 def check_cpu_fsdp(args: TrainingArguments, processes: int, stage: str) -> None:
     """What FSDP on CPU cannot do, as one line; `processes` is the run's process count (nproc_per_node × nnodes)."""
-    from tunelab.errors import ConfigError  # noqa: PLC0415
 
     if stage not in CPU_FSDP_STAGES:
         raise ConfigError(
@@ -101,7 +102,10 @@ def load_gathered_weights(model: torch.nn.Module, checkpoint: str | Path) -> boo
     if not getattr(model, "is_distributed_loading_by_transformers", False) or not weights.is_file():
         return False
     from safetensors.torch import load_file  # noqa: PLC0415
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: PLC0415
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     set_model_state_dict(model, load_file(weights), options=StateDictOptions(full_state_dict=True, strict=True))
     logger.info("fsdp: resumed the sharded model from %s", weights)

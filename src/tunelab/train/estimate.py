@@ -68,12 +68,23 @@ import torch
 from torch import nn
 
 from tunelab.config.args import RunConfig
+from tunelab.data.collate import build_collator
 from tunelab.data.run_data import supervised_counts, token_lengths
-from tunelab.model.adapters import trained_skeleton
+from tunelab.errors import DataError, TemplateError
+from tunelab.model.adapters import (
+    LORA_LAYER_TYPES,
+    _checkpointing,
+    decoder_layers,
+    trained_skeleton,
+)
+from tunelab.model.load import load_model
+from tunelab.model.resolve import resolve_dtype
+from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.losses import CHUNK_ELEMENTS
 from tunelab.train.memory import reset_peak_rss, rss_bytes
 from tunelab.train.plan import RunPlan
 from tunelab.train.recipe import recipe_for
+from tunelab.train.trainer import TunelabTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +236,6 @@ def loss_workspace_bytes(model: ModelShape, shape: TrainingShape) -> int:
 
 def parameter_bytes(model: nn.Module, quantization_bit: int | None = None) -> tuple[int, int, int]:
     """(weights bytes, gradient bytes, trainable elements); tied parameters once."""
-    from tunelab.model.adapters import LORA_LAYER_TYPES, decoder_layers  # noqa: PLC0415
 
     quantized: set[int] = set()
     if quantization_bit:
@@ -270,8 +280,6 @@ def training_shape(
 ) -> TrainingShape:
     """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
     `supervised` positions each (default all but the last)."""
-    from tunelab.model.adapters import _checkpointing, decoder_layers  # noqa: PLC0415
-    from tunelab.model.resolve import resolve_dtype  # noqa: PLC0415
 
     _, layers = decoder_layers(model)
     trainable_layers = [i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
@@ -351,7 +359,6 @@ def cutoff_lengths(config: RunConfig, why: str) -> RowLengths:
 def row_lengths(config: RunConfig):
     """(RowLengths, the tokenized train set or None): the stage recipe's datasets (train/recipe.py), read through
     the tokenized cache as `tunelab train` reads them, so a later run finds the same cache entry."""
-    from tunelab.errors import DataError, TemplateError  # noqa: PLC0415
 
     stage = config.finetuning.stage
     if stage not in ("sft", "pt"):
@@ -402,10 +409,6 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
     import datasets  # noqa: PLC0415
     import transformers  # noqa: PLC0415
 
-    from tunelab.data.collate import build_collator  # noqa: PLC0415
-    from tunelab.model.load import load_model  # noqa: PLC0415
-    from tunelab.model.tokenizer import load_tokenizer  # noqa: PLC0415
-    from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=True)

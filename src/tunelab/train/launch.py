@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tunelab.config.loader import parse_overrides, read_yaml
 from tunelab.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: a worker checks its node's share (check_node_shares) before transformers loads
@@ -105,7 +106,6 @@ def wants_launch(config_path: str | None, overrides: list[str]) -> bool:
     """Whether this command asks for several processes, read from the raw YAML and overrides, before
     TrainingArguments is built (building it selects a GPU in this process; see `devices_untouched`).
     Values that do not parse answer False here; load_config then reports them."""
-    from tunelab.config.loader import parse_overrides, read_yaml  # noqa: PLC0415
 
     if under_launcher():
         return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from tunelab.config.args import RunConfig
+from tunelab.train.estimate import estimate, format_size
 
 _CPU_ALLOCATOR = ("DefaultCPUAllocator", "can't allocate memory", "not enough memory")
 
@@ -27,7 +28,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 def _asked(error: str) -> str:
     """What the failed allocation asked for, from the allocator's message ("" when it does not say)."""
-    from tunelab.train.estimate import format_size  # noqa: PLC0415
 
     match = re.search(r"allocate (\d+) bytes", error)  # CPU: "you tried to allocate 100663296 bytes"
     if match:
@@ -38,7 +38,6 @@ def _asked(error: str) -> str:
 
 def out_of_memory_message(config: RunConfig, error: str) -> str:
     """One line: where it ran out, the estimate for this config, and what to lower."""
-    from tunelab.train.estimate import estimate, format_size  # noqa: PLC0415
 
     args, data = config.training, config.data
     device = "GPU" if args.device.type == "cuda" else "CPU"

@@ -23,9 +23,11 @@ from tunelab import run_folder
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.errors import ConfigError, as_os_error
-from tunelab.train.resume import clear_previous_run
+from tunelab.hub import snapshot_of
+from tunelab.infer.generate import stop_token_ids
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
+from tunelab.train.resume import clear_previous_run
 from tunelab.versions import versions
 
 
@@ -54,7 +56,6 @@ def write_run_start(config: RunConfig) -> None:
 
 def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
     """{key: repo id, revision asked for, commit read, cache folder} of the models a run read by Hub id."""
-    from tunelab.hub import snapshot_of  # noqa: PLC0415
 
     folders = {
         "model_name_or_path": (config.model.model_name_or_path, config.model.model_revision),
@@ -89,7 +90,6 @@ def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
 def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -> None:
     """The files beside the weights: tokenizer with the chat template, generation config with stop ids.
     (Stages that run their own loop — grpo, ppo — save the weights themselves, then call this.)"""
-    from tunelab.infer.generate import stop_token_ids  # noqa: PLC0415
 
     if template is not None:
         tokenizer.chat_template = template.jinja

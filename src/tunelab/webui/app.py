@@ -97,6 +97,7 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
     @app.get("/api/datasets")
     def datasets(dataset_dir: str = "") -> JSONResponse:
         """The names the dataset fields offer: the built-in datasets and those of dataset_dir/dataset_info.json."""
+        # The web UI starts without the data, model and training stacks; the page that needs one imports it.
         from tunelab.data.registry import load_registry  # noqa: PLC0415
 
         try:
@@ -111,6 +112,7 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
         try:
             options = forms.options_from_form(form)
             roots.check_options(options)
+            # The web UI starts without the data, model and training stacks; the page that needs one imports it.
             from tunelab.preflight import load_config  # noqa: PLC0415
 
             with config_lock:

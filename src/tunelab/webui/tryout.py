@@ -35,6 +35,7 @@ def _segments(tokenizer, ids: list[int], labels: list[int]) -> list[dict[str, An
 
 
 def preview(config, count: int = 3) -> dict[str, Any]:
+    # The web UI starts without the data, model and training stacks; the page that needs one imports it.
     from tunelab.data.stats import stats_report  # noqa: PLC0415
     from tunelab.train.plan import RunPlan  # noqa: PLC0415
     from tunelab.train.recipe import recipe_for  # noqa: PLC0415
@@ -68,6 +69,7 @@ class EngineCache:
         self.engine = None
 
     def get(self, folder: Path):
+        # The web UI starts without the data, model and training stacks; the page that needs one imports it.
         from tunelab.infer.engine import load_engine  # noqa: PLC0415
 
         weights = [p.stat().st_mtime for p in folder.glob("*.safetensors")]
@@ -80,6 +82,7 @@ class EngineCache:
 
 
 def chat_stream(engine, messages: list[dict[str, str]], temperature: float, max_new_tokens: int) -> Iterator[str]:
+    # The web UI starts without the data, model and training stacks; the page that needs one imports it.
     from tunelab.infer.engine import SamplingOptions  # noqa: PLC0415
 
     options = SamplingOptions(temperature=temperature, max_new_tokens=max_new_tokens, seed=0)
