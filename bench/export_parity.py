@@ -1,0 +1,135 @@
+"""`tunelab export` on real models: a LoRA run on SmolLM2-135M-Instruct exported to GGUF (and to a folder), each
+export read back and checked as the command always does, and Gemma 3 270M re-exported to an f16 GGUF.
+
+    python scripts/fetch_real.py smollm2 gemma3-270m
+    python bench/export_parity.py --steps 20 --types f16,q8_0,q4_0 --folder
+    python bench/export_parity.py --gemma3
+
+SmolLM2 (the GGUF of scripts/fetch_real.py, dequantized once into an HF folder under bench/.data, as
+bench/pure_bf16.py does) trains a LoRA adapter for --steps steps on demo_sort with its own chat template
+(`tunelab train ... template=model`); then `tunelab export model_name_or_path=<base> adapter_name_or_path=<run>
+export_format=gguf export_gguf_type=<type>` runs as a user runs it, in its own process. Printed per export: the command's check lines,
+file size, the command's wall time, and a table row for docs/deploy.md (merge gap, max logit gap and tolerance,
+greedy answers identical of the probes, tokens/s through transformers' GGUF loader). --gemma3: Gemma 3 270M (262k
+SentencePiece vocabulary, 1 + w norms, sliding layers) read from its Q4_K_M GGUF, written f16 and checked with
+tunelab's gemma3 template on the probes Gemma accepts (the suite's real-tokenizer round trip covers its vocabulary;
+this covers its real weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scripts"))
+sys.path.insert(0, str(HERE))
+
+from fetch_real import path_of  # noqa: E402
+from pure_bf16 import hf_folder  # noqa: E402
+
+
+def tunelab(*args: str) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "tunelab.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+    return done, time.perf_counter() - start
+
+
+def train_lora(model: Path, out: Path, steps: int) -> Path:
+    if (out / "adapter_config.json").is_file():
+        return out
+    done, seconds = tunelab(
+        "train", f"model_name_or_path={model}", "template=model", "stage=sft", "finetuning_type=lora",
+        "dataset=demo_sort", f"max_samples={steps * 4}", "cutoff_len=96", "per_device_train_batch_size=4",
+        f"max_steps={steps}", "learning_rate=2e-4", "logging_steps=5", "seed=0", "disable_tqdm=true",
+        "plot_loss=false", "overwrite_output_dir=true", f"output_dir={out}",
+    )
+    if done.returncode != 0:
+        raise SystemExit(done.stderr[-3000:])
+    print(f"trained the LoRA adapter in {seconds:.0f} s: {out}", flush=True)
+    return out
+
+
+def export(base: Path, run: Path, out: Path, *options: str) -> dict:
+    done, seconds = tunelab("export", f"model_name_or_path={base}", f"adapter_name_or_path={run}", f"export_dir={out}",
+                            "overwrite_output_dir=true", *options)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    print("\n".join(lines), flush=True)
+    if done.returncode != 0:
+        print(done.stderr.splitlines()[-1] if done.stderr else "", flush=True)
+        if not (out / "export_report.json").is_file():
+            raise SystemExit(done.stderr[-3000:])
+    report = json.loads((out / "export_report.json").read_text())
+    (reader,) = report["readers"]
+    return {
+        "options": " ".join(options), "seconds": seconds, "ok": report["ok"], "bytes": report["file_bytes"],
+        "merge": report["merge"]["max_logit_gap"] if report["merge"] else None, "gap": reader["max_logit_gap"],
+        "abs_gap": reader["max_abs_logit_gap"], "tolerance": reader["tolerance"], "stored": reader["stored_gap"],
+        "greedy": sum(p["answers_identical"] for p in reader["probes"]), "probes": len(reader["probes"]),
+        "tokens_per_second": reader["tokens_per_second"],
+    }
+
+
+def gemma3() -> None:
+    import torch  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from tunelab.data.templates import builtin_source  # noqa: PLC0415
+    from tunelab.export.gguf_writer import write_gguf  # noqa: PLC0415
+    from tunelab.export.parity import PROBES, check_parity  # noqa: PLC0415
+
+    path = path_of("gemma3-270m")
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type="gemma3_text")
+    print(f"Gemma 3 270M read from {path.name} in {time.perf_counter() - start:.0f} s", flush=True)
+    template = builtin_source("gemma3")
+    out = HERE / ".results" / "export_parity" / "gemma3-f16.gguf"
+    start = time.perf_counter()
+    written = write_gguf(model, tokenizer, template, None, out, "f16")
+    print(f"written in {time.perf_counter() - start:.1f} s", flush=True)
+    start = time.perf_counter()
+    report = check_parity(model, tokenizer, template, None, written, "gguf", probes=PROBES, llama_cpp=False,
+                          raise_on_mismatch=False, report_path=out.with_suffix(".json"))
+    print("\n".join(report.lines()), flush=True)
+    print(f"checked in {time.perf_counter() - start:.0f} s ({len(report.skipped_probes)} probe(s) the template "
+          "refuses)", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="LoRA training steps on SmolLM2")
+    parser.add_argument("--types", default="f16,q8_0,q4_0", help="export_gguf_type values, comma separated")
+    parser.add_argument("--folder", action="store_true", help="also export a bfloat16 folder (export_format hf)")
+    parser.add_argument("--gemma3", action="store_true", help="only the Gemma 3 270M f16 re-export")
+    parser.add_argument("--out", type=Path, default=HERE / ".results" / "export_parity")
+    args = parser.parse_args()
+    if args.gemma3:
+        gemma3()
+        return
+    base = hf_folder(HERE / ".data" / "real" / "smollm2-hf")
+    run = train_lora(base, args.out / "lora-run", args.steps)
+    rows = {}
+    for tensor_type in args.types.split(","):
+        rows[tensor_type] = export(base, run, args.out / f"gguf-{tensor_type}", "export_format=gguf",
+                                   f"export_gguf_type={tensor_type}")
+    if args.folder:
+        rows["folder bf16"] = export(base, run, args.out / "hf-bf16", "export_dtype=bfloat16")
+    print("\n| export | size (bytes) | `tunelab export` | merge gap | max logit gap (tolerance) | from the weights as "
+          "stored | greedy answers identical | tokens/s |\n|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['bytes']:,} | {r['seconds']:.0f} s | {r['merge']:.2g} sd | {r['gap']:.3g} sd "
+              f"({r['abs_gap']:.3g}; {r['tolerance']:g}) | {r['stored']:.2g} sd | {r['greedy']} of {r['probes']} | "
+              f"{r['tokens_per_second']:.1f} |")
+    (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                        "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
