@@ -6,6 +6,7 @@ command that needs the stage's data or model (torchtune's recipe shape).
     recipe.datasets()                  what the stage trains on, through the tokenized cache
     recipe.collator(model)             the collator its trainer batches with, for the loaded model or a skeleton
     recipe.model()                     the model set up to train (adapters, quantization)
+    recipe.trainer(model, data)        sft / pt: the Trainer on them (the pair stages build their PreferenceTrainer)
     recipe.run()                       tunelab train: train, save, evaluate → the run's metrics
     recipe.summary(metrics)            the lines tunelab train ends with
     recipe.inspection()                tunelab data stats|verify|coverage: the samples before packing, the packed
@@ -102,6 +103,23 @@ class Recipe:
             varlen = PackedCollator(pad, "varlen")
             return varlen if data_args.packing else PaddingFreeCollator(varlen)
         return build_collator(self.skeleton(), pad, data_args.packing, data_args.padding_free)
+
+    def trainer(self, model: nn.Module, data: DatasetBundle, *callbacks):
+        """The Trainer of the stages that train on examples (sft, pt): the run's datasets, collator and callbacks
+        (train/callbacks.py: the log, early stopping, the user's) plus the stage's own."""
+        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
+        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
+        from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
+
+        return TunelabTrainer(
+            model=model,
+            args=self.config.training,
+            train_dataset=data.train,
+            eval_dataset=single_or_named(data.eval),
+            data_collator=self.collator(model),
+            processing_class=self.tokenizer,
+            callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks),
+        )
 
     # ---- what each stage defines ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from tunelab.data.pipeline import DatasetBundle
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
 from tunelab.train import outputs
-from tunelab.train.recipe import Recipe, single_or_named
+from tunelab.train.recipe import Recipe
 from tunelab.train.stages.sft import _final_eval_metrics
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,6 @@ class PretrainRecipe(Recipe):
         return self.example_collator()
 
     def run(self) -> dict:
-        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
-        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
-        from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
         config, args = self.config, self.config.training
         if config.data.template:
             logger.info("stage pt trains on raw text: template %r is not used", config.data.template)
@@ -63,15 +60,7 @@ class PretrainRecipe(Recipe):
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
         model = self.model()
         metrics: dict = self.parameter_counts(model)
-        trainer = TunelabTrainer(
-            model=model,
-            args=args,
-            train_dataset=data.train,
-            eval_dataset=single_or_named(data.eval),
-            data_collator=self.collator(model),
-            processing_class=self.tokenizer,
-            callbacks=run_callbacks(config, self.plan.user_callbacks),
-        )
+        trainer = self.trainer(model, data)
 
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         metrics.update(result.metrics)

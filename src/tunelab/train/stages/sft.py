@@ -20,7 +20,7 @@ from tunelab.errors import ConfigError
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
 from tunelab.infer.predict import predict
 from tunelab.train import outputs
-from tunelab.train.recipe import Recipe, single_or_named
+from tunelab.train.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -55,25 +55,13 @@ class SupervisedRecipe(Recipe):
         return self.example_collator()  # (the images' own checks are data/verify.py's verify_images)
 
     def run(self) -> dict:
-        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
-        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
-        from tunelab.train.trainer import TunelabTrainer  # noqa: PLC0415
         config, args = self.config, self.config.training
         tokenizer, template, vision = self.tokenizer, self.template, self.vision
         data = self.datasets()
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
         model = self.model()
         metrics: dict = self.parameter_counts(model)
-        trainer = TunelabTrainer(
-            model=model,
-            args=args,
-            train_dataset=data.train,
-            eval_dataset=single_or_named(data.eval),
-            data_collator=self.collator(model),
-            processing_class=tokenizer,
-            callbacks=run_callbacks(config, self.plan.user_callbacks,
-                                    *_generation_metrics(data.eval_rows, tokenizer, template, config)),
-        )
+        trainer = self.trainer(model, data, *_generation_metrics(data.eval_rows, tokenizer, template, config))
 
         generation_rows = held_out_rows(data.eval_rows, config)
         if generation_rows is not None:
