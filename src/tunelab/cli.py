@@ -252,6 +252,8 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     from tunelab.log import setup_logging  # noqa: PLC0415
 
     path, overrides = _config_and_overrides(ns)
+    if ns.check_only:  # the flag is the option export_check_only
+        overrides = [*overrides, "export_check_only=true"]
     config = load_config(path, overrides, purpose="export")
     setup_logging()
     try:
@@ -259,7 +261,7 @@ def _cmd_export(ns: argparse.Namespace) -> int:
     except ParityError as exc:  # the measurements first, then the one line naming what differs (exit 2)
         print("\n".join(exc.report.lines() if exc.report else []))
         raise
-    print(f"exported to {exported.path}")
+    print(f"checked {exported.path}" if config.export.export_check_only else f"exported to {exported.path}")
     print("\n".join(exported.report.lines()) if exported.report else f"export check: skipped ({exported.unchecked})")
     return 0
 
@@ -294,6 +296,8 @@ def _add_model_commands(sub) -> None:
         "(export_report.json); it fails when they differ.",
     )
     export.add_argument("config", nargs="?", help="YAML file (optional: key=value options alone work too)")
+    export.add_argument("--check-only", action="store_true",
+                        help="write nothing: run the check on what an earlier export with these options wrote")
     export.add_argument("overrides", nargs=argparse.REMAINDER, help="key=value or --key value overrides")
     export.set_defaults(func=_cmd_export)
     estimate = sub.add_parser(

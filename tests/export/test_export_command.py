@@ -198,3 +198,27 @@ def test_the_file_type_is_read_from_the_header_alone(tiny_gguf):
             assert _gguf_header_value(path, "tokenizer.ggml.bos_token_id") == gguf.GGUFReader(path).fields[
                 "tokenizer.ggml.bos_token_id"].contents()  # after the vocabulary's arrays
     assert _gguf_header_value(tiny_gguf("f16"), "no.such.key") is None
+
+
+def test_check_only_rechecks_an_existing_export(lora_run, tmp_path, capsys):
+    """`tunelab export --check-only` writes nothing and runs the same check on what is there; checked against another
+    template than the file carries, it fails; no export there is one line."""
+    out = tmp_path / "gguf"
+    options = [f"adapter_name_or_path={lora_run}", f"export_dir={out}", "export_format=gguf", "export_gguf_type=f16"]
+    code, _, err = _export(capsys, "--check-only", *options)
+    assert code == 2 and err.strip() == (
+        f"tunelab: error: --check-only: {out / 'model-f16.gguf'} does not exist (export_gguf_type f16); export first, "
+        "or point export_dir and the export options at the existing export")
+    assert _export(capsys, *options)[0] == 0
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    code, lines, _ = _export(capsys, *options, "--check-only")
+    assert code == 0 and lines[0] == f"checked {out / 'model-f16.gguf'}"
+    assert lines[1].startswith("export check: gguf model-f16.gguf (f16, ")
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.name != "export_report.json"} == {
+        k: v for k, v in written.items() if k != "export_report.json"}  # nothing but the report rewritten
+
+    # Checked against other template variables than the file was written with: the check names the template.
+    code, lines, err = _export(capsys, "--check-only", *options, 'template_kwargs={"enable_thinking": true}')
+    assert code == 2
+    assert err.splitlines()[-1].startswith(
+        "tunelab: error: export check failed for model-f16.gguf: the GGUF's chat template differs from the trained one")

@@ -154,8 +154,10 @@ class Exported:
 def export_model(config: RunConfig) -> Exported:
     """Write the export into export_dir (hf: the merged model, tokenizer, chat template and generation config; gguf:
     one .gguf file and its Ollama Modelfile), then, with export_parity, read it back and compare it with the model as
-    trained (export/parity.py) into export_report.json; ParityError, carrying the report, when they differ."""
+    trained (export/parity.py) into export_report.json; ParityError, carrying the report, when they differ.
+    export_check_only (`tunelab export --check-only`): the same check on what an earlier export wrote there."""
     out = Path(config.export.export_dir)
+    check_only = config.export.export_check_only
     tokenizer = load_inference_tokenizer(config.model)
     template, template_vars = None, None
     if config.finetuning.stage != "pt" and (config.data.template or tokenizer.chat_template):
@@ -179,7 +181,9 @@ def export_model(config: RunConfig) -> Exported:
         merge = parity.MergeResult(gap, parity.TOLERANCES["f32"])
     model = merge_adapter(model)
     out.mkdir(parents=True, exist_ok=True)
-    if gguf:
+    if check_only:
+        path, kind = (_gguf_path(config, out), "gguf") if gguf else (out, "hf")
+    elif gguf:
         path, kind = _write_gguf(config, model, tokenizer, template, template_vars, out), "gguf"
     else:
         # The check compares with the float32 model: the folder is written from a copy in export_dtype.
@@ -196,6 +200,23 @@ def export_model(config: RunConfig) -> Exported:
     if report.problems:
         raise parity.ParityError(report.failure(), report)
     return Exported(path, report)
+
+
+def _gguf_path(config: RunConfig, out: Path) -> Path:
+    return out / f"model-{config.export.export_gguf_type}.gguf"
+
+
+def _check_existing_export(config: RunConfig, out: Path) -> None:
+    """--check-only needs the export the same options would write, and the check switched on."""
+    if not config.export.export_parity:
+        raise ConfigError("--check-only runs the export check, but export_parity is false: remove one of them")
+    if config.export.export_format == "gguf":
+        wanted, what = _gguf_path(config, out), f"export_gguf_type {config.export.export_gguf_type}"
+    else:
+        wanted, what = out / "config.json", "export_format hf"
+    if not wanted.is_file():
+        raise ConfigError(f"--check-only: {wanted} does not exist ({what}); export first, or point export_dir and "
+                          "the export options at the existing export")
 
 
 def _template(template: Template | None) -> str | None:
@@ -224,8 +245,7 @@ def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: 
     from tunelab.export.modelfile import write_modelfile  # noqa: PLC0415 - the gguf extra (imports parity)
 
     tensor_type = config.export.export_gguf_type
-    path = write_gguf(model, tokenizer, _template(template), template_vars, out / f"model-{tensor_type}.gguf",
-                      tensor_type)
+    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config, out), tensor_type)
     stop_words = list(template.stop_words) if template is not None else None
     write_modelfile(path, tokenizer, _template(template), template_vars, stop_words=stop_words)
     run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})
@@ -295,9 +315,12 @@ def _warn_scheme_mismatch(config: RunConfig) -> None:
 
 
 def check_export_dir(config: RunConfig) -> None:
-    """export_dir is empty, or overwrite_output_dir says it may be replaced."""
+    """export_dir is empty, or overwrite_output_dir says it may be replaced; with export_check_only, it holds the
+    export these options write."""
     out = Path(config.export.export_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
+    if config.export.export_check_only:
+        _check_existing_export(config, out)
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
         raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
     if config.export.export_format == "gguf":
         _check_gguf_source(config.model)
