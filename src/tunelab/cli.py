@@ -337,7 +337,7 @@ def _serving_choice(ns: argparse.Namespace) -> dict:
             )
     choice = {"path": ns.path, "base_model": ns.model, "template": ns.template, "template_kwargs": kwargs,
               "trust_remote_code": ns.trust_remote_code}
-    if Path(ns.path).is_file():  # LlamaFactory's way: a YAML naming the model, adapter and template
+    if Path(ns.path).is_file() and not ns.path.lower().endswith(".gguf"):  # a YAML naming model, adapter, template
         config = load_config(ns.path, purpose="serve")
         model, adapter = config.model.model_name_or_path, config.model.adapter_name_or_path
         choice["path"] = adapter or model
@@ -406,9 +406,9 @@ def _chat_sampling_fields() -> list[dataclasses.Field]:
 def _add_serving_commands(sub) -> None:
     def model_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("path", help="a trained output folder (model or LoRA adapter), any local Hugging Face "
-                            "model folder, 'tiny' (the embedded tiny Llama), 'tiny-vision' (the embedded tiny LLaVA), or a YAML file with model_name_or_path, "
+                            "model folder, a GGUF file (.gguf), 'tiny' (the embedded tiny Llama), 'tiny-vision' (the embedded tiny LLaVA), or a YAML file with model_name_or_path, "
                             "adapter_name_or_path and template (the flags below win over it)")
-        parser.add_argument("--model", help="base model folder for an adapter (default: base_model_name_or_path "
+        parser.add_argument("--model", help="base model folder (or GGUF file) for an adapter (default: base_model_name_or_path "
                             "in its adapter_config.json)")
         parser.add_argument("--template", help="a built-in chat template instead of the folder's own chat_template "
                             "(see `tunelab template list`)")

@@ -4,6 +4,8 @@
       config time: snapshot_download(everything but the weights) → <cache>/models--Qwen--Qwen2.5-0.5B-Instruct/
                    snapshots/<commit>/; the weights' format is checked (safetensors, or pickle only when asked)
       load time:   fetch_weights(that folder) → the weight files join the same snapshot folder
+    model_name_or_path: org/name-GGUF + gguf_file: name-Q4_K_M.gguf
+      config time: fetch_file → that one file in the snapshot folder (its tokenizer is inside it, so it comes first)
 
 A local folder always wins over a Hub id of the same spelling. Everything else is huggingface_hub's: the cache
 (HF_HOME / HF_HUB_CACHE), offline mode (HF_HUB_OFFLINE: the cache only), the token (HF_TOKEN or `hf auth login`),
@@ -99,6 +101,18 @@ def resolve_model(
     # Offline, a cache without the weights is fine until they are needed (`tunelab data` needs none).
     _weight_files(snapshot, allow_pickle, subject, required_in_cache=False)
     return str(snapshot.folder)
+
+
+def fetch_file(repo_id: str, filename: str, revision: str, what: str) -> Path:
+    """One file of a model repo (a GGUF: weights, config and tokenizer in one) in the cache snapshot, fetched now;
+    `what` starts the error messages ("model_name_or_path: org/name (gguf_file: x.gguf)")."""
+    snapshot = _download(repo_id, "model", revision, [filename], what, "model_revision", no_folder=True)
+    if not (snapshot / filename).is_file():
+        if is_offline():  # snapshot_download answered with what the cache holds of the repo
+            raise ModelError(f"{what} is not in the Hugging Face cache ({snapshot.parents[2]}), and HF_HUB_OFFLINE is "
+                             f"set; fetch it with `hf download {repo_id} {filename}` or unset HF_HUB_OFFLINE")
+        raise ModelError(f"{what}: the repo has no file {filename} at revision '{revision}'")
+    return snapshot / filename
 
 
 def fetch_weights(folder: str | Path, allow_pickle: bool = False, key: str = "model_name_or_path") -> None:

@@ -7,7 +7,8 @@
       config/loader.py build_config    the option groups, and every check of the values alone (config/checks.py)
       then the layers' own checks, each resolving once what later steps take from the plan:
       model/qat.py                     torchao for qat / export_quantization; an adapter's export names its base
-      model/folder.py                  Hub id → cache folder; a model folder; its remote code; the adapter's files
+      model/folder.py                  Hub id → cache folder; a model folder or a readable GGUF file (gguf_file
+                                       joined to its folder / Hub repo); its remote code; the adapter's files
       model/qat.py                     the quantized layers fit the group size            → qat_group_size
       data/templates/choice.py         the template exists and reads the template_kwargs given
       data/registry.py                 the datasets exist and suit the stage              → plan.registry
@@ -62,8 +63,8 @@ def plan_run(
     qat.check_quantization_sources(config)
     model_folder, adapter_folder = resolve_model_folders(config.model)
     config = dataclasses.replace(config, model=dataclasses.replace(
-        config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder,
-    ))
+        config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder, gguf_file=None,
+    ))  # a GGUF given as folder / Hub id + gguf_file is its file's path from here on
     if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
         config.finetuning.qat_group_size = qat.check_quantized_layers(config)
     reads_data = purpose not in ("export", "serve")

@@ -28,10 +28,16 @@ GRPO, PPO, RL = Applies("stage", ("grpo",)), Applies("stage", ("ppo",)), Applies
 @dataclass
 class ModelArguments:
     model_name_or_path: str = _help(
-        "A Hugging Face model folder (config.json + weights), or a Hub id (org/name) fetched into the Hugging Face "
-        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply). 'tiny' is the embedded tiny Llama, "
+        "A Hugging Face model folder (config.json + weights), a Hub id (org/name) fetched into the Hugging Face "
+        "cache (HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply), or a GGUF file (path/to/model.gguf: llama.cpp, Ollama, "
+        "LM Studio), dequantized to the compute dtype. 'tiny' is the embedded tiny Llama, "
         "'tiny-vision' the embedded tiny LLaVA.",
         default="tiny",
+    )
+    gguf_file: str | None = _help(
+        "The GGUF file to load from model_name_or_path when that is a folder or a Hub id holding several (e.g. "
+        "model-Q4_K_M.gguf); a path relative to it. A GGUF file can also be given directly as model_name_or_path.",
+        default=None,
     )
     model_revision: str = _help(
         "Hub ids: the branch, tag or commit of model_name_or_path to use; the run records the commit it read.",

@@ -223,15 +223,35 @@ def _check_finetuning(config: RunConfig) -> None:
 
 
 def _check_quantization(config: RunConfig) -> None:
+    _check_gguf_file(config)
     bits = config.model.quantization_bit
     if bits is None:
         return
+    if config.model.gguf_file or config.model.model_name_or_path.lower().endswith(".gguf"):
+        raise ConfigError(
+            f"quantization_bit: {bits} cannot apply to a GGUF model: transformers refuses to quantize a GGUF while "
+            "loading it; train it with finetuning_type: lora without quantization_bit (its weights load dequantized)"
+        )
     if bits not in (4, 8):
         raise ConfigError(f"quantization_bit must be 4 or 8, got {bits}")
     if config.finetuning.finetuning_type != "lora":
         raise ConfigError(
             f"quantization_bit: {bits} needs finetuning_type: lora (QLoRA), got '{config.finetuning.finetuning_type}'"
         )
+
+
+def _check_gguf_file(config: RunConfig) -> None:
+    """gguf_file names a .gguf inside model_name_or_path (a folder or a Hub id), which is then not itself a file."""
+    name, source = config.model.gguf_file, config.model.model_name_or_path
+    if name is None:
+        return
+    if not name.lower().endswith(".gguf"):
+        raise ConfigError(f"gguf_file: '{name}' is not a .gguf file name; name the GGUF file inside model_name_or_path")
+    if name.startswith("/") or ".." in name.replace("\\", "/").split("/"):
+        raise ConfigError(f"gguf_file: '{name}' must be a path inside model_name_or_path; to load a file from "
+                          "anywhere, set model_name_or_path to its path and remove gguf_file")
+    if source.lower().endswith(".gguf"):
+        raise ConfigError(f"gguf_file: model_name_or_path {source} is already a GGUF file; remove gguf_file")
 
 
 def _check_qat(config: RunConfig) -> None:

@@ -64,7 +64,7 @@ from tunelab.export.parity import ParityReport
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
 from tunelab import hub
-from tunelab.model import qat, vision, zero_checkpoint
+from tunelab.model import gguf as model_gguf, qat, vision, zero_checkpoint
 from tunelab.model.adapters import load_adapter
 from tunelab.model.folder import is_sequence_classification
 from tunelab.model.tokenizer import load_processor
@@ -87,7 +87,7 @@ def shard_size_bytes(export_size: float | str) -> int:
 def export_dtype(config: RunConfig) -> torch.dtype:
     if config.export.export_dtype != "auto":
         return getattr(torch, config.export.export_dtype)
-    base = AutoConfig.from_pretrained(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
+    base = model_gguf.load_config(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
     dtype = getattr(base, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -132,7 +132,7 @@ def trained_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Modul
     else:
         hub.fetch_weights(model_args.model_name_or_path, model_args.allow_pickle_weights)
         try:
-            model = auto.from_pretrained(model_args.model_name_or_path, **kwargs)
+            model = model_gguf.from_pretrained(auto, model_args.model_name_or_path, **kwargs)  # a GGUF base: dequantized
         except Exception as exc:  # noqa: BLE001
             raise ModelError(
                 f"model_name_or_path: cannot load {model_args.model_name_or_path} as {auto.__name__}: {first_line(exc)}"
@@ -339,7 +339,7 @@ def _check_gguf_source(model_args: ModelArguments) -> None:
     if vision.is_vision_model_folder(model_args.model_name_or_path):
         raise ConfigError("export_format gguf: tunelab writes GGUF for text models; a vision-language model exports "
                           "with export_format: hf")
-    config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+    config = model_gguf.load_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
     try:
         model_family(config)
     except ExportError as exc:

@@ -41,7 +41,7 @@ from tunelab.infer.sampling import SamplingOptions
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.infer.trained import inference_template_kwargs, saved_template
 from tunelab import hub
-from tunelab.model import vision
+from tunelab.model import gguf, vision
 from tunelab.model.adapters import load_adapter
 from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.run_folder import TrainedFolder
@@ -59,6 +59,13 @@ def resolve_folders(
     """(model folder, adapter folder or None) for a model folder, or an adapter folder and its base model.
     Hub ids (the path, or the base an adapter names) become folders of the Hugging Face cache (tunelab/hub.py)."""
     hub_options = {"allow_pickle": allow_pickle_weights, "trust_remote_code": trust_remote_code}
+    if gguf.is_gguf(path):  # a GGUF file: the whole model, its tokenizer and chat template in one
+        if base_model is not None:
+            raise ConfigError(f"--model: {path} is a whole model (a GGUF file), not a LoRA adapter; drop --model")
+        if not Path(path).is_file():
+            raise ModelError(f"{path}: no such file")
+        gguf.check_readable(path, key="model")
+        return path, None
     folder = EMBEDDED_MODELS[path] if path in EMBEDDED_MODELS else Path(hub.resolve_model(path, "", **hub_options))
     if not folder.is_dir():
         raise ModelError(f"{path}: no such folder; pass a model folder (config.json + weights) or a LoRA adapter folder")
@@ -76,6 +83,11 @@ def resolve_folders(
                 raise ModelError(f"{adapter_config} names no base_model_name_or_path; pass the base model with --model")
             key = f"{adapter_config}: base_model_name_or_path"
         base_model = ModelArguments(model_name_or_path=base_model).model_name_or_path
+        if gguf.is_gguf(base_model):  # trained on a GGUF file: that file is the base
+            if not Path(base_model).is_file():
+                raise ModelError(f"{key}: {base_model} is no longer there; pass the GGUF file with --model")
+            gguf.check_readable(base_model, key=key)
+            return base_model, str(folder)
         base_model = hub.resolve_model(base_model, key, revision, revision_key=f"{adapter_config}: revision", **hub_options)
         return base_model, str(folder)
     if (folder / "config.json").is_file():
@@ -129,8 +141,8 @@ def load_engine(
     processor = load_processor(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
     auto_class = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
     try:
-        model, info = auto_class.from_pretrained(
-            model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+        model, info = gguf.from_pretrained(
+            auto_class, model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
         )
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, a hub id offline)
         hint = "; pass the base model folder with --model" if adapter_dir else ""

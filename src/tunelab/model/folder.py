@@ -2,7 +2,7 @@
 
 A Hub id becomes its folder in the Hugging Face cache (tunelab/hub.py: everything but the weights now, the weights
 when the model loads), so every later step reads a local folder. The folder must be a Hugging Face model folder
-(config.json); a model whose architecture is only Python code shipped beside it runs only with
+(config.json) or a GGUF file (model/gguf.py); a model whose architecture is only Python code shipped beside it runs only with
 trust_remote_code; an adapter folder needs its adapter_config.json, and its weights (megabytes) come now.
 """
 
@@ -16,30 +16,56 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from tunelab import hub
 from tunelab.config.args import ModelArguments
 from tunelab.errors import ConfigError
+from tunelab.model import gguf
 
 
 def resolve_model_folders(model: ModelArguments) -> tuple[str, str | None]:
-    """(model folder, adapter folder or None) of the options, every Hub id resolved; ConfigError naming the key."""
-    model_folder = hub.resolve_model(
-        model.model_name_or_path, "model_name_or_path", model.model_revision,
-        trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle_weights,
-    )
+    """(model folder or GGUF file, adapter folder or None) of the options, every Hub id resolved; ConfigError naming
+    the key."""
+    if model.gguf_file or gguf.is_gguf(model.model_name_or_path):
+        model_folder = resolve_gguf_file(model)
+    else:
+        model_folder = hub.resolve_model(
+            model.model_name_or_path, "model_name_or_path", model.model_revision,
+            trust_remote_code=model.trust_remote_code, allow_pickle=model.allow_pickle_weights,
+        )
+        path = Path(model_folder)
+        if not path.is_dir():
+            raise ConfigError(
+                f"model_name_or_path: {path} is not a folder; point it at a local Hugging Face model folder"
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model_name_or_path: {path} has no config.json; is it a complete Hugging Face model folder?")
+        check_remote_code(path / "config.json", model.trust_remote_code)
     adapter = None
     if model.adapter_name_or_path:
         adapter = hub.resolve_model(model.adapter_name_or_path, "adapter_name_or_path", allow_pickle=model.allow_pickle_weights)
-    path = Path(model_folder)
-    if not path.is_dir():
-        raise ConfigError(
-            f"model_name_or_path: {path} is not a folder; point it at a local Hugging Face model folder"
-        )
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model_name_or_path: {path} has no config.json; is it a complete Hugging Face model folder?")
-    check_remote_code(path / "config.json", model.trust_remote_code)
     if adapter and not (Path(adapter) / "adapter_config.json").is_file():
         raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
     if adapter:
         hub.fetch_weights(adapter, model.allow_pickle_weights, "adapter_name_or_path")  # megabytes: now, not later
     return model_folder, adapter
+
+
+def resolve_gguf_file(model: ModelArguments) -> str:
+    """The GGUF file the options name: model_name_or_path itself, or gguf_file inside its folder or Hub repo (fetched
+    into the Hugging Face cache now: its tokenizer is needed before any weights are); checked readable."""
+    source, name = model.model_name_or_path, model.gguf_file
+    if name is None:
+        file = Path(source).expanduser()
+    elif Path(source).expanduser().is_dir():
+        file = Path(source).expanduser() / name
+    elif hub.is_repo_id(source):
+        file = hub.fetch_file(source, name, model.model_revision, f"model_name_or_path: {source} (gguf_file: {name})")
+    else:
+        raise ConfigError(f"model_name_or_path: {source} is neither a folder nor a Hub id (org/name) holding gguf_file "
+                          f"{name}")
+    if not file.is_file():
+        others = sorted(p.name for p in file.parent.glob("*.gguf")) if file.parent.is_dir() else []
+        found = f"; the folder holds {', '.join(others)}" if others else ""
+        raise ConfigError(f"{'gguf_file' if name else 'model_name_or_path'}: {file} is not a file{found}")
+    gguf.check_readable(file)
+    return str(file)
 
 
 def check_remote_code(config_json: Path, trust_remote_code: bool) -> None:
@@ -82,5 +108,7 @@ def is_sequence_classification(model_args: ModelArguments) -> bool:
         adapter_config = json.loads((Path(adapter) / "adapter_config.json").read_text(encoding="utf-8"))
         if adapter_config.get("task_type") == "SEQ_CLS":
             return True
+    if gguf.is_gguf(model_args.model_name_or_path):
+        return False  # a GGUF holds a causal LM
     config = json.loads((Path(model_args.model_name_or_path) / "config.json").read_text(encoding="utf-8"))
     return any(name.endswith("ForSequenceClassification") for name in config.get("architectures") or [])

@@ -5,7 +5,8 @@ AutoProcessor (`load_processor`); text-only folders have no processor.
 
 The trainable-parameter set-up is adapters.py's; bitsandbytes specifics are quantization.py's, QAT's (the
 fake-quantized layers, before adapters) qat.py's; a Hub id is already a folder of the Hugging Face cache when it
-gets here (hub.py, at config time), whose weights are fetched just before they load. Every loading failure
+gets here (hub.py, at config time), whose weights are fetched just before they load; a GGUF file loads dequantized
+(gguf.py). Every loading failure
 becomes a one-line ModelError naming model_name_or_path (or adapter_name_or_path).
 """
 
@@ -26,7 +27,7 @@ from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError, first_line
 from tunelab import hub
-from tunelab.model import qat, quantization, sharding, vision
+from tunelab.model import gguf, qat, quantization, sharding, vision
 from tunelab.model.adapters import load_adapter, setup_finetuning
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 
@@ -83,7 +84,7 @@ def load_model(
         auto_class = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
         if not reward_head and vision.is_vision_model_folder(path):
             auto_class = AutoModelForImageTextToText
-        model, info = auto_class.from_pretrained(path, output_loading_info=True, **kwargs)
+        model, info = gguf.from_pretrained(auto_class, path, output_loading_info=True, **kwargs)  # (a GGUF: dequantized)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
     if sharded:

@@ -37,6 +37,7 @@ from torch import nn
 
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme
 from tunelab.errors import ConfigError
+from tunelab.model import gguf
 from tunelab.model.folder import is_sequence_classification
 from tunelab.run_folder import read_run_record
 
@@ -95,9 +96,9 @@ def check_group_size(key: str, group_size: int, widths: dict[str, int]) -> None:
 def layer_widths(model_folder: str, trust_remote_code: bool = False) -> dict[str, int]:
     """name -> in_features of the quantized layers of the model in `model_folder`, read from config.json alone
     (the model is built on the meta device: no weights are read or allocated)."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    config = AutoConfig.from_pretrained(model_folder, trust_remote_code=trust_remote_code)
+    config = gguf.load_config(model_folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return {name: layer.in_features for name, layer in quantized_layers(model).items()}

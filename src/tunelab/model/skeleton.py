@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tunelab.config.args import RunConfig
 from tunelab.errors import ModelError, first_line
+from tunelab.model import gguf
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 from tunelab.model.vision import is_vision_model_folder
 
@@ -27,19 +28,25 @@ def skeleton(config: RunConfig) -> torch.nn.Module:
     if attn is not None and attn != "flash_attention_2":
         kwargs["attn_implementation"] = attn
     try:
-        model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        model_config = gguf.load_config(path, trust_remote_code=config.model.trust_remote_code)
         model_config.use_cache = False  # as load_model sets it for training
         model_config.get_text_config().use_cache = False
         auto_class = AutoModelForImageTextToText if is_vision_model_folder(path) else AutoModelForCausalLM
         with torch.device("meta"):
             return auto_class.from_config(model_config, **kwargs)
     except Exception as exc:  # noqa: BLE001  (unknown architecture, unreadable config.json, ...)
-        raise ModelError(f"model_name_or_path: cannot build the model class from {path}/config.json: "
+        where = path if gguf.is_gguf(path) else f"{path}/config.json"
+        raise ModelError(f"model_name_or_path: cannot build the model class from {where}: "
                          f"{first_line(exc)}") from exc
 
 
 def vocab_size(model_dir: str | Path) -> int | None:
-    """vocab_size from config.json (or its text_config), without loading the model."""
+    """vocab_size from config.json (or its text_config), or a GGUF's metadata, without loading the model."""
+    if gguf.is_gguf(model_dir):
+        try:
+            return int(gguf.load_config(model_dir).get_text_config().vocab_size)
+        except Exception:  # noqa: BLE001  (as an unreadable config.json: unknown)
+            return None
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):

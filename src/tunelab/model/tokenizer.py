@@ -12,15 +12,16 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tunelab.config.args import ModelArguments
 from tunelab.errors import ModelError, first_line
-from tunelab.model import vision
+from tunelab.model import gguf, vision
 
 logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_args: ModelArguments) -> PreTrainedTokenizerBase:
     path = model_args.model_name_or_path
+    source, gguf_file = gguf.pretrained_source(path)  # a GGUF's tokenizer and chat template come from its metadata
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code, **gguf_file)
     except Exception as exc:  # noqa: BLE001  (any failure here is an unreadable tokenizer folder)
         raise ModelError(f"model_name_or_path: cannot load a tokenizer from {path}: {first_line(exc)}") from exc
     if model_args.add_special_tokens:

@@ -6,7 +6,8 @@
 - generation_config.json whose eos ids are the template's end-of-turn tokens (pt: the tokenizer's
   eos), so plain `model.generate` stops where training taught it to;
 - tunelab_config.yaml (every resolved option), data_report.json (counts), all_results.json
-  (metrics, and the process's peak memory: memory_peak_rss_mib, on a GPU gpu_peak_allocated_mib), run_info.json (versions; `hub`: the repo and commit of every model read by Hub id),
+  (metrics, and the process's peak memory: memory_peak_rss_mib, on a GPU gpu_peak_allocated_mib), run_info.json (versions; `hub`: the repo and commit of every model read by Hub id;
+  `gguf`: the GGUF file trained from, its SHA-256 and quantization type),
   trainer_log.jsonl and the loss plots. A model given by Hub id stays a Hub id in tunelab_config.yaml, with
   model_revision pinned to the commit the run read, so the file reruns the same weights anywhere.
 """
@@ -23,8 +24,9 @@ from tunelab import run_folder
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.errors import ConfigError, as_os_error
-from tunelab.hub import snapshot_of
+from tunelab.hub import snapshot_containing, snapshot_of
 from tunelab.infer.generate import stop_token_ids
+from tunelab.model import gguf
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 from tunelab.train.resume import clear_previous_run
@@ -39,6 +41,9 @@ def run_options(config: RunConfig) -> dict[str, Any]:
         options[key] = source["repo_id"]
     if "model_name_or_path" in sources:
         options["model_revision"] = sources["model_name_or_path"]["commit"]
+        if gguf.is_gguf(config.model.model_name_or_path):  # the file inside the repo
+            options["gguf_file"] = Path(config.model.model_name_or_path).relative_to(
+                sources["model_name_or_path"]["folder"]).as_posix()
     return yaml.safe_load(yaml.safe_dump(options, sort_keys=False))
 
 
@@ -51,7 +56,10 @@ def write_run_start(config: RunConfig) -> None:
         clear_previous_run(out)
     run_folder.write_run_record(out, run_options(config))
     sources = hub_sources(config)
-    run_folder.write_json(out, run_folder.RUN_INFO, versions() | ({"hub": sources} if sources else {}))
+    info = versions() | ({"hub": sources} if sources else {})
+    if gguf.is_gguf(config.model.model_name_or_path):  # the file trained from: its SHA-256 and quantization type
+        info["gguf"] = gguf.file_record(config.model.model_name_or_path)
+    run_folder.write_json(out, run_folder.RUN_INFO, info)
 
 
 def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
@@ -64,7 +72,7 @@ def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
     }
     sources = {}
     for key, (folder, revision) in folders.items():
-        snapshot = snapshot_of(folder) if folder else None
+        snapshot = (snapshot_containing(folder) if gguf.is_gguf(folder) else snapshot_of(folder)) if folder else None
         if snapshot is not None:
             sources[key] = snapshot.record(revision) | {"folder": str(snapshot.folder)}
     return sources

@@ -2,7 +2,8 @@
 
 Same precedence as transformers' ``from_pretrained``: a ``chat_template.jinja`` file wins, then
 ``additional_chat_templates/default.jinja``, then ``chat_template`` in ``tokenizer_config.json`` (a
-string, or a list of ``{name, template}`` of which the ``default`` one counts).
+string, or a list of ``{name, template}`` of which the ``default`` one counts). A GGUF file carries its template
+in its metadata (``tokenizer.chat_template``), where transformers' GGUF tokenizer reads it too.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from tunelab.errors import TemplateError
 
 
 def tokenizer_chat_template(model_dir: str | Path) -> str | None:
-    """The model folder's chat template source, or None if it ships none."""
+    """The model folder's (or GGUF file's) chat template source, or None if it ships none."""
     folder = Path(model_dir)
+    if folder.suffix.lower() == ".gguf":
+        return _gguf_chat_template(folder)
     for path in (folder / "chat_template.jinja", folder / "additional_chat_templates" / "default.jinja"):
         if path.is_file():
             return path.read_text(encoding="utf-8") or None
@@ -27,6 +30,16 @@ def tokenizer_chat_template(model_dir: str | Path) -> str | None:
     except (OSError, ValueError) as exc:
         raise TemplateError(f"{config_path} is not valid JSON ({exc}); repair or replace the file") from None
     return _from_config_value(config.get("chat_template") if isinstance(config, dict) else None)
+
+
+def _gguf_chat_template(file: Path) -> str | None:
+    from gguf import GGUFReader  # noqa: PLC0415 - an optional dependency (tunelab[gguf]), for GGUF files only
+
+    try:
+        field = GGUFReader(str(file)).get_field("tokenizer.chat_template")
+    except Exception as exc:  # noqa: BLE001  (a damaged file; model/gguf.py checked it was readable)
+        raise TemplateError(f"{file}: cannot read its chat template ({exc})") from None
+    return (str(field.contents()) or None) if field is not None else None
 
 
 def _from_config_value(value: object) -> str | None:

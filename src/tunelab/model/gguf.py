@@ -1,0 +1,170 @@
+"""GGUF files (llama.cpp, Ollama, LM Studio) as a model source, read through transformers' own GGUF support.
+
+    model_name_or_path: models/SmolLM2-135M-Instruct.Q4_1.gguf      (or a folder / Hub id plus gguf_file: name.gguf)
+      config time: model/folder.py resolves it to the file's path; `check_readable` reads its header: an architecture
+                   or tensor type transformers cannot read is one line naming it and what can be read
+      load time:   `from_pretrained(auto_class, path, ...)`: transformers' `from_pretrained(folder, gguf_file=...)`,
+                   every weight dequantized (GgufConfig(dequantize=True)) and cast to the compute dtype; the config
+                   and tokenizer (chat template included) are rebuilt from the file's metadata
+      run record:  `file_record`: the file's SHA-256 and quantization type (run_info.json `gguf`)
+
+After loading, the model is a plain dense model: the GGUF quantization marks transformers leaves on it (the config's
+quantization_config, the model's hf_quantizer) are removed, since they would make save_pretrained refuse and the
+Trainer treat it as a quantized model that cannot train. Its name_or_path is the file, so an adapter trained on it
+names the file as its base (adapter_config.json base_model_name_or_path) and chat / export find it again.
+
+Everything else in tunelab passes the path on unchanged: `pretrained_source` and `load_config` are the only places
+that split it into transformers' (folder, gguf_file) form. Writing GGUF files is export/gguf_writer.py's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig, GgufConfig, PretrainedConfig
+
+from tunelab.errors import ConfigError, first_line
+from tunelab.run_folder import file_sha256
+
+SUFFIX = ".gguf"
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def is_gguf(path: str | Path | None) -> bool:
+    """True for a path naming a .gguf file (any case), whether or not it exists yet."""
+    return path is not None and Path(str(path)).suffix.lower() == SUFFIX
+
+
+def pretrained_source(path: str | Path) -> tuple[str, dict[str, Any]]:
+    """from_pretrained's (name_or_path, extra kwargs) for a model folder or a .gguf file."""
+    if not is_gguf(path):
+        return str(path), {}
+    file = Path(path)
+    return str(file.parent), {"gguf_file": file.name}
+
+
+def load_config(path: str | Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The model's config: config.json of a folder, or rebuilt from a GGUF file's metadata (no tensors read)."""
+    source, kwargs = pretrained_source(path)
+    return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+
+
+def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
+    """auto_class.from_pretrained for a folder or a .gguf file. A GGUF loads dense: every tensor dequantized, then
+    cast to `dtype`, and the quantization marks removed (module docstring)."""
+    source, extra = pretrained_source(path)
+    if not extra:
+        return auto_class.from_pretrained(source, **kwargs)
+    loaded = auto_class.from_pretrained(source, quantization_config=GgufConfig(dequantize=True), **extra, **kwargs)
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    model.hf_quantizer = None
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+    model.name_or_path = str(path)  # what an adapter trained on it names as its base
+    return loaded
+
+
+# ---- what the file holds ------------------------------------------------------------------------------------------
+
+
+def _reader(path: str | Path):
+    try:
+        from gguf import GGUFReader  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
+    except ImportError:
+        raise ConfigError(f"model_name_or_path: {path} is a GGUF file; reading it needs the gguf package: "
+                          "pip install 'tunelab[gguf]'") from None
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001  (not a GGUF, truncated, a newer format version)
+        raise ConfigError(f"model_name_or_path: {path} is not a readable GGUF file ({first_line(exc)})") from None
+
+
+def _string_field(reader, key: str) -> str | None:
+    field = reader.get_field(key)
+    return None if field is None else str(field.contents())
+
+
+def tensor_types(reader) -> Counter[str]:
+    """How many of the file's tensors are stored in each ggml type (F32, Q4_K, ...)."""
+    return Counter(tensor.tensor_type.name for tensor in reader.tensors)
+
+
+def quantization_type(reader) -> str:
+    """The file's quantization type as llama.cpp names it (general.file_type: Q4_K_M, Q8_0, F16, ...), else the type
+    most of its matrices are stored in."""
+    from gguf import LlamaFileType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
+
+    field = reader.get_field("general.file_type")
+    if field is not None:
+        try:
+            name = LlamaFileType(int(field.contents())).name
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            pass
+    matrices = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
+    return (matrices or tensor_types(reader)).most_common(1)[0][0]
+
+
+def readable_architectures() -> list[str]:
+    """The GGUF architectures (general.architecture) transformers can build a model for."""
+    from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS  # noqa: PLC0415 - GGUF files only
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES  # noqa: PLC0415 - the same
+
+    # as llama.cpp spells them in a file (transformers maps qwen2moe to its qwen2_moe, ...)
+    spelled = {name.replace("_moe", "moe").replace("gpt_oss", "gpt-oss").replace("minimax_m2", "minimax-m2")
+               for name in GGUF_SUPPORTED_ARCHITECTURES}
+    return sorted((spelled | set(GGUF_ARCHS)) - {"general", "tokenizer"})
+
+
+def readable_types(architecture: str) -> list[str]:
+    """The ggml tensor types transformers dequantizes for a file of this architecture."""
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported  # noqa: PLC0415 - GGUF files only
+
+    if is_gguf_arch_supported(architecture):  # transformers' own block reader
+        from transformers.integrations.gguf.reader import GGML_NAME  # noqa: PLC0415 - GGUF files only
+
+        return [*FLOAT_TYPES, *GGML_NAME.values()]
+    import numpy as np  # noqa: PLC0415 - with the gguf package, only for GGUF files
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize  # noqa: PLC0415 - optional (tunelab[gguf])
+
+    def dequantizes(qtype: GGMLQuantizationType) -> bool:
+        try:
+            dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+        except NotImplementedError:
+            return False
+        return True
+
+    # the legacy loader dequantizes with the gguf package: ask it, one block of each type
+    return [qtype.name for qtype in GGMLQuantizationType if qtype in GGML_QUANT_SIZES and dequantizes(qtype)]
+
+
+def check_readable(path: str | Path, key: str = "model_name_or_path") -> None:
+    """A GGUF file transformers can load: a known architecture and tensor types it dequantizes; else one line naming
+    what is not readable and listing what is."""
+    reader = _reader(path)
+    architecture = _string_field(reader, "general.architecture")
+    known = readable_architectures()
+    if architecture not in known and not str(architecture).startswith("t5"):  # (t5encoder reads as t5)
+        raise ConfigError(f"{key}: {Path(path).name} holds a GGUF of architecture '{architecture}', which transformers "
+                          f"cannot read; it reads {', '.join(known)}")
+    readable = readable_types(architecture)
+    unreadable = sorted(set(tensor_types(reader)) - set(readable))
+    if unreadable:
+        raise ConfigError(f"{key}: {Path(path).name} stores tensors as {', '.join(unreadable)}, which transformers "
+                          f"cannot dequantize; it reads {', '.join(readable)}: use a file of another quantization")
+
+
+def file_record(path: str | Path) -> dict[str, Any]:
+    """What a run records about the GGUF it trained from: the file, its SHA-256, quantization type, architecture and
+    how many tensors each ggml type holds. (Hashes the whole file: once per run.)"""
+    reader = _reader(path)
+    return {
+        "file": str(path),
+        "sha256": file_sha256(path),
+        "quantization": quantization_type(reader),
+        "architecture": _string_field(reader, "general.architecture"),
+        "tensor_types": dict(sorted(tensor_types(reader).items())),
+    }
