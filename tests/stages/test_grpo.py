@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.cli import main
 from tunelab.run_folder import read_log
+from tunelab.train.rl.grpo import GRPO, ZERO_SPREAD_WARN_AFTER, GRPOBatch, zero_spread_warning
 
 
 @pytest.mark.slow
@@ -52,3 +55,62 @@ def test_grpo_trains_logs_and_saves(sft_model_dir, tmp_path, precision):
     trained, start = load_file(out / "model.safetensors"), load_file(sft_model_dir / "model.safetensors")
     assert any(not torch.equal(trained[k], start[k]) for k in start)  # the policy moved
     assert model.config.vocab_size == 864
+
+
+def _grpo_with(loss_type: str = "grpo", processes: int = 1) -> GRPO:
+    finetuning = SimpleNamespace(
+        num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="group",
+        epsilon_high=None, importance_sampling_level="token", mask_truncated_completions=False,
+    )
+    config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=4))
+    accelerator = SimpleNamespace(num_processes=processes, is_main_process=True)
+    return GRPO(SimpleNamespace(accelerator=accelerator), None, None, [0], [], config)
+
+
+def _batch(tokens: int, zero_spread: bool) -> GRPOBatch:
+    mask = torch.zeros(2, 4)
+    mask.view(-1)[:tokens] = 1.0
+    return GRPOBatch(None, torch.zeros(2), mask, zero_spread, None, None)
+
+
+def test_zero_spread_warns_once_after_rounds_in_a_row_with_no_spread(caplog):
+    grpo = _grpo_with()
+    caplog.set_level(logging.WARNING, logger="tunelab.train.rl.grpo")
+    learning, stuck = [_batch(3, False), _batch(3, True)], [_batch(3, True), _batch(3, True)]
+    for batches in [stuck] * (ZERO_SPREAD_WARN_AFTER - 1) + [learning] + [stuck] * (ZERO_SPREAD_WARN_AFTER - 1):
+        grpo.begin_round(batches)  # a round with one group that has spread starts the count again
+    assert caplog.messages == []
+    for _ in range(3):
+        grpo.begin_round(stuck)
+    assert caplog.messages == [zero_spread_warning(ZERO_SPREAD_WARN_AFTER, 2)]  # once, however long it lasts
+    assert "partial credit" in caplog.messages[0] and "num_generations" in caplog.messages[0]
+
+
+def test_dapo_token_count_spans_the_round():
+    grpo = _grpo_with("dapo")
+    grpo.begin_round([_batch(3, False), _batch(5, False)])
+    assert grpo.dapo_tokens == 8 / 2  # the loop divides each batch's loss by 2: together sum(L) / 8
+    assert _grpo_with("grpo").dapo_tokens is None
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo"])
+def test_a_grpo_run_whose_reward_never_varies_logs_it_and_warns_once(tmp_path, caplog, loss_type):
+    """A reward that gives every completion the same score (as exact_match does on a model that is never exactly
+    right) leaves nothing to learn: every log line says all groups had zero spread, and the run says why, once."""
+    (tmp_path / "flat.py").write_text("def zero(prompts, completions, references):\n    return [0.0] * len(completions)\n")
+    out = tmp_path / "grpo"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "full", "template": "chatml",
+        "dataset": "demo_sort", "max_samples": 4, "cutoff_len": 64, "max_new_tokens": 4,
+        "reward_funcs": "flat.py:zero", "num_generations": 2, "per_device_train_batch_size": 2, "kl_coef": 0.0,
+        "loss_type": loss_type, "scale_rewards": "none", "epsilon_high": 0.28, "mask_truncated_completions": True,
+        "max_steps": ZERO_SPREAD_WARN_AFTER + 1, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
+        "plot_loss": False, "output_dir": str(out),
+    }))
+    caplog.set_level(logging.WARNING, logger="tunelab.train.rl.grpo")
+    assert main(["train", str(config)]) == 0
+    records = read_log(out)
+    assert [r["zero_spread_groups"] for r in records] == [1.0] * (ZERO_SPREAD_WARN_AFTER + 1)
+    assert all(r["loss"] == 0.0 for r in records)
+    assert caplog.messages.count(zero_spread_warning(ZERO_SPREAD_WARN_AFTER, 2)) == 1

@@ -21,7 +21,12 @@ def test_grpo_and_ppo_configs_that_pass(tmp_path):
     (tmp_path / "rm" / "config.json").write_text("{}")
     grpo = load_config(None, {"stage": "grpo", "template": "chatml", "dataset": "demo_sort",
                               "output_dir": str(tmp_path / "a"), "reward_funcs": "exact_match,format",
-                              "reward_weights": "1,0.5", "num_generations": "4", "temperature": "0.8"})
+                              "reward_weights": "1,0.5", "num_generations": "4", "temperature": "0.8",
+                              "loss_type": "dapo", "scale_rewards": "batch", "epsilon_high": "0.28",
+                              "importance_sampling_level": "sequence", "mask_truncated_completions": "true"})
+    ft = grpo.finetuning
+    assert (ft.loss_type, ft.scale_rewards, ft.epsilon_high, ft.importance_sampling_level,
+            ft.mask_truncated_completions) == ("dapo", "batch", 0.28, "sequence", True)
     assert grpo.finetuning.reward_funcs == ["exact_match", "format"] and grpo.finetuning.reward_weights == [1.0, 0.5]
     assert grpo.generation.temperature == 0.8
     ppo = load_config(None, {"stage": "ppo", "template": "chatml", "dataset": "demo_sort",
@@ -62,6 +67,22 @@ def test_rl_check_messages(tmp_path):
         ({"kl_coef": "-1"}, "kl_coef must be >= 0, got -1.0"),
         ({"epsilon": "0"}, "epsilon must be > 0 (the ratio is clipped to 1 ± epsilon), got 0.0"),
         ({"num_iterations": "0"}, "num_iterations must be at least 1, got 0"),
+        ({"loss_type": "gspo"}, "loss_type: 'gspo' is not one of grpo, dapo, dr_grpo, bnpo"),
+        ({"scale_rewards": "true"}, "scale_rewards: 'true' is not one of group, batch, none"),
+        ({"importance_sampling_level": "sequence_token"},
+         "importance_sampling_level: 'sequence_token' is not one of token, sequence"),
+        ({"epsilon_high": "0.1"},
+         "epsilon_high must be >= epsilon (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got 0.1 < 0.2"),
+        ({"stage": "ppo", "reward_funcs": None, "reward_model": str(tmp_path / "rm"), "loss_type": "dapo"},
+         "loss_type only applies to stage grpo (got stage: ppo): remove it"),
+        ({"stage": "sft", "reward_funcs": None, "epsilon_high": "0.28"},
+         "epsilon_high only applies to stage grpo (got stage: sft): remove it"),
+        ({"stage": "sft", "reward_funcs": None, "mask_truncated_completions": "true"},
+         "mask_truncated_completions only applies to stage grpo (got stage: sft): remove it"),
+        ({"stage": "dpo", "reward_funcs": None, "scale_rewards": "none"},
+         "scale_rewards only applies to stage grpo (got stage: dpo): remove it"),
+        ({"stage": "sft", "reward_funcs": None, "importance_sampling_level": "sequence"},
+         "importance_sampling_level only applies to stage grpo (got stage: sft): remove it"),
         ({"packing": "true"},
          "packing: true does not apply to stage grpo (it trains on its own generations); set packing: false"),
         ({"padding_free": "true"},

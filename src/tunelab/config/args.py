@@ -266,6 +266,33 @@ class FinetuningArguments:
         "grpo / ppo: optimizer steps on each batch of rollouts (mu); >1 reuses samples with the clipped ratio.",
         default=1, applies=RL,
     )
+    # GRPO variants, by TRL's GRPOConfig names and meanings (train/rl/losses.py, docs/config.md).
+    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = _help(
+        "grpo: how the per-token losses are averaged. grpo: over each completion's tokens, then over completions "
+        "(DeepSeekMath); bnpo: over the batch's tokens; dapo: over all tokens of the optimizer step (DAPO); "
+        "dr_grpo: their sum over completions x max_new_tokens (Dr. GRPO: no length normalisation).",
+        default="grpo", applies=GRPO,
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _help(
+        "grpo: what the advantages (reward - group mean) are divided by: the group's reward std, the batch's, or "
+        "none (Dr. GRPO).",
+        default="group", applies=GRPO,
+    )
+    epsilon_high: float | None = _help(
+        "grpo: upper clip range, the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher, "
+        "e.g. 0.28); default epsilon.",
+        default=None, applies=GRPO,
+    )
+    importance_sampling_level: Literal["token", "sequence"] = _help(
+        "grpo: one policy ratio per token, or per completion (sequence: the mean of its tokens' log-ratios, "
+        "GSPO).",
+        default="token", applies=GRPO,
+    )
+    mask_truncated_completions: bool = _help(
+        "grpo: completions cut by max_new_tokens (no end-of-turn token) are left out of the loss (DAPO's "
+        "overlong filtering); they still count in their group's reward mean and std.",
+        default=False, applies=GRPO,
+    )
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)

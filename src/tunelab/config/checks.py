@@ -388,6 +388,11 @@ def _check_rl(config: RunConfig) -> None:
             raise ConfigError(
                 f"num_generations must be at least 2 (advantages compare completions of the same prompt), got {ft.num_generations}"
             )
+        if ft.epsilon_high is not None and ft.epsilon_high < ft.epsilon:
+            raise ConfigError(
+                f"epsilon_high must be >= epsilon (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got "
+                f"{ft.epsilon_high} < {ft.epsilon}"
+            )
     if stage == "ppo":
         if not ft.reward_model:
             raise ConfigError(

@@ -5,29 +5,42 @@ Per batch of B prompts:
   1. sample G = num_generations completions of each prompt (B·G rows, group by group);
   2. reward each: the weighted sum of the reward functions (rewards.py);
   3. advantage of each completion: (reward - group mean) / (group std + 1e-4), one per completion,
-     shared by all its tokens;
-  4. loss: per token -min(ratio·A, clip(ratio, 1±ε)·A) + kl_coef·k3(policy ‖ reference),
-     averaged over each completion's tokens, then over completions (losses.grpo_loss).
+     shared by all its tokens (scale_rewards: the batch's std, or none);
+  4. loss: per token -min(ratio·A, clip(ratio, 1 - ε, 1 + ε_high)·A) + kl_coef·k3(policy ‖ reference),
+     reduced as loss_type says (grpo, dapo, dr_grpo, bnpo: losses.grpo_loss); the ratio per token or,
+     with importance_sampling_level sequence (GSPO), per completion.
 
 With num_iterations = 1 the old policy is the current one (ratio 1, its gradient the plain policy
 gradient); with more, the rollout's log-probs are kept and each further step is clipped against them.
+
+A group whose G rewards are all equal has advantage 0 and teaches nothing. The share of such groups is
+logged (`zero_spread_groups`); when every group of every batch has zero spread for
+ZERO_SPREAD_WARN_AFTER rounds in a row, the run warns once with the likely cause and the fixes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 
-from tunelab.train.rl.losses import grpo_loss, group_advantages
+from tunelab.train.rl.losses import grpo_loss, group_advantages, zero_spread_groups
 from tunelab.train.rl.rewards import RewardFunction, score_completions
 from tunelab.train.rl.rollout import Rollout, completion_log_probs, generate_rollout, reference_log_probs
+
+logger = logging.getLogger(__name__)
+
+ZERO_SPREAD_WARN_AFTER = 3  # rounds in a row in which no group had any reward spread
 
 
 @dataclass
 class GRPOBatch:
     rollout: Rollout
     advantages: torch.Tensor  # B·G, one per completion
+    loss_mask: torch.Tensor  # B·G × C: the completion mask, less truncated completions with mask_truncated_completions
+    all_zero_spread: bool  # every group's rewards are equal: this batch teaches nothing
     old_log_probs: torch.Tensor | None  # B·G × C; None: the current policy is the old one (num_iterations 1)
     ref_log_probs: torch.Tensor | None  # B·G × C; None when kl_coef is 0
 
@@ -39,6 +52,10 @@ class GRPO:
         self.group_size, self.kl_coef, self.epsilon = ft.num_generations, ft.kl_coef, ft.epsilon
         self.num_iterations = ft.num_iterations
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
+        self.loss_type, self.scale_rewards, self.epsilon_high = ft.loss_type, ft.scale_rewards, ft.epsilon_high
+        self.importance_sampling_level, self.mask_truncated = ft.importance_sampling_level, ft.mask_truncated_completions
+        self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
+        self.zero_spread_rounds, self.warned_zero_spread = 0, False
 
     @property
     def policy(self):
@@ -63,19 +80,56 @@ class GRPO:
         if self.kl_coef:
             with self.loop.accelerator.autocast():  # the same precision as the policy's forward
                 ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+        zero_spread = zero_spread_groups(rewards, self.group_size)
+        loss_mask = rollout.completion_mask
+        if self.mask_truncated:
+            loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
         self.loop.record({
             "reward": rewards.mean(),
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
+            "zero_spread_groups": zero_spread.float().mean(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in per_function.items()},
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
         })
-        return GRPOBatch(rollout, group_advantages(rewards, self.group_size), old, ref)
+        advantages = group_advantages(rewards, self.group_size, self.scale_rewards)
+        return GRPOBatch(rollout, advantages, loss_mask, bool(zero_spread.all()), old, ref)
+
+    def begin_round(self, batches: list[GRPOBatch]) -> None:
+        """Before the optimizer steps on one round of rollouts: count the round's completion tokens (dapo's
+        normaliser) and watch for rounds that cannot teach anything."""
+        accelerator = self.loop.accelerator
+        if self.loss_type == "dapo":
+            tokens = torch.stack([batch.loss_mask.sum() for batch in batches]).sum()
+            if accelerator.num_processes > 1:
+                tokens = accelerator.reduce(tokens, reduction="sum")
+            # The loop divides each batch's loss by the batches per step and DDP averages over processes:
+            # dividing each batch's token sum by tokens / (batches · processes) makes the step's gradient that
+            # of sum(L) / tokens over every token of the step, on every process.
+            self.dapo_tokens = float(tokens) / (len(batches) * accelerator.num_processes)
+        self.zero_spread_rounds = self.zero_spread_rounds + 1 if all(b.all_zero_spread for b in batches) else 0
+        if self.zero_spread_rounds >= ZERO_SPREAD_WARN_AFTER and not self.warned_zero_spread:
+            self.warned_zero_spread = True
+            if accelerator.is_main_process:
+                logger.warning(zero_spread_warning(self.zero_spread_rounds, self.group_size))
 
     def loss(self, batch: GRPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         log_probs, _ = completion_log_probs(self.loop.model, batch.rollout, self.temperature)
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         return grpo_loss(
-            log_probs, old, batch.ref_log_probs, batch.advantages, batch.rollout.completion_mask,
-            self.epsilon, self.kl_coef,
+            log_probs, old, batch.ref_log_probs, batch.advantages, batch.loss_mask, self.epsilon, self.kl_coef,
+            loss_type=self.loss_type, epsilon_high=self.epsilon_high,
+            importance_sampling_level=self.importance_sampling_level, max_completion_length=self.max_new_tokens,
+            dapo_tokens=self.dapo_tokens,
         )
+
+
+def zero_spread_warning(rounds: int, group_size: int) -> str:
+    return (
+        f"grpo cannot learn: in each of the last {rounds} steps every prompt's {group_size} completions got the "
+        "same reward, so every advantage is 0 and so are the loss and the gradient. Likely cause: the reward "
+        "never fires for this model (exact_match on answers that are never exactly right). Fixes: a reward "
+        "with partial credit (item_match, or your own), a format reward beside it (reward_funcs: "
+        "exact_match,format), stage sft on the task first, or a larger group (num_generations, now "
+        f"{group_size}). zero_spread_groups in trainer_log.jsonl is the share of such groups."
+    )

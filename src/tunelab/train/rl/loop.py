@@ -6,6 +6,7 @@ those rollouts, accumulating the micro-batches' gradients into each step:
 
     for round:
         rollouts = [algorithm.rollout(prompts) for prompts in next accum batches]
+        algorithm.begin_round(rollouts)              # what spans the round (grpo: dapo's token count)
         repeat num_iterations:                       # μ in the GRPO paper
             for rollout in rollouts: backward(algorithm.loss(rollout) / accum)
             clip gradients, optimizer step, scheduler step          → global_step += 1
@@ -48,6 +49,8 @@ NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)",
 
 class Algorithm(Protocol):
     def rollout(self, rows: list[dict]) -> object: ...  # no gradients; records its own statistics
+
+    def begin_round(self, rollouts: list) -> None: ...  # what spans the round (grpo: dapo's token count)
 
     def loss(self, rollout: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
@@ -124,6 +127,7 @@ class RLLoop:
         self.model.eval()  # dropout off: see the module docstring
         while self.state.global_step < self.max_steps:
             rollouts = [algorithm.rollout(next(self._batches)) for _ in range(self.accum)]
+            algorithm.begin_round(rollouts)
             self.rounds += 1
             for _ in range(min(self.num_iterations, self.max_steps - self.state.global_step)):
                 for index, rollout in enumerate(rollouts):

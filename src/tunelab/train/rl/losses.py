@@ -29,14 +29,43 @@ def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     return torch.exp(ratio) - ratio - 1
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, over the group's standard deviation
-    (unbiased, as torch.std) + eps. Rewards are laid out group by group: [p0 g0, p0 g1, ..., p1 g0, ...].
-    A group whose rewards are all equal gets advantage 0: it says nothing about which answer is better."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by a spread (+ eps) that `scale` picks
+    (TRL's `scale_rewards`): "group" the group's standard deviation, "batch" the standard deviation of all
+    the rewards given (one rollout batch), "none" nothing (Dr. GRPO). Standard deviations are unbiased, as
+    torch.std. Rewards are laid out group by group: [p0 g0, p0 g1, ..., p1 g0, ...]. A group whose rewards
+    are all equal gets advantage 0: it says nothing about which answer is better."""
     grouped = rewards.view(-1, group_size)
-    mean = grouped.mean(dim=1, keepdim=True)
-    std = grouped.std(dim=1, keepdim=True)
-    return ((grouped - mean) / (std + eps)).view(-1)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"group_advantages: unknown scale {scale!r} (group, batch, none)")
+    return centred.reshape(-1)
+
+
+def zero_spread_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per group, whether all its rewards are equal (bool, one per group): such a group has advantage 0
+    whatever the scaling, so it adds nothing to the policy gradient."""
+    grouped = rewards.view(-1, group_size)
+    return grouped.max(dim=1).values == grouped.min(dim=1).values
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(ratio·A, clip(ratio, 1 - ε, 1 + ε_high)·A) with ratio = exp(log_ratio), and whether the clip
+    was the one taken. ε_high (DAPO's clip-higher) defaults to ε. Shapes broadcast: log_ratio N × C (per
+    token) or N × 1 (per sequence), advantages N (one per sequence) or N × C."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    high = epsilon if epsilon_high is None else epsilon_high
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + high) * advantages
+    return -torch.min(unclipped, clipped), (clipped < unclipped).float()
 
 
 def clipped_policy_loss(
@@ -44,30 +73,59 @@ def clipped_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token -min(ratio·A, clip(ratio, 1-ε, 1+ε)·A) and whether the clip was the one taken.
     advantages: per token (N × C) or per sequence (N, broadcast over its tokens)."""
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    ratio = torch.exp(log_probs - old_log_probs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages
-    return -torch.min(unclipped, clipped), (clipped < unclipped).float()
+    return clipped_surrogate(log_probs - old_log_probs, advantages, epsilon)
+
+
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 
 
 def grpo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
-    advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, kl_coef: float,
+    advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, kl_coef: float, *,
+    loss_type: str = "grpo", epsilon_high: float | None = None, importance_sampling_level: str = "token",
+    max_completion_length: int | None = None, dapo_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO objective (DeepSeekMath eq. 3), negated: per token the clipped surrogate plus
-    kl_coef · k3 KL to the reference, averaged over each completion's tokens, then over completions.
+    """The GRPO objective, negated: per token the clipped surrogate plus kl_coef · k3 KL to the reference
+    (L_it below), reduced over the N completions × C tokens as `loss_type` says (TRL's names):
+
+        grpo     mean over completions of (sum_t L_it / T_i)       DeepSeekMath eq. 3: each completion weighs
+                                                                   the same, so a long one's tokens weigh less
+        bnpo     sum_it L_it / sum_i T_i                           token mean over this batch
+        dr_grpo  sum_it L_it / (N · max_completion_length)         Dr. GRPO: a constant, no length bias
+        dapo     sum_it L_it / dapo_tokens                         DAPO: token mean over the whole optimizer step
+
+    T_i are completion i's tokens (the mask). dapo_tokens defaults to this batch's tokens (then dapo equals
+    bnpo); the caller passes the step's token count scaled to what one batch's loss should be divided by
+    (grpo.GRPO.loss). importance_sampling_level "sequence" (GSPO) replaces each token's log-ratio by its
+    completion's mean log-ratio: one ratio, clipped once, per completion.
 
     Returns the loss and detached statistics (kl, clip_ratio)."""
-    per_token, was_clipped = clipped_policy_loss(log_probs, old_log_probs, advantages, epsilon)
-    stats = {"clip_ratio": masked_mean(was_clipped, mask).detach()}
+    log_ratio = log_probs - old_log_probs
+    if importance_sampling_level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None]
+    elif importance_sampling_level != "token":
+        raise ValueError(f"grpo_loss: unknown importance_sampling_level {importance_sampling_level!r} (token, sequence)")
+    per_token, was_clipped = clipped_surrogate(log_ratio, advantages, epsilon, epsilon_high)
+    stats = {"clip_ratio": masked_mean(was_clipped.expand_as(mask), mask).detach()}
     if ref_log_probs is not None:
         kl = kl_k3(log_probs, ref_log_probs)
         if kl_coef:
             per_token = per_token + kl_coef * kl
         stats["kl"] = masked_mean(kl, mask).detach()
-    loss = masked_mean(per_token, mask, dim=1).mean()
+    per_token = per_token.expand_as(mask)
+    if loss_type == "grpo":
+        loss = masked_mean(per_token, mask, dim=1).mean()
+    elif loss_type == "bnpo":
+        loss = masked_mean(per_token, mask)
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("grpo_loss: loss_type dr_grpo needs max_completion_length")
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
+    elif loss_type == "dapo":
+        tokens = mask.sum() if dapo_tokens is None else torch.as_tensor(dapo_tokens)
+        loss = (per_token * mask).sum() / tokens.clamp(min=1)
+    else:
+        raise ValueError(f"grpo_loss: unknown loss_type {loss_type!r} ({', '.join(GRPO_LOSS_TYPES)})")
     return loss, stats
 
 

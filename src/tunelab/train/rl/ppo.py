@@ -139,6 +139,9 @@ class PPO:
         })
         return PPOBatch(rollout, log_probs, values, masked_whiten(advantages, mask), returns)
 
+    def begin_round(self, batches: list[PPOBatch]) -> None:
+        """Nothing in ppo spans a round of rollouts."""
+
     def loss(self, batch: PPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch.rollout.completion_mask
         log_probs, values = self.loop.model(batch.rollout, self.temperature)
