@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.cli import main
 from tunelab.run_folder import read_log
+from tunelab.train.rl import grpo as grpo_module
 from tunelab.train.rl.grpo import GRPO, ZERO_SPREAD_WARN_AFTER, GRPOBatch, zero_spread_warning
+from tunelab.train.rl.rollout import Rollout
 
 
 @pytest.mark.slow
@@ -57,14 +59,17 @@ def test_grpo_trains_logs_and_saves(sft_model_dir, tmp_path, precision):
     assert model.config.vocab_size == 864
 
 
-def _grpo_with(loss_type: str = "grpo", processes: int = 1) -> GRPO:
+def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bool = False) -> GRPO:
     finetuning = SimpleNamespace(
-        num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="group",
+        num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="none",
         epsilon_high=None, importance_sampling_level="token", mask_truncated_completions=False,
+        dynamic_sampling=dynamic_sampling,
     )
     config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=4))
-    accelerator = SimpleNamespace(num_processes=processes, is_main_process=True)
-    return GRPO(SimpleNamespace(accelerator=accelerator), None, None, [0], [], config)
+    accelerator = SimpleNamespace(num_processes=processes, is_main_process=True, unwrap_model=lambda model: model)
+    recorded: list[dict] = []
+    loop = SimpleNamespace(accelerator=accelerator, model=None, record=recorded.append, recorded=recorded)
+    return GRPO(loop, None, SimpleNamespace(pad_token_id=0), [0], [], config)
 
 
 def _batch(tokens: int, zero_spread: bool) -> GRPOBatch:
@@ -105,6 +110,7 @@ def test_a_grpo_run_whose_reward_never_varies_logs_it_and_warns_once(tmp_path, c
         "dataset": "demo_sort", "max_samples": 4, "cutoff_len": 64, "max_new_tokens": 4,
         "reward_funcs": "flat.py:zero", "num_generations": 2, "per_device_train_batch_size": 2, "kl_coef": 0.0,
         "loss_type": loss_type, "scale_rewards": "none", "epsilon_high": 0.28, "mask_truncated_completions": True,
+        "dynamic_sampling": loss_type == "dapo",
         "max_steps": ZERO_SPREAD_WARN_AFTER + 1, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
         "plot_loss": False, "output_dir": str(out),
     }))
@@ -113,4 +119,31 @@ def test_a_grpo_run_whose_reward_never_varies_logs_it_and_warns_once(tmp_path, c
     records = read_log(out)
     assert [r["zero_spread_groups"] for r in records] == [1.0] * (ZERO_SPREAD_WARN_AFTER + 1)
     assert all(r["loss"] == 0.0 for r in records)
+    if loss_type == "dapo":  # dynamic sampling drops both groups of every batch (and trains on nothing)
+        assert [r["dropped_groups"] for r in records] == [2.0] * (ZERO_SPREAD_WARN_AFTER + 1)
+        assert all(r["grad_norm"] == 0.0 for r in records)
     assert caplog.messages.count(zero_spread_warning(ZERO_SPREAD_WARN_AFTER, 2)) == 1
+
+
+@pytest.mark.parametrize("rewards, kept, dropped", [
+    ([1.0, 1.0, 0.0, 1.0, 2.0, 2.0], [2, 3], 2),  # the groups of equal rewards leave; advantages of the rest
+    ([1.0, 1.0, 0.0, 0.0, 2.0, 2.0], [0, 1, 2, 3, 4, 5], 3),  # none would be left: all stay, loss mask empty
+])
+def test_dynamic_sampling_drops_the_groups_whose_rewards_are_all_equal(monkeypatch, rewards, kept, dropped):
+    rollout = Rollout(torch.arange(6)[:, None].repeat(1, 3), torch.ones(6, 3), torch.ones(6, 2), 1,
+                      [f"c{i}" for i in range(6)], [True] * 6)
+    monkeypatch.setattr(grpo_module, "generate_rollout", lambda *args: rollout)
+    monkeypatch.setattr(grpo_module, "score_completions", lambda *args: (rewards, {}))
+    grpo = _grpo_with(dynamic_sampling=True)
+    rows = [{"prompt_ids": [1], "prompt": "p", "reference": "r"}] * 3
+    batch = grpo.rollout(rows)
+    assert batch.rollout.input_ids[:, 0].tolist() == kept and batch.rollout.completions == [f"c{i}" for i in kept]
+    assert {"dropped_groups": dropped} in [{k: int(v) for k, v in r.items()} for r in grpo.loop.recorded
+                                          if "dropped_groups" in r]
+    if len(kept) == 2:
+        torch.testing.assert_close(batch.advantages, torch.tensor([-0.5, 0.5]))  # scale_rewards none
+        assert batch.loss_mask.sum() == 4
+    else:
+        assert batch.loss_mask.sum() == 0 and batch.all_zero_spread
+    plain = _grpo_with().rollout(rows)  # without dynamic sampling every row stays and nothing is dropped
+    assert plain.rollout.input_ids.shape[0] == 6 and plain.loss_mask.sum() == 12

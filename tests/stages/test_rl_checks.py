@@ -23,10 +23,11 @@ def test_grpo_and_ppo_configs_that_pass(tmp_path):
                               "output_dir": str(tmp_path / "a"), "reward_funcs": "exact_match,format",
                               "reward_weights": "1,0.5", "num_generations": "4", "temperature": "0.8",
                               "loss_type": "dapo", "scale_rewards": "batch", "epsilon_high": "0.28",
-                              "importance_sampling_level": "sequence", "mask_truncated_completions": "true"})
+                              "importance_sampling_level": "sequence", "mask_truncated_completions": "true",
+                              "dynamic_sampling": "true"})
     ft = grpo.finetuning
     assert (ft.loss_type, ft.scale_rewards, ft.epsilon_high, ft.importance_sampling_level,
-            ft.mask_truncated_completions) == ("dapo", "batch", 0.28, "sequence", True)
+            ft.mask_truncated_completions, ft.dynamic_sampling) == ("dapo", "batch", 0.28, "sequence", True, True)
     assert grpo.finetuning.reward_funcs == ["exact_match", "format"] and grpo.finetuning.reward_weights == [1.0, 0.5]
     assert grpo.generation.temperature == 0.8
     ppo = load_config(None, {"stage": "ppo", "template": "chatml", "dataset": "demo_sort",
@@ -83,6 +84,8 @@ def test_rl_check_messages(tmp_path):
          "scale_rewards only applies to stage grpo (got stage: dpo): remove it"),
         ({"stage": "sft", "reward_funcs": None, "importance_sampling_level": "sequence"},
          "importance_sampling_level only applies to stage grpo (got stage: sft): remove it"),
+        ({"stage": "sft", "reward_funcs": None, "dynamic_sampling": "true"},
+         "dynamic_sampling only applies to stage grpo (got stage: sft): remove it"),
         ({"packing": "true"},
          "packing: true does not apply to stage grpo (it trains on its own generations); set packing: false"),
         ({"padding_free": "true"},

@@ -293,6 +293,11 @@ class FinetuningArguments:
         "overlong filtering); they still count in their group's reward mean and std.",
         default=False, applies=GRPO,
     )
+    dynamic_sampling: bool = _help(
+        "grpo: leave out of the loss the groups whose completions all got the same reward (DAPO's dynamic "
+        "sampling, without resampling: the batch shrinks); counted as dropped_groups in the log.",
+        default=False, applies=GRPO,
+    )
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)

@@ -16,6 +16,7 @@ gradient); with more, the rollout's log-probs are kept and each further step is 
 A group whose G rewards are all equal has advantage 0 and teaches nothing. The share of such groups is
 logged (`zero_spread_groups`); when every group of every batch has zero spread for
 ZERO_SPREAD_WARN_AFTER rounds in a row, the run warns once with the likely cause and the fixes.
+dynamic_sampling (DAPO) takes such groups out of the batch, counted as `dropped_groups`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import torch
 
 from tunelab.train.rl.losses import grpo_loss, group_advantages, zero_spread_groups
 from tunelab.train.rl.rewards import RewardFunction, score_completions
-from tunelab.train.rl.rollout import Rollout, completion_log_probs, generate_rollout, reference_log_probs
+from tunelab.train.rl.rollout import (
+    Rollout, completion_log_probs, generate_rollout, reference_log_probs, select_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class GRPO:
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
         self.loss_type, self.scale_rewards, self.epsilon_high = ft.loss_type, ft.scale_rewards, ft.epsilon_high
         self.importance_sampling_level, self.mask_truncated = ft.importance_sampling_level, ft.mask_truncated_completions
+        self.dynamic_sampling = ft.dynamic_sampling
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
         self.zero_spread_rounds, self.warned_zero_spread = 0, False
 
@@ -75,15 +79,7 @@ class GRPO:
         )
         device = rollout.input_ids.device
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)
-        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
-        ref = None
-        if self.kl_coef:
-            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
-                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
         zero_spread = zero_spread_groups(rewards, self.group_size)
-        loss_mask = rollout.completion_mask
-        if self.mask_truncated:
-            loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
         self.loop.record({
             "reward": rewards.mean(),
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
@@ -92,8 +88,26 @@ class GRPO:
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
         })
+        all_zero_spread = bool(zero_spread.all())
+        if self.dynamic_sampling:
+            # DAPO's dynamic sampling: groups with equal rewards leave the batch (they would only dilute it).
+            # With none left the batch stays, its loss mask empty: a zero gradient that DDP still synchronises.
+            self.loop.record({"dropped_groups": zero_spread.sum()})
+            if not all_zero_spread:
+                keep = (~zero_spread).repeat_interleave(self.group_size)
+                rollout, rewards = select_rows(rollout, keep), rewards[keep]
+        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
+        ref = None
+        if self.kl_coef:
+            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
+                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+        loss_mask = rollout.completion_mask
+        if self.mask_truncated:
+            loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
+        if self.dynamic_sampling and all_zero_spread:
+            loss_mask = torch.zeros_like(loss_mask)
         advantages = group_advantages(rewards, self.group_size, self.scale_rewards)
-        return GRPOBatch(rollout, advantages, loss_mask, bool(zero_spread.all()), old, ref)
+        return GRPOBatch(rollout, advantages, loss_mask, all_zero_spread, old, ref)
 
     def begin_round(self, batches: list[GRPOBatch]) -> None:
         """Before the optimizer steps on one round of rollouts: count the round's completion tokens (dapo's
@@ -126,10 +140,10 @@ class GRPO:
 
 def zero_spread_warning(rounds: int, group_size: int) -> str:
     return (
-        f"grpo cannot learn: in each of the last {rounds} steps every prompt's {group_size} completions got the "
-        "same reward, so every advantage is 0 and so are the loss and the gradient. Likely cause: the reward "
-        "never fires for this model (exact_match on answers that are never exactly right). Fixes: a reward "
-        "with partial credit (item_match, or your own), a format reward beside it (reward_funcs: "
-        "exact_match,format), stage sft on the task first, or a larger group (num_generations, now "
-        f"{group_size}). zero_spread_groups in trainer_log.jsonl is the share of such groups."
+        f"grpo cannot learn: in each of the last {rounds} rounds of rollouts every prompt's {group_size} "
+        "completions got the same reward, so every advantage is 0 and nothing but the KL term moves the model. "
+        "Likely cause: the reward never fires for this model (exact_match on answers that are never exactly "
+        "right). Fixes: a reward with partial credit (item_match, or your own), a format reward beside it "
+        "(reward_funcs: exact_match,format), stage sft on the task first, or a larger group (num_generations, "
+        f"now {group_size}). zero_spread_groups in trainer_log.jsonl is the share of such groups."
     )

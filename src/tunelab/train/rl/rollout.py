@@ -73,6 +73,16 @@ def generate_rollout(
     return Rollout(output, full_mask, completion_mask, width, texts, finished)
 
 
+def select_rows(rollout: Rollout, keep: torch.Tensor) -> Rollout:
+    """The rollout's rows where `keep` (bool, N) is true; the prompt columns stay (a column that is padding
+    in every kept row is harmless: the position ids start at each row's first real token)."""
+    rows = keep.nonzero().squeeze(1).tolist()
+    return Rollout(
+        rollout.input_ids[keep], rollout.attention_mask[keep], rollout.completion_mask[keep], rollout.prompt_width,
+        [rollout.completions[i] for i in rows], [rollout.finished[i] for i in rows],
+    )
+
+
 def completion_log_probs(
     model, rollout: Rollout, temperature: float, output_hidden: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
