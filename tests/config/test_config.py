@@ -171,7 +171,7 @@ def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix()
     assert declared["simpo_gamma"] == (("stage", ("dpo",)), ("pref_loss", ("simpo",)))
     assert declared["kl_coef"] == (("stage", ("grpo", "ppo")),)
     assert declared["loss_type"] == (("stage", ("grpo",)),)
-    assert len(declared) == 36  # 5 pt, 7 LoRA, 8 preference, 16 grpo / ppo options
+    assert len(declared) == 37  # 5 pt, 7 LoRA, 8 preference, 17 grpo / ppo options
     with pytest.raises(ConfigError) as caught:
         load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
                            "output_dir": "unused"})

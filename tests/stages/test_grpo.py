@@ -63,7 +63,7 @@ def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bo
     finetuning = SimpleNamespace(
         num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="none",
         epsilon_high=None, importance_sampling_level="token", mask_truncated_completions=False,
-        dynamic_sampling=dynamic_sampling,
+        dynamic_sampling=dynamic_sampling, top_entropy_quantile=1.0,
     )
     config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=4))
     accelerator = SimpleNamespace(num_processes=processes, is_main_process=True, unwrap_model=lambda model: model)
@@ -110,7 +110,7 @@ def test_a_grpo_run_whose_reward_never_varies_logs_it_and_warns_once(tmp_path, c
         "dataset": "demo_sort", "max_samples": 4, "cutoff_len": 64, "max_new_tokens": 4,
         "reward_funcs": "flat.py:zero", "num_generations": 2, "per_device_train_batch_size": 2, "kl_coef": 0.0,
         "loss_type": loss_type, "scale_rewards": "none", "epsilon_high": 0.28, "mask_truncated_completions": True,
-        "dynamic_sampling": loss_type == "dapo",
+        "dynamic_sampling": loss_type == "dapo", "top_entropy_quantile": 0.2 if loss_type == "dr_grpo" else 1.0,
         "max_steps": ZERO_SPREAD_WARN_AFTER + 1, "logging_steps": 1, "seed": 0, "disable_tqdm": True,
         "plot_loss": False, "output_dir": str(out),
     }))

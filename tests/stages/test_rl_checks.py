@@ -24,8 +24,9 @@ def test_grpo_and_ppo_configs_that_pass(tmp_path):
                               "reward_weights": "1,0.5", "num_generations": "4", "temperature": "0.8",
                               "loss_type": "dapo", "scale_rewards": "batch", "epsilon_high": "0.28",
                               "importance_sampling_level": "sequence", "mask_truncated_completions": "true",
-                              "dynamic_sampling": "true"})
+                              "dynamic_sampling": "true", "top_entropy_quantile": "0.2"})
     ft = grpo.finetuning
+    assert ft.top_entropy_quantile == 0.2
     assert (ft.loss_type, ft.scale_rewards, ft.epsilon_high, ft.importance_sampling_level,
             ft.mask_truncated_completions, ft.dynamic_sampling) == ("dapo", "batch", 0.28, "sequence", True, True)
     assert grpo.finetuning.reward_funcs == ["exact_match", "format"] and grpo.finetuning.reward_weights == [1.0, 0.5]
@@ -86,6 +87,9 @@ def test_rl_check_messages(tmp_path):
          "importance_sampling_level only applies to stage grpo (got stage: sft): remove it"),
         ({"stage": "sft", "reward_funcs": None, "dynamic_sampling": "true"},
          "dynamic_sampling only applies to stage grpo (got stage: sft): remove it"),
+        ({"top_entropy_quantile": "1.5"}, "top_entropy_quantile must be in [0, 1] (the share of tokens kept), got 1.5"),
+        ({"stage": "sft", "reward_funcs": None, "top_entropy_quantile": "0.2"},
+         "top_entropy_quantile only applies to stage grpo (got stage: sft): remove it"),
         ({"packing": "true"},
          "packing: true does not apply to stage grpo (it trains on its own generations); set packing: false"),
         ({"padding_free": "true"},

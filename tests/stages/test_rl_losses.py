@@ -7,7 +7,8 @@ import math
 import torch
 
 from tunelab.train.rl.losses import (
-    GRPO_LOSS_TYPES, clipped_value_loss, gae, grpo_loss, group_advantages, kl_k3, masked_whiten, zero_spread_groups,
+    GRPO_LOSS_TYPES, clipped_value_loss, gae, grpo_loss, group_advantages, high_entropy_mask, kl_k3, masked_whiten,
+    zero_spread_groups,
 )
 from tunelab.train.rl.ppo import token_rewards
 
@@ -122,6 +123,25 @@ def test_sequence_level_importance_sampling_by_hand():
     assert abs(token_loss.item() + 0.9) < 1e-6
 
 
+def test_high_entropy_mask_keeps_the_top_share_of_the_real_tokens():
+    entropy = torch.tensor([[0.1, 0.9, 0.5, 9.0], [0.3, 0.7, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # padding's 9.0 must not count
+    # real entropies 0.1 0.3 0.5 0.7 0.9: the 0.5 quantile is 0.5 → keep 0.5, 0.7, 0.9
+    assert high_entropy_mask(entropy, mask, 0.5).tolist() == [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]
+    assert high_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+    assert high_entropy_mask(entropy, mask, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_entropy_mask_keeps_the_policy_term_on_the_chosen_tokens_and_the_kl_on_all():
+    # VARIANT_CASE with a reference: per-token policy losses -1.2, -1, -1 | 2; keep tokens 0 and 3 (index 1, 0)
+    case = {**VARIANT_CASE, "ref_log_probs": torch.tensor([[LN(1.25), LN(0.5), 0.0], [0.0, 0.0, 0.0]]),
+            "kl_coef": 0.1}
+    keep = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    loss, _ = grpo_loss(**case, loss_type="bnpo", entropy_mask=keep)
+    kl_token_2 = 0.5 - LN(0.5) - 1  # k3 with r = ln 0.5; the other tokens' policy and reference agree
+    assert abs(loss.item() - (-1.2 + 0.1 * kl_token_2 + 2) / 4) < 1e-6
+
+
 def test_dapo_over_accumulated_batches_equals_one_token_mean_over_the_step():
     """What grpo.GRPO.begin_round sets up: each batch's loss / accum (the loop) with dapo_tokens = step tokens /
     accum sums to the token mean over the whole step, whatever the batches' lengths."""
@@ -142,19 +162,24 @@ def test_dapo_over_accumulated_batches_equals_one_token_mean_over_the_step():
 
 
 def trl_documented_loss(log_probs, old, ref, advantages, mask, beta, eps_low, eps_high, loss_type, level,
-                        max_completion_length, num_items_in_batch):
+                        max_completion_length, num_items_in_batch, entropies=None, top_entropy_quantile=1.0):
     """TRL's GRPO loss as its GRPOTrainer docs and GRPOConfig describe it (trl is not a tunelab dependency and its
     loss is a method of a trainer holding a model, so the formulas are written out here, not imported):
     importance weight exp(log π - log π_old) per token, or per sequence exp(masked mean of the log-ratios);
     coef_2 = clamp(w, 1 - epsilon, 1 + epsilon_high); L = -min(w·A, coef_2·A) + beta·k3;
     grpo: mean over sequences of masked token means; bnpo: masked sum / mask sum; dr_grpo: masked sum /
-    (sequences · max_completion_length); dapo: masked sum / num_items_in_batch (tokens of the accumulated batch)."""
+    (sequences · max_completion_length); dapo: masked sum / num_items_in_batch (tokens of the accumulated batch).
+    top_entropy_quantile ρ: the policy term only on tokens whose entropy is >= the (1 - ρ) quantile of the
+    non-padding tokens' entropies, before the KL term is added."""
     log_ratio = log_probs - old
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(coef_1 * advantages.unsqueeze(1), coef_2 * advantages.unsqueeze(1))
+    if entropies is not None:
+        threshold = torch.quantile(entropies[mask.bool()], 1 - top_entropy_quantile)
+        per_token = per_token * ((entropies * mask >= threshold) & mask.bool())
     per_token = per_token + beta * (torch.exp(ref - log_probs) - (ref - log_probs) - 1)
     if loss_type == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
@@ -182,6 +207,13 @@ def test_every_variant_equals_trls_documented_formula_on_the_same_inputs():
                 theirs = trl_documented_loss(log_probs, old, ref, advantages, mask, 0.04, 0.2, eps_high, loss_type,
                                              level, 8, 40.0)
                 assert abs(ours.item() - theirs.item()) < 1e-6, (loss_type, level, eps_high)
+    entropies = torch.rand(6, 7, generator=generator) * 3
+    for quantile in (0.0, 0.2, 0.7):
+        ours, _ = grpo_loss(log_probs, old, ref, advantages, mask, 0.2, 0.04, loss_type="bnpo",
+                            entropy_mask=high_entropy_mask(entropies, mask, quantile))
+        theirs = trl_documented_loss(log_probs, old, ref, advantages, mask, 0.04, 0.2, 0.2, "bnpo", "token", 8, 40.0,
+                                     entropies, quantile)
+        assert abs(ours.item() - theirs.item()) < 1e-6, quantile
 
 
 def test_gae_by_hand():

@@ -94,3 +94,22 @@ def test_full_finetuning_reference_is_a_frozen_copy(tiny):
     assert reference is not model and not any(p.requires_grad for p in reference.parameters())
     assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
     assert build_reference(model, kl_coef=0.0, device="cpu") is None
+
+
+def test_entropy_is_that_of_the_distribution_each_token_was_sampled_from(tiny):
+    """top_entropy_quantile ranks tokens by this: -Σ p log p of softmax(logits / T) at each completion position,
+    the same log-probs as without it."""
+    model, tokenizer, stops, prompt_ids = tiny
+    rollout = _rollout(model, tokenizer, stops, prompt_ids)
+    width = rollout.prompt_width
+    with torch.no_grad():
+        log_probs, entropy = completion_log_probs(model, rollout, TEMPERATURE, output_entropy=True)
+        plain, _ = completion_log_probs(model, rollout, TEMPERATURE)
+    torch.testing.assert_close(log_probs, plain, rtol=0, atol=0)
+    prompt = prompt_ids[0]
+    n = int(rollout.completion_mask[0].sum())
+    completion = rollout.input_ids[0, width : width + n].tolist()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
+    direct = F.log_softmax(logits.float(), dim=-1)
+    torch.testing.assert_close(entropy[0, :n], -(direct.exp() * direct).sum(-1), rtol=0, atol=1e-4)

@@ -298,6 +298,11 @@ class FinetuningArguments:
         "sampling, without resampling: the batch shrinks); counted as dropped_groups in the log.",
         default=False, applies=GRPO,
     )
+    top_entropy_quantile: float = _help(
+        "grpo: the policy term of the loss acts only on this top share of each batch's completion tokens by the "
+        "entropy they were sampled with (\"Beyond the 80/20 rule\": 0.2); 1.0 keeps every token.",
+        default=1.0, applies=GRPO,
+    )
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)

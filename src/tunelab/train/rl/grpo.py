@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from tunelab.train.rl.losses import grpo_loss, group_advantages, zero_spread_groups
+from tunelab.train.rl.losses import grpo_loss, group_advantages, high_entropy_mask, zero_spread_groups
 from tunelab.train.rl.rewards import RewardFunction, score_completions
 from tunelab.train.rl.rollout import (
     Rollout, completion_log_probs, generate_rollout, reference_log_probs, select_rows,
@@ -57,7 +57,7 @@ class GRPO:
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
         self.loss_type, self.scale_rewards, self.epsilon_high = ft.loss_type, ft.scale_rewards, ft.epsilon_high
         self.importance_sampling_level, self.mask_truncated = ft.importance_sampling_level, ft.mask_truncated_completions
-        self.dynamic_sampling = ft.dynamic_sampling
+        self.dynamic_sampling, self.top_entropy_quantile = ft.dynamic_sampling, ft.top_entropy_quantile
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
         self.zero_spread_rounds, self.warned_zero_spread = 0, False
 
@@ -128,13 +128,15 @@ class GRPO:
                 logger.warning(zero_spread_warning(self.zero_spread_rounds, self.group_size))
 
     def loss(self, batch: GRPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        log_probs, _ = completion_log_probs(self.loop.model, batch.rollout, self.temperature)
+        select = self.top_entropy_quantile < 1.0
+        log_probs, entropy = completion_log_probs(self.loop.model, batch.rollout, self.temperature, output_entropy=select)
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+        entropy_mask = high_entropy_mask(entropy, batch.loss_mask, self.top_entropy_quantile) if select else None
         return grpo_loss(
             log_probs, old, batch.ref_log_probs, batch.advantages, batch.loss_mask, self.epsilon, self.kl_coef,
             loss_type=self.loss_type, epsilon_high=self.epsilon_high,
             importance_sampling_level=self.importance_sampling_level, max_completion_length=self.max_new_tokens,
-            dapo_tokens=self.dapo_tokens,
+            dapo_tokens=self.dapo_tokens, entropy_mask=entropy_mask,
         )
 
 

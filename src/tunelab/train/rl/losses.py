@@ -79,11 +79,24 @@ def clipped_policy_loss(
 GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 
 
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """1.0 on the masked tokens whose entropy is in the top `quantile` of this batch's masked tokens (the
+    "80/20" forking tokens), else 0.0: the tokens at or above the (1 - quantile) quantile. quantile 1 keeps
+    every token, 0 only the highest-entropy one(s)."""
+    real = mask.bool()
+    if not real.any():
+        return mask
+    threshold = torch.quantile(entropy[real].float(), 1 - quantile)
+    return ((entropy >= threshold) & real).to(mask.dtype)
+
+
+
 def grpo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
     advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, kl_coef: float, *,
     loss_type: str = "grpo", epsilon_high: float | None = None, importance_sampling_level: str = "token",
     max_completion_length: int | None = None, dapo_tokens: float | None = None,
+    entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO objective, negated: per token the clipped surrogate plus kl_coef · k3 KL to the reference
     (L_it below), reduced over the N completions × C tokens as `loss_type` says (TRL's names):
@@ -97,7 +110,8 @@ def grpo_loss(
     T_i are completion i's tokens (the mask). dapo_tokens defaults to this batch's tokens (then dapo equals
     bnpo); the caller passes the step's token count scaled to what one batch's loss should be divided by
     (grpo.GRPO.loss). importance_sampling_level "sequence" (GSPO) replaces each token's log-ratio by its
-    completion's mean log-ratio: one ratio, clipped once, per completion.
+    completion's mean log-ratio: one ratio, clipped once, per completion. entropy_mask (N × C, from
+    high_entropy_mask) keeps the policy term on those tokens only; the KL term stays on every token.
 
     Returns the loss and detached statistics (kl, clip_ratio)."""
     log_ratio = log_probs - old_log_probs
@@ -107,6 +121,8 @@ def grpo_loss(
         raise ValueError(f"grpo_loss: unknown importance_sampling_level {importance_sampling_level!r} (token, sequence)")
     per_token, was_clipped = clipped_surrogate(log_ratio, advantages, epsilon, epsilon_high)
     stats = {"clip_ratio": masked_mean(was_clipped.expand_as(mask), mask).detach()}
+    if entropy_mask is not None:
+        per_token = per_token * entropy_mask
     if ref_log_probs is not None:
         kl = kl_k3(log_probs, ref_log_probs)
         if kl_coef:

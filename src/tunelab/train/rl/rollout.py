@@ -84,10 +84,11 @@ def select_rows(rollout: Rollout, keep: torch.Tensor) -> Rollout:
 
 
 def completion_log_probs(
-    model, rollout: Rollout, temperature: float, output_hidden: bool = False
+    model, rollout: Rollout, temperature: float, output_hidden: bool = False, output_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs of the completion tokens (N × C) and, when asked, the last hidden state at
-    the positions that predict them (N × C × H, for a value head). Gradients flow when enabled."""
+    the positions that predict them (N × C × H, for a value head) or (output_entropy) the entropy of the
+    distribution each token was drawn from (N × C, detached). Gradients flow when enabled."""
     ids, mask, width = rollout.input_ids, rollout.attention_mask, rollout.prompt_width
     length = ids.shape[1] - width
     output = model(
@@ -95,7 +96,11 @@ def completion_log_probs(
         logits_to_keep=length + 1, output_hidden_states=output_hidden, use_cache=False,
     )
     logits = output.logits[:, :-1].float() / temperature  # position t predicts token t + 1
-    log_probs = torch.gather(F.log_softmax(logits, dim=-1), 2, ids[:, width:, None]).squeeze(-1)
+    all_log_probs = F.log_softmax(logits, dim=-1)
+    log_probs = torch.gather(all_log_probs, 2, ids[:, width:, None]).squeeze(-1)
+    if output_entropy:  # of the sampled (temperature-scaled) distribution at each completion position; no gradient
+        with torch.no_grad():
+            return log_probs, -(all_log_probs.exp() * all_log_probs).sum(-1)
     hidden = output.hidden_states[-1][:, width - 1 : -1] if output_hidden else None
     return log_probs, hidden
 
