@@ -564,6 +564,15 @@ class _CommandParser(_Parser):
     webui and template an option-shaped word left over is an unknown option, refused in one line with the
     closest known spelling."""
 
+    def __init__(self, *args, **kwargs):
+        self.declared: list[argparse.Action] = []  # before argparse's __init__, which declares --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.declared.append(action)  # argparse keeps no public list of a parser's arguments
+        return action
+
     def format_help(self) -> str:
         return super().format_help() + f"\n{SPELLINGS_NOTE}\n"
 
@@ -572,7 +581,7 @@ class _CommandParser(_Parser):
         return super().parse_known_args(self._argparse_spelling(words), namespace)
 
     def _argparse_spelling(self, words: list[str]) -> list[str]:
-        actions = self._actions  # argparse keeps no public list of a parser's arguments
+        actions = self.declared
         options = {flag[2:].replace("-", "_"): action for action in actions for flag in action.option_strings
                    if flag.startswith("--") and flag != "--help"}
         positionals = [action.dest for action in actions if not action.option_strings]
