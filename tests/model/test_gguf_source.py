@@ -157,6 +157,26 @@ def test_chat_loads_a_gguf_file_and_an_adapter_trained_on_one(lora_run, files):
     assert answer == tuned.tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
 
+def test_qlora_quantizes_the_dequantized_weights_exactly_as_a_folders(files, tmp_path):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (pip install 'tunelab[qlora]')")
+    from tunelab.model.quantization import build_quantization_config  # noqa: PLC0415 - only with bitsandbytes
+
+    dense = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=torch.float32)
+    dense.save_pretrained(tmp_path / "folder")  # the same dequantized weights as a plain folder
+
+    def qlora(path):
+        config = build_quantization_config(ModelArguments(model_name_or_path=str(path), quantization_bit=4),
+                                           torch.float32)
+        return gguf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32, quantization_config=config)
+
+    from_file, from_folder = qlora(files["q8_0"]), qlora(tmp_path / "folder")
+    assert from_file.is_loaded_in_4bit and type(from_file.model.layers[1].mlp.down_proj).__name__ == "Linear4bit"
+    packed, expected = from_file.state_dict(), from_folder.state_dict()  # 4-bit blocks and their quantization states
+    assert sorted(packed) == sorted(expected)
+    assert [name for name in expected if not torch.equal(packed[name], expected[name])] == []
+    assert from_file.name_or_path == str(files["q8_0"])
+
+
 def test_export_merges_the_adapter_into_the_dequantized_base(lora_run, files, tmp_path):
     out = tmp_path / "merged"
     assert main(["export", f"model_name_or_path={files['q8_0']}", f"adapter_name_or_path={lora_run}",
@@ -186,9 +206,6 @@ def test_a_folder_plus_gguf_file_resolves_to_the_file(files):
                                      "model_name_or_path")),
         ({"model_name_or_path": str(files["f32"]), "gguf_file": "x.gguf"},
          f"gguf_file: model_name_or_path {files['f32']} is already a GGUF file; remove gguf_file"),
-        ({"model_name_or_path": str(files["f32"]), "quantization_bit": 4},
-         ("quantization_bit: 4 cannot apply to a GGUF model: transformers refuses to quantize a GGUF while loading "
-          "it; train it with finetuning_type: lora without quantization_bit (its weights load dequantized)")),
     ):
         with pytest.raises(ConfigError) as refused:
             load_config(None, {"model_name_or_path": str(folder), "dataset": "demo_reverse", **overrides}, purpose="data")

@@ -227,11 +227,6 @@ def _check_quantization(config: RunConfig) -> None:
     bits = config.model.quantization_bit
     if bits is None:
         return
-    if config.model.gguf_file or config.model.model_name_or_path.lower().endswith(".gguf"):
-        raise ConfigError(
-            f"quantization_bit: {bits} cannot apply to a GGUF model: transformers refuses to quantize a GGUF while "
-            "loading it; train it with finetuning_type: lora without quantization_bit (its weights load dequantized)"
-        )
     if bits not in (4, 8):
         raise ConfigError(f"quantization_bit must be 4 or 8, got {bits}")
     if config.finetuning.finetuning_type != "lora":

@@ -53,16 +53,27 @@ def load_config(path: str | Path, trust_remote_code: bool = False) -> Pretrained
 
 def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
     """auto_class.from_pretrained for a folder or a .gguf file. A GGUF loads dense: every tensor dequantized, then
-    cast to `dtype`, and the quantization marks removed (module docstring)."""
+    cast to `dtype`, and the quantization marks removed (module docstring). With a bitsandbytes quantization_config
+    (QLoRA) the dense weights are then quantized as a folder's would be: transformers will not quantize while it
+    reads a GGUF, so the dense model is loaded first and its state dict handed to from_pretrained (both are held in
+    memory for that moment)."""
     source, extra = pretrained_source(path)
     if not extra:
         return auto_class.from_pretrained(source, **kwargs)
+    quantization_config = kwargs.pop("quantization_config", None)
     loaded = auto_class.from_pretrained(source, quantization_config=GgufConfig(dequantize=True), **extra, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.hf_quantizer = None
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+    if quantization_config is not None:
+        state_dict, config, model_class = model.state_dict(), model.config, type(model)
+        del model, loaded
+        kwargs.pop("trust_remote_code", None)  # (the class is known now)
+        loaded = model_class.from_pretrained(None, config=config, state_dict=state_dict,
+                                             quantization_config=quantization_config, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.name_or_path = str(path)  # what an adapter trained on it names as its base
     return loaded
 
