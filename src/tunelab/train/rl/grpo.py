@@ -42,7 +42,8 @@ ZERO_SPREAD_WARN_AFTER = 3  # rounds in a row in which no group had any reward s
 class GRPOBatch:
     rollout: Rollout
     advantages: torch.Tensor  # B·G, one per completion
-    loss_mask: torch.Tensor  # B·G × C: the completion mask, less truncated completions with mask_truncated_completions
+    loss_mask: torch.Tensor  # B·G × C: the completion mask, less truncated completions (mask_truncated_completions)
+    # and, with dynamic_sampling, empty when every group of the batch had zero spread
     all_zero_spread: bool  # every group's rewards are equal: this batch teaches nothing
     old_log_probs: torch.Tensor | None  # B·G × C; None: the current policy is the old one (num_iterations 1)
     ref_log_probs: torch.Tensor | None  # B·G × C; None when kl_coef is 0
