@@ -177,11 +177,16 @@ def test_qlora_quantizes_the_dequantized_weights_exactly_as_a_folders(files, tmp
     assert from_file.name_or_path == str(files["q8_0"])
 
 
-def test_export_merges_the_adapter_into_the_dequantized_base(lora_run, files, tmp_path):
+def test_export_merges_the_adapter_into_the_dequantized_base(lora_run, files, tmp_path, capsys):
     out = tmp_path / "merged"
     assert main(["export", f"model_name_or_path={files['q8_0']}", f"adapter_name_or_path={lora_run}",
                  f"export_dir={out}"]) == 0
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    # without the file as model_name_or_path the export would merge into the default model: refused, naming it
+    assert main(["export", f"adapter_name_or_path={lora_run}", f"export_dir={tmp_path / 'other'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"tunelab: error: model_name_or_path: the adapter {lora_run} was trained on the GGUF file {files['q8_0']}; "
+        f"set model_name_or_path to that file (now {TINY_MODEL_DIR})")  # the default, 'tiny'
     weights = load_file(out / "model.safetensors")
     assert torch.equal(weights["model.embed_tokens.weight"], dequantized(files["q8_0"], "token_embd.weight"))
     assert not torch.equal(weights["model.layers.1.mlp.down_proj.weight"],

@@ -17,6 +17,7 @@ from tunelab import hub
 from tunelab.config.args import ModelArguments
 from tunelab.errors import ConfigError
 from tunelab.model import gguf
+from tunelab.run_folder import TrainedFolder
 
 
 def resolve_model_folders(model: ModelArguments) -> tuple[str, str | None]:
@@ -44,6 +45,10 @@ def resolve_model_folders(model: ModelArguments) -> tuple[str, str | None]:
         raise ConfigError(f"adapter_name_or_path: {adapter} has no adapter_config.json")
     if adapter:
         hub.fetch_weights(adapter, model.allow_pickle_weights, "adapter_name_or_path")  # megabytes: now, not later
+        base, _ = TrainedFolder(Path(adapter)).base
+        if gguf.is_gguf(base) and not gguf.is_gguf(model_folder):  # e.g. the default 'tiny' left in place
+            raise ConfigError(f"model_name_or_path: the adapter {adapter} was trained on the GGUF file {base}; set "
+                              f"model_name_or_path to that file (now {model.model_name_or_path})")
     return model_folder, adapter
 
 
