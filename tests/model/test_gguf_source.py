@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,12 @@ def test_file_record_has_the_sha256_and_quantization_type(files):
         "quantization": "Q8_0", "architecture": "llama", "tensor_types": {"F32": 9, "Q8_0": 29},
     }
     assert gguf.file_record(files["f32"])["quantization"] == "F32"
+    for path in files.values():  # tunelab's quick header reader agrees with the gguf package's
+        reader = GGUFReader(str(path))
+        header = gguf.read_header(path)
+        assert gguf.tensor_types(header) == Counter(t.tensor_type.name for t in reader.tensors)
+        assert header.string("tokenizer.chat_template") == str(reader.get_field("tokenizer.chat_template").contents())
+        assert header.metadata["llama.block_count"] == reader.get_field("llama.block_count").contents()
 
 
 # ---- train, chat, export ------------------------------------------------------------------------------------------
@@ -249,6 +256,12 @@ def test_an_architecture_or_type_transformers_cannot_read_is_one_line(tmp_path, 
     assert {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"} <= set(readable)
     assert "Q8_K" not in readable
 
+    (tmp_path / "fake.gguf").write_text("not a model")
+    with pytest.raises(ConfigError) as refused:
+        gguf.check_readable(tmp_path / "fake.gguf")
+    assert str(refused.value) == (f"model_name_or_path: {tmp_path / 'fake.gguf'} is not a readable GGUF file (it does "
+                                  "not start with the GGUF magic bytes)")
+
 
 def test_a_hub_id_with_gguf_file_resolves_through_the_cache(files, tmp_path):
     cache = tmp_path / "hf" / "hub"
@@ -288,8 +301,9 @@ def test_real_smollm2_q4_1_gguf_answers_and_is_recorded():
     path = real("smollm2")
     gguf.check_readable(path)
     record = gguf.file_record(path)
-    assert (record["sha256"], record["quantization"], record["architecture"]) == (
-        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "llama")
+    assert (record["sha256"], record["quantization"], record["architecture"], record["tensor_types"]) == (
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "Q4_1", "llama",
+        {"F32": 61, "Q4_1": 210, "Q8_0": 1})
     engine = load_engine(str(path), dtype="float32")
     assert engine.template.jinja == tokenizer_chat_template(path)
     question = [{"role": "user", "content": "What is the capital of France?"}]

@@ -19,7 +19,11 @@ that split it into transformers' (folder, gguf_file) form. Writing GGUF files is
 
 from __future__ import annotations
 
+import importlib.util
+import mmap
+import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,42 +85,112 @@ def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
 # ---- what the file holds ------------------------------------------------------------------------------------------
 
 
-def _reader(path: str | Path):
+@dataclass(frozen=True)
+class Header:
+    """What tunelab reads of a GGUF file without its tensor data: the metadata (numbers and strings; an array as its
+    length) and each tensor's ggml type and number of dimensions."""
+
+    metadata: dict[str, Any]
+    tensors: tuple[tuple[int, int], ...]  # (ggml type id, dimensions) per tensor
+
+    def string(self, key: str) -> str | None:
+        value = self.metadata.get(key)
+        return value if isinstance(value, str) else None
+
+
+# GGUF metadata value types: the fixed-width ones (8: string, 9: array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_header(path: str | Path, key: str = "model_name_or_path") -> Header:
+    """The file's header (GGUF v2 / v3), read directly: the gguf package's reader also parses every vocabulary entry
+    into objects, which takes seconds per read on a 262k-token vocabulary; this walks past them. ConfigError when
+    the file is not a readable GGUF."""
     try:
-        from gguf import GGUFReader  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
-    except ImportError:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            return _parse_header(blob)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{key}: {path} is not a readable GGUF file ({first_line(exc) or type(exc).__name__})") from None
+
+
+def _parse_header(blob: mmap.mmap) -> Header:
+    if blob[:4] != b"GGUF":
+        raise ValueError("it does not start with the GGUF magic bytes")
+    version, tensor_count, kv_count = struct.unpack_from("<IQQ", blob, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version}; tunelab reads versions 2 and 3")
+    pos = 24
+
+    def string(pos: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", blob, pos)
+        return blob[pos + 8:pos + 8 + length].decode("utf-8"), pos + 8 + length
+
+    def value(kind: int, pos: int) -> tuple[Any, int]:
+        if kind in _SCALARS:
+            return struct.unpack_from(_SCALARS[kind], blob, pos)[0], pos + struct.calcsize(_SCALARS[kind])
+        if kind == 8:
+            return string(pos)
+        if kind != 9:
+            raise ValueError(f"a metadata value of unknown type {kind}")
+        item, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if item in _SCALARS:
+            return count, pos + count * struct.calcsize(_SCALARS[item])
+        for _ in range(count):  # strings (a vocabulary) or nested arrays: walked past, not kept
+            if item == 8:
+                pos += 8 + struct.unpack_from("<Q", blob, pos)[0]
+            else:
+                pos = value(item, pos)[1]
+        return count, pos
+
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        name, pos = string(pos)
+        (kind,) = struct.unpack_from("<I", blob, pos)
+        metadata[name], pos = value(kind, pos + 4)
+    tensors = []
+    for _ in range(tensor_count):
+        pos = string(pos)[1]
+        (dims,) = struct.unpack_from("<I", blob, pos)
+        (ggml_type,) = struct.unpack_from("<I", blob, pos + 4 + 8 * dims)
+        tensors.append((ggml_type, dims))
+        pos += 4 + 8 * dims + 12
+    return Header(metadata, tuple(tensors))
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def _require_gguf_package(path: str | Path) -> None:
+    if importlib.util.find_spec("gguf") is None:
         raise ConfigError(f"model_name_or_path: {path} is a GGUF file; reading it needs the gguf package: "
-                          "pip install 'tunelab[gguf]'") from None
-    try:
-        return GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001  (not a GGUF, truncated, a newer format version)
-        raise ConfigError(f"model_name_or_path: {path} is not a readable GGUF file ({first_line(exc)})") from None
+                          "pip install 'tunelab[gguf]'")
 
 
-def _string_field(reader, key: str) -> str | None:
-    field = reader.get_field(key)
-    return None if field is None else str(field.contents())
-
-
-def tensor_types(reader) -> Counter[str]:
+def tensor_types(header: Header) -> Counter[str]:
     """How many of the file's tensors are stored in each ggml type (F32, Q4_K, ...)."""
-    return Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    return Counter(_type_name(ggml_type) for ggml_type, _ in header.tensors)
 
 
-def quantization_type(reader) -> str:
+def quantization_type(header: Header) -> str:
     """The file's quantization type as llama.cpp names it (general.file_type: Q4_K_M, Q8_0, F16, ...), else the type
     most of its matrices are stored in."""
     from gguf import LlamaFileType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
 
-    field = reader.get_field("general.file_type")
-    if field is not None:
+    file_type = header.metadata.get("general.file_type")
+    if isinstance(file_type, int):
         try:
-            name = LlamaFileType(int(field.contents())).name
-            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+            return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             pass
-    matrices = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
-    return (matrices or tensor_types(reader)).most_common(1)[0][0]
+    matrices = Counter(_type_name(ggml_type) for ggml_type, dims in header.tensors if dims >= 2)
+    return (matrices or tensor_types(header)).most_common(1)[0][0]
 
 
 def readable_architectures() -> list[str]:
@@ -155,14 +229,15 @@ def readable_types(architecture: str) -> list[str]:
 def check_readable(path: str | Path, key: str = "model_name_or_path") -> None:
     """A GGUF file transformers can load: a known architecture and tensor types it dequantizes; else one line naming
     what is not readable and listing what is."""
-    reader = _reader(path)
-    architecture = _string_field(reader, "general.architecture")
+    _require_gguf_package(path)
+    header = read_header(path, key)
+    architecture = header.string("general.architecture")
     known = readable_architectures()
     if architecture not in known and not str(architecture).startswith("t5"):  # (t5encoder reads as t5)
         raise ConfigError(f"{key}: {Path(path).name} holds a GGUF of architecture '{architecture}', which transformers "
                           f"cannot read; it reads {', '.join(known)}")
     readable = readable_types(architecture)
-    unreadable = sorted(set(tensor_types(reader)) - set(readable))
+    unreadable = sorted(set(tensor_types(header)) - set(readable))
     if unreadable:
         raise ConfigError(f"{key}: {Path(path).name} stores tensors as {', '.join(unreadable)}, which transformers "
                           f"cannot dequantize; it reads {', '.join(readable)}: use a file of another quantization")
@@ -171,11 +246,11 @@ def check_readable(path: str | Path, key: str = "model_name_or_path") -> None:
 def file_record(path: str | Path) -> dict[str, Any]:
     """What a run records about the GGUF it trained from: the file, its SHA-256, quantization type, architecture and
     how many tensors each ggml type holds. (Hashes the whole file: once per run.)"""
-    reader = _reader(path)
+    header = read_header(path)
     return {
         "file": str(path),
         "sha256": file_sha256(path),
-        "quantization": quantization_type(reader),
-        "architecture": _string_field(reader, "general.architecture"),
-        "tensor_types": dict(sorted(tensor_types(reader).items())),
+        "quantization": quantization_type(header),
+        "architecture": header.string("general.architecture"),
+        "tensor_types": dict(sorted(tensor_types(header).items())),
     }

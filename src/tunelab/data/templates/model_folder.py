@@ -33,13 +33,15 @@ def tokenizer_chat_template(model_dir: str | Path) -> str | None:
 
 
 def _gguf_chat_template(file: Path) -> str | None:
-    from gguf import GGUFReader  # noqa: PLC0415 - an optional dependency (tunelab[gguf]), for GGUF files only
+    # transformers' own metadata reader: it walks past the vocabulary instead of parsing it (milliseconds, not seconds)
+    from transformers.integrations.gguf.reader import read_gguf_metadata  # noqa: PLC0415 - GGUF files only
 
     try:
-        field = GGUFReader(str(file)).get_field("tokenizer.chat_template")
+        metadata, _ = read_gguf_metadata(str(file))
     except Exception as exc:  # noqa: BLE001  (a damaged file; model/gguf.py checked it was readable)
         raise TemplateError(f"{file}: cannot read its chat template ({exc})") from None
-    return (str(field.contents()) or None) if field is not None else None
+    template = metadata.get("tokenizer.chat_template")
+    return template if isinstance(template, str) and template else None
 
 
 def _from_config_value(value: object) -> str | None:
