@@ -36,6 +36,7 @@ from tunelab.export.gguf_writer import write_gguf
 from tunelab.infer.engine import load_engine
 from tunelab.infer.sampling import SamplingOptions
 from tunelab.model import gguf
+from tunelab.model.skeleton import vocab_size
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.preflight import load_config
 from tunelab.train.outputs import run_options
@@ -124,6 +125,7 @@ def test_file_record_has_the_sha256_and_quantization_type(files):
         assert gguf.tensor_types(header) == Counter(t.tensor_type.name for t in reader.tensors)
         assert header.string("tokenizer.chat_template") == str(reader.get_field("tokenizer.chat_template").contents())
         assert header.metadata["llama.block_count"] == reader.get_field("llama.block_count").contents()
+        assert vocab_size(path) == gguf.load_config(path).vocab_size == 864  # `tunelab data` reads it from the header
 
 
 # ---- train, chat, export ------------------------------------------------------------------------------------------

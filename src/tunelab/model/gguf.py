@@ -158,6 +158,15 @@ def _parse_header(blob: mmap.mmap) -> Header:
     return Header(metadata, tuple(tensors))
 
 
+def vocab_size(path: str | Path) -> int | None:
+    """The vocabulary size transformers' config of the file will have: `<architecture>.vocab_size`, else the number
+    of tokens in the file's vocabulary; read from the header alone."""
+    header = read_header(path)
+    size = header.metadata.get(f"{header.string('general.architecture')}.vocab_size",
+                               header.metadata.get("tokenizer.ggml.tokens"))
+    return int(size) if isinstance(size, int) else None
+
+
 def _type_name(ggml_type: int) -> str:
     from gguf import GGMLQuantizationType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
 

@@ -43,10 +43,7 @@ def skeleton(config: RunConfig) -> torch.nn.Module:
 def vocab_size(model_dir: str | Path) -> int | None:
     """vocab_size from config.json (or its text_config), or a GGUF's metadata, without loading the model."""
     if gguf.is_gguf(model_dir):
-        try:
-            return int(gguf.load_config(model_dir).get_text_config().vocab_size)
-        except Exception:  # noqa: BLE001  (as an unreadable config.json: unknown)
-            return None
+        return gguf.vocab_size(model_dir)
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
