@@ -27,7 +27,7 @@ VARIANTS = {
     "dapo + clip-higher + overlong filter + dynamic sampling": {
         "loss_type": "dapo", "epsilon_high": 0.28, "mask_truncated_completions": True, "dynamic_sampling": True,
     },
-    "gspo (sequence ratio)": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "gspo": {"loss_type": "grpo", "importance_sampling_level": "sequence"},
 }
 
 
@@ -62,7 +62,7 @@ def main_cli() -> None:
     print("| variant | rollout reward (first → last log) | held-out greedy exact match | zero-spread groups (first → last) | seconds |")
     print("|---|---|---|---|---|")
     for name in args.variants.split(","):
-        folder = out / name.split(" ")[0].replace("+", "")
+        folder = out / "".join(c if c.isalnum() else "_" for c in name)
         start = time.perf_counter()
         run({**common, **VARIANTS[name], "output_dir": str(folder / "run")}, folder)
         seconds = time.perf_counter() - start
