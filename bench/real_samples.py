@@ -22,7 +22,7 @@ QUESTIONS = [
 
 def load(folder: Path):
     if (folder / "adapter_config.json").is_file():
-        from peft import PeftModel  # noqa: PLC0415
+        from peft import PeftModel
 
         return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), folder).eval()
     return AutoModelForCausalLM.from_pretrained(folder).eval()
