@@ -405,6 +405,11 @@ class ExportArguments:
         "false skips it (it holds a float32 copy of the model and runs both models on the probes).",
         default=True,
     )
+    export_check_only: bool = _help(
+        "tunelab export: write nothing; run the export check on what an earlier export with the same options wrote "
+        "into export_dir (`tunelab export --check-only`).",
+        default=False,
+    )
 
 
 def training_group(purpose: str = "train") -> type:
@@ -434,8 +439,3 @@ class RunConfig:
     export: ExportArguments = field(default_factory=ExportArguments)
     source: str | None = None  # the YAML file it came from
     precision: str | None = None  # what bf16 / fp16 auto chose and why (config/precision.py); None when both were set
-    export_check_only: bool = _help(
-        "tunelab export: write nothing; run the export check on what an earlier export with the same options wrote "
-        "into export_dir (`tunelab export --check-only`).",
-        default=False,
-    )
