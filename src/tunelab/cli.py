@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import logging
 import os
 import re
 import sys
@@ -726,4 +727,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "LOCAL_RANK" in os.environ:
+        # A torchrun worker (every run with more than one process) leaves without interpreter teardown: with the
+        # process group already destroyed, a library thread still joinable at C++ teardown made a rank of a run
+        # that had finished (or saved and stopped on SIGTERM) now and then die with SIGABRT ("terminate called
+        # without an active exception"), and its launcher report the run as failed. Nothing is left to write.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
