@@ -54,6 +54,11 @@ PRIVATE_NAMES = {
         "datasets.Dataset",
         "data/pretrain.py keys the cached pt windows on the documents' fingerprint",
     ),
+    "_exit": (
+        "os",
+        ("documented, public despite its name: cli.py ends a torchrun worker without interpreter teardown, where a "
+         "library thread still joinable at C++ teardown aborted ranks of finished runs"),
+    ),
 }
 
 
@@ -62,8 +67,9 @@ def _is_private(name: str) -> bool:
 
 
 def _resolve(dotted: str):
+    """A module ("os") or a name in one ("transformers.Trainer")."""
     module, _, attribute = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), attribute)
+    return getattr(importlib.import_module(module), attribute) if module else importlib.import_module(dotted)
 
 
 def _library_has(owner, name: str) -> bool:
