@@ -107,6 +107,11 @@ def load_config(
     return plan_run(path, overrides, purpose, warn).config
 
 
+def _config_dir(config: RunConfig) -> Path | None:
+    """The config file's folder: relative reward-function and callback files are also looked up there."""
+    return Path(config.source).parent if config.source else None
+
+
 def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
     """grpo: the reward functions, imported (a missing file or function fails now); ppo: the reward model folder."""
     ft, stage = config.finetuning, config.finetuning.stage
@@ -114,8 +119,7 @@ def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
         ft.reward_model = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
     if stage != "grpo":
         return ()
-    base_dir = Path(config.source).parent if config.source else None
-    return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, base_dir))
+    return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
 
 
 def _user_callbacks(config: RunConfig) -> tuple[tuple[type, dict[str, Any]], ...]:
@@ -124,5 +128,4 @@ def _user_callbacks(config: RunConfig) -> tuple[tuple[type, dict[str, Any]], ...
         return ()
     from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415 - start-up time: imports the Trainer's
 
-    base_dir = Path(config.source).parent if config.source else None
-    return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, base_dir))
+    return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, _config_dir(config)))

@@ -237,10 +237,6 @@ class TrainedFolder:
         return (self.path / "adapter_config.json").is_file()
 
     @property
-    def is_model(self) -> bool:
-        return (self.path / "config.json").is_file()
-
-    @property
     def base(self) -> tuple[str | None, str]:
         """(base model, revision) an adapter names; (None, "main") where it names none."""
         saved = self.adapter_config or {}

@@ -94,11 +94,6 @@ def export_dtype(config: RunConfig) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def merged_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module:
-    """Base (+ adapter merged) in float32, ready to save."""
-    return merge_adapter(trained_model(config, pad_token_id))
-
-
 def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     """The adapter merged into its base (a model without one as it is), set up to serve generation."""
     if isinstance(model, PeftModel):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Sequence
 
-from tunelab.config.metric_names import GENERATION_METRIC_NAMES
 from tunelab.errors import ConfigError
 
 

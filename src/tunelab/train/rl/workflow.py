@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import transformers
@@ -89,11 +88,6 @@ def build_reference(model: nn.Module, kl_coef: float, device) -> nn.Module | Non
         return None
     reference = copy.deepcopy(model).requires_grad_(False).eval()
     return reference.to(device)
-
-
-def config_dir(config: RunConfig) -> Path | None:
-    """The config file's folder: relative reward-function files are also looked up there."""
-    return Path(config.source).parent if config.source else None
 
 
 def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:
