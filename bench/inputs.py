@@ -12,6 +12,9 @@ What it writes (deterministic: the same files on every run and machine):
                         come from the embedded tokenizer (8,192 of them); the vocabulary size is what costs:
                         the head alone is 136M parameters, fp32 logits of 2,048 tokens 1.2 GB
     model-real24/       the same at full depth (24 layers, 494M parameters): bench/gpu.sh
+    model-smollm2/      a real pretrained model: SmolLM2-135M-Instruct (30 layers, tied vocabulary of 49,152),
+                        its own tokenizer and chat template; a link to bench/.data/real/smollm2-hf, the plain HF
+                        folder dequantized from the registry's GGUF (scripts/fetch_real.py; `--models smollm2`)
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
@@ -156,6 +159,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     for name in models:
         if name in REAL:
             real_model(model_dir, out / f"model-{name}", REAL[name])
+        elif name == "smollm2":
+            smollm2_model(out / "model-smollm2")
 
     sft = sft_rows(sft_rows_n)
     long_rows = long_prompt_rows(long_rows_n)
@@ -226,6 +231,18 @@ QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "
 REAL = {"real": {**QWEN05, "num_hidden_layers": 2}, "real24": {**QWEN05, "num_hidden_layers": 24}}
 
 
+def smollm2_model(link: Path) -> None:
+    """model-smollm2 -> the HF folder of SmolLM2-135M-Instruct, built once from its GGUF (bench/pure_bf16.py)."""
+    import sys  # noqa: PLC0415
+    bench = Path(__file__).resolve().parent
+    sys.path[:0] = [str(bench), str(bench.parent / "scripts")]
+    import pure_bf16  # noqa: PLC0415 (imports torch and transformers: only when asked for)
+
+    folder = pure_bf16.hf_folder(bench / ".data" / "real" / "smollm2-hf")
+    if not link.exists():
+        link.symlink_to(folder.resolve(), target_is_directory=True)
+
+
 def real_model(tiny_dir: Path, out: Path, shape: dict) -> None:
     """A Qwen2ForCausalLM of `shape` with the tiny model's tokenizer and special-token ids, seeded random weights."""
     import torch  # noqa: PLC0415 (slow imports, only when building inputs)
@@ -265,7 +282,7 @@ def main() -> None:
     parser.add_argument("--pref-rows", type=int, default=2000)
     parser.add_argument("--docs", type=int, default=8000)
     parser.add_argument("--long-rows", type=int, default=400)
-    parser.add_argument("--models", default="tiny,small", help="also real (2 layers) and real24 (full depth)")
+    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real24 (full depth) and smollm2 (real weights)")
     args = parser.parse_args()
     manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows, tuple(args.models.split(",")))
     print(json.dumps(manifest, indent=2))

@@ -141,14 +141,22 @@ def model_dir(s: Settings) -> Path:
     return DATA / ("model" if s.model == "tiny" else f"model-{s.model}")
 
 
+# The chat template each tool renders with (TRL and plain HF: always the tokenizer's own chat_template). The
+# proxies carry the tiny model's ChatML; SmolLM2 its own template (ChatML with a default system prompt), which is
+# tunelab's `model` and LlamaFactory's `smollm2`.
+_CHATML = {"tunelab": "chatml", "llamafactory": "chatml"}
+TEMPLATES = {"tiny": _CHATML, "small": _CHATML, "real": _CHATML, "real24": _CHATML,
+             "smollm2": {"tunelab": "model", "llamafactory": "smollm2"}}
+
+
 # With Workload.defaults these keys are left to the tool (trl_train.py / hf_train.py do the same from the spec).
 DEFAULTS_UNPINNED = ("flash_attn", "bf16", "gradient_checkpointing", "packing", "dataloader_num_workers")
 
 
 def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
-        "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
+        "model_name_or_path": str(model_dir(s)), "template": TEMPLATES[s.model]["tunelab"],
+        "dataset": DATASETS[w.rows_file], "dataset_dir": str(DATA), "stage": w.stage, "finetuning_type": w.finetuning, "cutoff_len": s.cutoff_len,
         "packing": w.packing if w.isolated is None else w.isolated,
         "flash_attn": s.attn, "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
         "learning_rate": w.learning_rate, "lr_scheduler_type": "cosine", "warmup_steps": 0, "weight_decay": 0.0,
@@ -173,8 +181,8 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
 
 def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[list[str], str]:
     config = {
-        "model_name_or_path": str(model_dir(s)), "template": "chatml", "dataset": DATASETS[w.rows_file],
-        "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
+        "model_name_or_path": str(model_dir(s)), "template": TEMPLATES[s.model]["llamafactory"],
+        "dataset": DATASETS[w.rows_file], "dataset_dir": str(DATA / "lf"), "stage": w.stage, "do_train": True, "finetuning_type": w.finetuning,
         "cutoff_len": s.cutoff_len, "packing": w.packing, "neat_packing": w.packing and w.stage == "sft",
         "flash_attn": s.attn, "disable_gradient_checkpointing": True,
         "per_device_train_batch_size": s.batch_size, "gradient_accumulation_steps": 1,
@@ -399,6 +407,17 @@ def non_embedding_params(model_dir: Path) -> int:
     return layers * (attention + 3 * h * i + 2 * h) + h
 
 
+def pad_id(model_dir: Path) -> int:
+    """The padding id the probe skips when a batch has no 2-D attention mask (the tokenizer's, else 0)."""
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    pad = config.get("pad_token")
+    if not pad:
+        return 0
+    vocab = json.loads((model_dir / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    return added.get(pad, vocab["model"]["vocab"].get(pad, 0))
+
+
 def median_of(records: list[dict], key: str):
     values = [r[key] for r in records if r.get(key) is not None]
     return statistics.median(values) if values else None
@@ -453,9 +472,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--cutoff-len", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--model", choices=("tiny", "small", "real", "real24"), default="tiny",
+    parser.add_argument("--model", choices=tuple(TEMPLATES), default="tiny",
                         help="tiny: the embedded model (853k non-embedding parameters); small: random init, 27M; "
-                             "real: the Qwen2.5-0.5B layout (vocab 151,936) cut to 2 layers; real24: at full depth")
+                             "real: the Qwen2.5-0.5B layout (vocab 151,936) cut to 2 layers; real24: at full depth; "
+                             "smollm2: SmolLM2-135M-Instruct, real weights, its own tokenizer and chat template")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
     parser.add_argument("--attn", choices=("sdpa", "fa2"), default="sdpa", help="fa2: flash-attention 2 (varlen)")
@@ -504,7 +524,7 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
-           "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": "0"}
+           "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(pad_id(model_dir(settings)))}
     env.pop("TOKENIZERS_PARALLELISM", None)
     if args.tokenizers_parallelism == "off":
         env["TOKENIZERS_PARALLELISM"] = "false"

@@ -58,13 +58,19 @@ def pt_dataset(spec: dict, tokenizer) -> datasets.Dataset:
     return tokens.map(group, batched=True, batch_size=1000)
 
 
+def weights_dtype(spec: dict) -> torch.dtype:
+    """What tunelab and LlamaFactory load under bf16: a LoRA run's frozen base in bf16 (the adapters stay float32:
+    peft's autocast_adapter_dtype); a full fine-tune keeps float32 weights (masters) under bf16 autocast."""
+    return torch.bfloat16 if spec["bf16"] and spec["finetuning"] == "lora" else torch.float32
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     with probe.timed("hf: load + tokenise"):
         train = pt_dataset(spec, tokenizer) if spec["stage"] == "pt" else sft_dataset(spec, tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=weights_dtype(spec),
                                                  attn_implementation=ATTN[spec.get("attn", "sdpa")])
     if spec["finetuning"] == "lora":
         from peft import LoraConfig, get_peft_model  # noqa: PLC0415

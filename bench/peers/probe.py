@@ -26,6 +26,16 @@ Events (time is time.time(), so the parent can subtract its own launch time):
                                                         on a GPU "gpu_mb": max_memory_allocated so far)
     {"event": "log", "step", "logs"}                    the Trainer's logs (loss, ...)
     {"event": "train_end", "time"}
+
+Loops that are not a Trainer (tunelab's grpo / ppo loop) and phases inside a step are timed by wrapping named
+functions the same way, through two more variables:
+
+    $BENCH_TIMED  "label=module:attr" (comma separated): each call emits
+                  {"event": "timed", "name": label, "time", "seconds", "completion_tokens"}
+                  (completion_tokens: the sum of the result's completion_mask, found as a key, an attribute
+                  or the attribute of its `rollout`; 0 when it has none)
+    $BENCH_STEP   "module:attr": each return is one optimizer step: {"event": "step", "step", "time"} with
+                  zero token counts (a rollout's tokens come from BENCH_TIMED)
 """
 
 from __future__ import annotations
@@ -66,7 +76,8 @@ def timed(name: str):
             emit("preprocess", name=name, seconds=time.perf_counter() - start)
 
 
-def _wrap_preprocess(spec: str) -> None:
+def _wrap(spec: str, make_wrapper) -> None:
+    """Replace the function `spec` names ("module:attr" or "module:Class.method") by make_wrapper(original)."""
     module_name, attr = spec.split(":")
     module = importlib.import_module(module_name)
     owner, name = module, attr
@@ -74,11 +85,7 @@ def _wrap_preprocess(spec: str) -> None:
         cls_name, name = attr.split(".")
         owner = getattr(module, cls_name)
     original = getattr(owner, name)
-
-    def wrapper(*args, **kwargs):
-        with timed(spec):
-            return original(*args, **kwargs)
-
+    wrapper = make_wrapper(original)
     setattr(owner, name, wrapper)
     if owner is module:  # modules that already did `from module import name` hold the original
         for other in list(sys.modules.values()):  # __dict__, not getattr: lazy modules import on getattr
@@ -86,8 +93,57 @@ def _wrap_preprocess(spec: str) -> None:
                 setattr(other, name, wrapper)
 
 
+def _wrap_preprocess(spec: str) -> None:
+    def make(original):
+        def wrapper(*args, **kwargs):
+            with timed(spec):
+                return original(*args, **kwargs)
+        return wrapper
+
+    _wrap(spec, make)
+
+
+def _completion_tokens(result) -> int:
+    for holder in (result, getattr(result, "rollout", None)):
+        mask = holder.get("completion_mask") if isinstance(holder, dict) else getattr(holder, "completion_mask", None)
+        if mask is not None:
+            return int(mask.sum())
+    return 0
+
+
+def _wrap_timed(item: str) -> None:
+    label, spec = item.split("=", 1)
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            emit("timed", name=label, time=time.time(), seconds=time.perf_counter() - start,
+                 completion_tokens=_completion_tokens(result))
+            return result
+        return wrapper
+
+    _wrap(spec, make)
+
+
+def _wrap_step(spec: str) -> None:
+    steps = [0]
+
+    def make(original):
+        def wrapper(*args, **kwargs):
+            result = original(*args, **kwargs)
+            steps[0] += 1
+            emit("step", step=steps[0], time=time.time(), tokens=0, supervised=0, positions=0, micro_batches=0)
+            return result
+        return wrapper
+
+    _wrap(spec, make)
+
+
 def _count(inputs: dict) -> tuple[int, int, int]:
     """(tokens, supervised, positions) of one micro-batch, as described in the module docstring."""
+    if not isinstance(inputs, dict):  # TRL's GRPO: the raw prompts, generated inside the step (BENCH_TIMED counts)
+        return 0, 0, 0
     if "input_ids" in inputs and "labels" in inputs:
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
         if mask is not None and mask.dim() == 2:
@@ -107,6 +163,10 @@ def _count(inputs: dict) -> tuple[int, int, int]:
             width + max(inputs["chosen_input_ids"].shape[1], inputs["rejected_input_ids"].shape[1])
         )
         return 2 * prompt + answers, answers, positions
+    if "completion_ids" in inputs:  # TRL's GRPO: prompt and completion apart; the completion is what trains
+        completion = int(inputs["completion_mask"].sum())
+        positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+        return int(inputs["prompt_mask"].sum()) + completion, completion, positions
     if "input_ids" in inputs and "completion_mask" in inputs:  # TRL: prompt + completion in one row
         mask = inputs.get("attention_mask")
         ids = inputs["input_ids"]
@@ -152,7 +212,7 @@ def install() -> None:
 
     def training_step(self, model, inputs, *args, **kwargs):
         tokens, supervised, positions = _count(inputs)
-        if probe.batch_keys is None:
+        if probe.batch_keys is None and isinstance(inputs, dict):
             probe.batch_keys = sorted(f"{k}{list(v.shape)}" if hasattr(v, "shape") else k for k, v in inputs.items())
         probe.pending = [probe.pending[0] + tokens, probe.pending[1] + supervised, probe.pending[2] + positions,
                          probe.pending[3] + 1]
@@ -162,6 +222,10 @@ def install() -> None:
     trainer_cls.training_step = training_step
     for spec in filter(None, os.environ.get("BENCH_PREPROCESS", "").split(",")):
         _wrap_preprocess(spec)
+    for item in filter(None, os.environ.get("BENCH_TIMED", "").split(",")):
+        _wrap_timed(item)
+    if os.environ.get("BENCH_STEP"):
+        _wrap_step(os.environ["BENCH_STEP"])
 
 
 def main() -> None:

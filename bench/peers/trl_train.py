@@ -30,11 +30,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 ATTN = {"sdpa": "sdpa", "fa2": "flash_attention_2"}  # bench/run.py --attn
 
 
+def weights_dtype(spec: dict) -> torch.dtype:
+    """What tunelab and LlamaFactory load under bf16: a LoRA run's frozen base in bf16 (the adapters stay float32:
+    peft's autocast_adapter_dtype); a full fine-tune keeps float32 weights (masters) under bf16 autocast."""
+    return torch.bfloat16 if spec["bf16"] and spec["finetuning"] == "lora" else torch.float32
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     data = Path(spec["data_dir"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=weights_dtype(spec),
                                                  attn_implementation=ATTN[spec.get("attn", "sdpa")])
     peft_config = None
     if spec["finetuning"] == "lora":
