@@ -11,6 +11,10 @@
 #                      tunelab computes its loss itself, so it gets Liger's other kernels and keeps its
 #                      own logits-at-labels-only loss)
 #
+# Then the Liger check: tunelab trains the embedded tiny model 20 steps in bf16 with LlamaFactory's key
+# `enable_liger_kernel: true` (transformers' use_liger_kernel) and without it: the two final training losses must
+# agree within 5% (Liger's kernels change rounding, not the maths).
+#
 #   bash bench/gpu.sh --dry-run      # print what it would run (no GPU, no venvs needed)
 #   bash bench/gpu.sh                # run: needs a CUDA torch in bench/.venvs/* (see below)
 #   STEPS=20 WORKLOADS=sft_long_lora bash bench/gpu.sh
@@ -34,7 +38,7 @@ PYTHON="${PYTHON:-$HERE/.venvs/tunelab/bin/python}"
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "bench/gpu.sh: unknown argument '$arg' (--dry-run, --help)" >&2; exit 2 ;;
   esac
 done
@@ -95,3 +99,18 @@ for attn in sdpa fa2; do
   run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --label "gpu $GPU $attn"
   run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --liger --label "gpu $GPU $attn liger"
 done
+
+LIGER_OUT="$HERE/.results/liger-check"
+for liger in false true; do
+  run "$(dirname "$PYTHON")/tunelab" train model_name_or_path=tiny template=chatml dataset=demo_reverse \
+    max_samples=320 max_steps=20 per_device_train_batch_size=16 learning_rate=1e-3 seed=0 bf16=true \
+    logging_steps=5 plot_loss=false overwrite_output_dir=true enable_liger_kernel="$liger" \
+    output_dir="$LIGER_OUT/$liger"
+done
+run "$PYTHON" - "$LIGER_OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+loss = {name: json.loads((out / name / "all_results.json").read_text())["train_loss"] for name in ("false", "true")}
+print(f"liger check: train_loss {loss['false']:.4f} without, {loss['true']:.4f} with enable_liger_kernel")
+assert abs(loss["true"] - loss["false"]) <= 0.05 * loss["false"], "the losses with and without Liger differ by > 5%"
+PY

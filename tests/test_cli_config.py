@@ -128,7 +128,10 @@ def test_train_help_lists_every_option_with_tunelab_defaults_and_choices(capsys)
     lines = capsys.readouterr().out.splitlines()
     expected = [
         "    stage (default 'sft'; one of pt, sft, rm, dpo, kto, ppo, grpo): Training stage.",
-        "    finetuning_type (default 'lora'; one of lora, freeze, full): Which parameters train.",
+        "    finetuning_type (default 'lora'; one of lora, oft, vera, freeze, full): Which parameters train: lora "
+        "(low-rank adapters, peft), oft (orthogonal rotations of the adapted layers, peft OFT), vera (two scaling "
+        "vectors per layer over frozen random projections shared by all layers, peft VeRA), freeze (the last or first "
+        "N decoder layers) or full.",
         "    logging_steps (tunelab default 10): Log every X updates steps.",
         "    report_to (tunelab default 'none'): The list of integrations to report the results and logs to.",
         "    save_strategy (tunelab default 'no'; one of no, steps, epoch, best): The checkpoint save strategy to adopt "
@@ -190,8 +193,8 @@ def test_serving_errors_are_one_line(tmp_path, capsys):
     cfg = tmp_path / "infer.yaml"
     cfg.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "template": "chatml", "infer_backend": "vllm"}))
     assert run(capsys, ["api", str(cfg)])[2] == (
-        f"tunelab: error: unknown key 'infer_backend' in {cfg}; LlamaFactory option: tunelab chat and tunelab api "
-        "generate with transformers: remove it\n"
+        f"tunelab: error: infer_backend: vllm in {cfg}; LlamaFactory option: tunelab chat and tunelab api generate "
+        "with transformers: remove it (tunelab accepts infer_backend: huggingface)\n"
     )
     cfg.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "template": "chatml",
                                    "template_kwargs": {"enable_thinking": False}}))

@@ -346,6 +346,8 @@ def _serving_choice(ns: argparse.Namespace) -> dict:
         choice["template"] = ns.template or config.data.template
         choice["template_kwargs"] = kwargs if kwargs is not None else config.data.template_kwargs
         choice["trust_remote_code"] = ns.trust_remote_code or config.model.trust_remote_code
+        if config.model.rope_scaling:  # (its rope_factor resolved by tunelab/preflight.py)
+            choice["rope_scaling"] = (config.model.rope_scaling, config.model.rope_factor)
     choice["template"], choice["template_kwargs"] = resolve_template_name(choice["template"], choice["template_kwargs"])
     return choice
 

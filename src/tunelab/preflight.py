@@ -9,16 +9,21 @@
       model/qat.py                     torchao for qat / export_quantization; an adapter's export names its base
       model/folder.py                  Hub id → cache folder; a model folder or a readable GGUF file (gguf_file
                                        joined to its folder / Hub repo); its remote code; the adapter's files
+      model/rope.py                    rope_scaling suits the model (RoPE, not scaled     → rope_factor
+                                       already); an adapter's recorded one
       model/qat.py                     the quantized layers fit the group size            → qat_group_size
       data/templates/choice.py         the template exists and reads the template_kwargs given
       data/registry.py                 the datasets exist and suit the stage              → plan.registry
       data/dedup.py                    datasketch for dedup: near
+      train/optimizers.py              the package of use_galore / use_apollo / use_badam / use_adam_mini
       train/rl/rewards.py              the reward functions import                        → plan.reward_functions
       model/folder.py                  the reward model folder (ppo)
       model/sharding.py                what FSDP on CPU cannot do
       train/callbacks.py               the user's callback classes import and take their arguments
                                                                                           → plan.user_callbacks
+      train/trackers.py                report_to's trackers are known and installed      → report_to as a list
       infer/metrics.py                 sacrebleu and rouge-score for the generation scores
+      (here)                           the liger-kernel package for use_liger_kernel
       train/outputs.py                 output_dir
       train/resume.py                  the checkpoint to resume verifies and comes from the same run
       export/merge.py                  export_dir
@@ -33,6 +38,7 @@ exports use.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -42,12 +48,14 @@ from tunelab.config.loader import Purpose, build_config, read_values
 from tunelab.data import dedup
 from tunelab.data.registry import check_datasets
 from tunelab.data.templates.choice import check_template
+from tunelab.errors import ConfigError
 from tunelab.infer.metrics import check_scoring_packages
-from tunelab.model import device, qat, sharding
+from tunelab.model import device, qat, rope, sharding
 from tunelab.model.folder import resolve_model_folders, resolve_reward_model
-from tunelab.train import launch, outputs, resume
+from tunelab.train import launch, optimizers, outputs, resume
 from tunelab.train.plan import RunPlan
 from tunelab.train.rl.rewards import RewardFunction, load_reward_functions
+from tunelab.train.trackers import check_trackers
 
 
 def plan_run(
@@ -65,6 +73,7 @@ def plan_run(
     config = dataclasses.replace(config, model=dataclasses.replace(
         config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder, gguf_file=None,
     ))  # a GGUF given as folder / Hub id + gguf_file is its file's path from here on
+    rope.resolve_rope_scaling(config)
     if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
         config.finetuning.qat_group_size = qat.check_quantized_layers(config)
     reads_data = purpose not in ("export", "serve")
@@ -73,6 +82,8 @@ def plan_run(
     registry = check_datasets(config) if reads_data else None
     if reads_data:
         dedup.check_dedup_available(config.data)
+    if purpose in ("train", "estimate"):
+        optimizers.check_optimizer_package(config.finetuning)
     reward_functions: tuple[RewardFunction, ...] = ()
     if purpose != "serve":
         reward_functions = _rl_resources(config)
@@ -84,6 +95,8 @@ def plan_run(
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
+        config.training.report_to = check_trackers(config.training.report_to)
+        _check_liger_package(config)
         outputs.check_output_dir(config)
         found = resume.check_resume(config.training, outputs.run_options(config))
         if found is not None:
@@ -120,6 +133,14 @@ def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
     if stage != "grpo":
         return ()
     return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
+
+
+def _check_liger_package(config: RunConfig) -> None:
+    """use_liger_kernel: transformers applies Liger's kernels with the liger-kernel package (the GPU itself is checked
+    as the config is read: config/loader.py)."""
+    if config.training.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError("use_liger_kernel: the liger-kernel package is not installed: pip install 'tunelab[liger]', "
+                          "or remove it", key="use_liger_kernel")
 
 
 def _user_callbacks(config: RunConfig) -> tuple[tuple[type, dict[str, Any]], ...]:

@@ -117,7 +117,7 @@ ERRORS = [
     ("typo'd key", {"learning_rat": 1e-3},
      "unknown key 'learning_rat' in {tmp}/cfg.yaml; did you mean 'learning_rate'?"),
     ("wrong type", {"learning_rate": "fast"}, "learning_rate: expected float, got 'fast'"),
-    ("wrong choice", {"finetuning_type": "lora2"}, "finetuning_type: 'lora2' is not one of lora, freeze, full"),
+    ("wrong choice", {"finetuning_type": "lora2"}, "finetuning_type: 'lora2' is not one of lora, oft, vera, freeze, full"),
     ("missing deepspeed file", {"deepspeed": "{tmp}/ds.json"},
      "deepspeed: {tmp}/ds.json does not exist; point it at a DeepSpeed JSON config "
      "(examples/deepspeed/ds_z2_config.json or ds_z3_config.json)"),

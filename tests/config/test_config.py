@@ -44,7 +44,7 @@ def test_unknown_key_suggests(tmp_path, base):
 
 def test_wrong_type_names_key(tmp_path, base):
     assert error_of(tmp_path, {**base, "lora_rank": "eight"}) == "lora_rank: expected int, got 'eight'"
-    assert error_of(tmp_path, base, ["finetuning_type=lorra"]) == "finetuning_type: 'lorra' is not one of lora, freeze, full"
+    assert error_of(tmp_path, base, ["finetuning_type=lorra"]) == "finetuning_type: 'lorra' is not one of lora, oft, vera, freeze, full"
 
 
 def test_missing_config_file(tmp_path):
@@ -171,7 +171,7 @@ def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix()
     assert declared["simpo_gamma"] == (("stage", ("dpo",)), ("pref_loss", ("simpo",)))
     assert declared["kl_coef"] == (("stage", ("grpo", "ppo")),)
     assert declared["loss_type"] == (("stage", ("grpo",)),)
-    assert len(declared) == 37  # 5 pt, 7 LoRA, 8 preference, 17 grpo / ppo options
+    assert len(declared) == 73  # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 17 grpo / ppo, 24 optimizers
     with pytest.raises(ConfigError) as caught:
         load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
                            "output_dir": "unused"})

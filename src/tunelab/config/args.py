@@ -23,6 +23,15 @@ if TYPE_CHECKING:
 # Where the stage options act (checked by config/applicability.py).
 DPO, KTO, DPO_KTO = Applies("stage", ("dpo",)), Applies("stage", ("kto",)), Applies("stage", ("dpo", "kto"))
 GRPO, PPO, RL = Applies("stage", ("grpo",)), Applies("stage", ("ppo",)), Applies("stage", ("grpo", "ppo"))
+# The peft methods other than LoRA (model/adapters.py); modules trained in full beside an adapter act under each.
+OFT_ONLY, VERA_ONLY = Applies("finetuning_type", ("oft",), grouped=True), Applies("finetuning_type", ("vera",), grouped=True)
+ADAPTER_TYPES = Applies("finetuning_type", ("lora", "oft", "vera"), grouped=True)
+# LoRA initialisations whose adapter does not start at zero: the base holds the rest (pissa, olora) or the adapter
+# starts as the quantization error (loftq). Saved as the change from that start (model/adapters.py).
+NONZERO_LORA_INITS = ("pissa", "olora", "loftq")
+# The memory-saving optimizers act on full-weight training (train/optimizers.py); BAdam picks the trained block itself.
+FULL_OR_FREEZE = Applies("finetuning_type", ("full", "freeze"), grouped=True)
+FULL_ONLY = Applies("finetuning_type", ("full",), grouped=True)
 
 
 @dataclass
@@ -58,6 +67,17 @@ class ModelArguments:
     )
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = _help(
         "dtype of the loaded weights; auto follows bf16/fp16 training flags, else float32.", default="auto"
+    )
+    rope_scaling: Literal["linear", "dynamic", "yarn", "llama3"] | None = _help(
+        "Stretch the model's rotary position embeddings (RoPE) to a longer context than it was trained on: linear "
+        "(positions divided by the factor), dynamic (NTK), yarn or llama3, by rope_factor. Set when the model loads; "
+        "the saved config.json (LoRA: tunelab_config.yaml) carries it to eval, chat and export.",
+        default=None,
+    )
+    rope_factor: float | None = _help(
+        "rope_scaling: the factor (> 1); default cutoff_len / the model's max_position_embeddings, rounded up (as "
+        "LlamaFactory). The run records the factor it used.",
+        default=None,
     )
     add_special_tokens: list[str] | None = _help(
         "Tokens to add to the tokenizer as special tokens, comma separated (e.g. a template's end-of-turn marker the "
@@ -177,7 +197,12 @@ class DataArguments:
 @dataclass
 class FinetuningArguments:
     stage: Literal["pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"] = _help("Training stage.", default="sft")
-    finetuning_type: Literal["lora", "freeze", "full"] = _help("Which parameters train.", default="lora")
+    finetuning_type: Literal["lora", "oft", "vera", "freeze", "full"] = _help(
+        "Which parameters train: lora (low-rank adapters, peft), oft (orthogonal rotations of the adapted layers, "
+        "peft OFT), vera (two scaling vectors per layer over frozen random projections shared by all layers, peft "
+        "VeRA), freeze (the last or first N decoder layers) or full.",
+        default="lora",
+    )
     lora_rank: int = _help("LoRA rank r.", default=8, applies=LORA_ONLY)
     lora_alpha: int | None = _help("LoRA scale alpha; default 2 * lora_rank.", default=None, applies=LORA_ONLY)
     lora_dropout: float = _help("Dropout on the LoRA input.", default=0.0, applies=LORA_ONLY)
@@ -186,11 +211,64 @@ class FinetuningArguments:
         default_factory=lambda: ["all"], applies=LORA_ONLY,
     )
     additional_target: list[str] | None = _help(
-        "Modules trained in full beside LoRA and saved with the adapter (e.g. embed_tokens,lm_head).",
-        default=None, applies=LORA_ONLY,
+        "Modules trained in full beside the adapter (LoRA, OFT or VeRA) and saved with it (e.g. embed_tokens,lm_head).",
+        default=None, applies=ADAPTER_TYPES,
     )
     use_dora: bool = _help("Weight-decomposed LoRA (DoRA).", default=False, applies=LORA_ONLY)
     use_rslora: bool = _help("Rank-stabilised LoRA scaling alpha / sqrt(r).", default=False, applies=LORA_ONLY)
+    init_lora_weights: Literal["default", "gaussian", "pissa", "olora", "loftq"] = _help(
+        "How the LoRA matrices start (peft's init_lora_weights). default: B = 0, so training starts from the base "
+        "model; gaussian: A Gaussian-initialised, B = 0; pissa: B·A is the principal part of each weight's SVD and "
+        "the base keeps the residual (LlamaFactory's pissa_init); olora: likewise from a QR decomposition; loftq: "
+        "with quantization_bit 4, B·A starts as the low-rank part of the quantization error (peft computes it on a "
+        "CUDA GPU). pissa, olora and loftq adapters are saved as the change from that start, a plain LoRA of the "
+        "original base (rank 2 x lora_rank): docs/training.md#lora-initialisations.",
+        default="default", applies=LORA_ONLY,
+    )
+    pissa_init: bool = _help("PiSSA initialisation (LlamaFactory's key for init_lora_weights: pissa).", default=False,
+                             applies=LORA_ONLY)
+    pissa_iter: int = _help(
+        "PiSSA: subspace iterations of peft's fast randomized SVD (pissa_niter_N); -1: the full SVD.",
+        default=16, applies=LORA_ONLY,
+    )
+    pissa_convert: bool = _help(
+        "PiSSA: save the adapter as a plain LoRA of the original base (the change from its start, rank 2 x "
+        "lora_rank), which loads anywhere. false saves it as trained: peft then decomposes the base again when "
+        "loading it, which reproduces the training start only with pissa_iter: -1 (the full SVD).",
+        default=True, applies=LORA_ONLY,
+    )
+    oft_rank: int = _help(
+        "OFT: orthogonal blocks per adapted layer (peft's r); 0: the count follows from oft_block_size. Set one of the "
+        "two.", default=0, applies=OFT_ONLY,
+    )
+    oft_block_size: int = _help(
+        "OFT: size of each orthogonal block (it must divide the layers' input width); 0: set by oft_rank.",
+        default=32, applies=OFT_ONLY,
+    )
+    oft_target: list[str] = _help(
+        "OFT: modules that get OFT, as lora_target: 'all', 'attention', 'mlp' or names, comma separated.",
+        default_factory=lambda: ["all"], applies=OFT_ONLY,
+    )
+    module_dropout: float = _help(
+        "OFT: probability that a block of the rotation is the identity in a training step (multiplicative dropout).",
+        default=0.0, applies=OFT_ONLY,
+    )
+    vera_rank: int = _help(
+        "VeRA: rank of the frozen random projections shared by every adapted layer (peft's r).",
+        default=256, applies=VERA_ONLY,
+    )
+    vera_target: list[str] = _help(
+        "VeRA: modules that get VeRA, as lora_target: 'all', 'attention', 'mlp' or names, comma separated.",
+        default_factory=lambda: ["all"], applies=VERA_ONLY,
+    )
+    loraplus_lr_ratio: float | None = _help(
+        "LoRA+: the B matrices (lora_B) train at learning_rate x this ratio (lr_B / lr_A, e.g. 16), the A matrices "
+        "at learning_rate (peft's create_loraplus_optimizer).",
+        default=None, applies=LORA_ONLY,
+    )
+    loraplus_lr_embedding: float = _help(
+        "LoRA+: the learning rate of LoRA adapters on embedding layers.", default=1e-6, applies=LORA_ONLY
+    )
     pure_bf16: bool = _help(
         "Training in bf16: the trainable weights themselves are bf16 (no float32 master copy: less memory for the "
         "weights, gradients and optimizer states, but AdamW drops updates smaller than bf16's resolution). Off: "
@@ -306,6 +384,98 @@ class FinetuningArguments:
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)
+    # Memory-saving optimizers, by LlamaFactory's names and defaults (train/optimizers.py, docs/training.md).
+    use_galore: bool = _help(
+        "GaLore: the gradients of the targeted weight matrices are projected to galore_rank before AdamW, so their "
+        "optimizer states are rank x width instead of the matrix's size (pip install 'tunelab[galore]').",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    galore_target: list[str] = _help(
+        "GaLore: the linear layers it projects: 'all' (every trainable linear layer but the output head) or module "
+        "names, comma separated (q_proj, mlp, self_attn.o_proj).",
+        default_factory=lambda: ["all"], applies=FULL_OR_FREEZE,
+    )
+    galore_rank: int = _help("GaLore: the rank of the projected gradients.", default=16, applies=FULL_OR_FREEZE)
+    galore_update_interval: int = _help(
+        "GaLore: optimizer steps between recomputations of the projection (an SVD of the gradient).",
+        default=200, applies=FULL_OR_FREEZE,
+    )
+    galore_scale: float = _help("GaLore: scale of the projected-back update.", default=2.0, applies=FULL_OR_FREEZE)
+    galore_proj_type: Literal["std", "reverse_std", "right", "left", "full"] = _help(
+        "GaLore: which side of each matrix is projected (std: the smaller one).", default="std", applies=FULL_OR_FREEZE
+    )
+    galore_layerwise: bool = _help(
+        "GaLore: step each weight's optimizer during the backward pass and free its gradient at once (less memory; "
+        "needs gradient_accumulation_steps: 1, no clipping, one process, no resume).",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    use_apollo: bool = _help(
+        "APOLLO: AdamW whose states for the targeted matrices live in a random (or SVD) projection of rank "
+        "apollo_rank and scale the raw gradient per channel: near-SGD memory (pip install 'tunelab[apollo]').",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    apollo_target: list[str] = _help(
+        "APOLLO: the linear layers it projects: 'all' (every trainable linear layer but the output head) or module "
+        "names, comma separated.",
+        default_factory=lambda: ["all"], applies=FULL_OR_FREEZE,
+    )
+    apollo_rank: int = _help("APOLLO: the rank of the projection.", default=16, applies=FULL_OR_FREEZE)
+    apollo_update_interval: int = _help(
+        "APOLLO: optimizer steps between new projections.", default=200, applies=FULL_OR_FREEZE
+    )
+    apollo_scale: float = _help("APOLLO: scale of the gradient scaling factor.", default=32.0, applies=FULL_OR_FREEZE)
+    apollo_proj: Literal["svd", "random"] = _help(
+        "APOLLO: the projection: random (seeded Gaussian) or svd (of the gradient).", default="random",
+        applies=FULL_OR_FREEZE,
+    )
+    apollo_proj_type: Literal["std", "right", "left"] = _help(
+        "APOLLO: which side of each matrix is projected (std: the smaller one).", default="std", applies=FULL_OR_FREEZE
+    )
+    apollo_scale_type: Literal["channel", "tensor"] = _help(
+        "APOLLO: one gradient scale per channel, or one per matrix (APOLLO-Mini with apollo_rank 1).",
+        default="channel", applies=FULL_OR_FREEZE,
+    )
+    apollo_layerwise: bool = _help(
+        "APOLLO: step each weight's optimizer during the backward pass (as galore_layerwise).",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    apollo_scale_front: bool = _help(
+        "APOLLO: apply the norm-growth limiter before the gradient scaling instead of after.",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    use_badam: bool = _help(
+        "BAdam: full fine-tuning one decoder layer (block) at a time: only that block has gradients and Adam states, "
+        "switched every badam_switch_interval steps; embeddings, final norm and head stay as loaded "
+        "(pip install 'tunelab[badam]').",
+        default=False, applies=FULL_ONLY,
+    )
+    badam_mode: Literal["layer", "ratio"] = _help(
+        "BAdam: layer (one decoder layer at a time). LlamaFactory's ratio mode is refused (see docs/training.md).",
+        default="layer", applies=FULL_ONLY,
+    )
+    badam_start_block: int | None = _help(
+        "BAdam: the decoder layer trained first; default the first (ascending) or last (descending).",
+        default=None, applies=FULL_ONLY,
+    )
+    badam_switch_mode: Literal["ascending", "descending", "random", "fixed"] = _help(
+        "BAdam: the order blocks take turns in (random: a new permutation each round; fixed: badam_start_block only).",
+        default="ascending", applies=FULL_ONLY,
+    )
+    badam_switch_interval: int = _help(
+        "BAdam: optimizer steps before the next block takes over (its Adam states start from zero).",
+        default=50, applies=FULL_ONLY,
+    )
+    use_adam_mini: bool = _help(
+        "Adam-mini: Adam with one second-moment value per block (attention head, neuron, embedding row) instead of "
+        "per weight: about half of AdamW's state (pip install 'tunelab[adam-mini]').",
+        default=False, applies=FULL_OR_FREEZE,
+    )
+    use_muon: bool = _help(
+        "Muon (torch.optim.Muon): momentum orthogonalised by Newton-Schulz for the 2-D hidden weights, learning rate "
+        "matched to AdamW's update size; embeddings, heads, norms and biases train with AdamW. One state per weight "
+        "instead of two.",
+        default=False, applies=FULL_OR_FREEZE,
+    )
     # Quantization-aware training (model/qat.py, docs/quantization.md).
     qat: str | None = _help(
         "Quantization-aware training with torchao (stages pt / sft): the linear layers train through the rounding "
@@ -334,6 +504,10 @@ class FinetuningArguments:
     qat_start_step: int = _help(
         "qat: optimizer steps trained in full precision before fake quantisation switches on.", default=0
     )
+
+    def lora_init(self) -> str:
+        """How the LoRA matrices start: init_lora_weights, or pissa under LlamaFactory's pissa_init."""
+        return "pissa" if self.pissa_init else self.init_lora_weights
 
 
 @dataclass

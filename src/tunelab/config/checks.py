@@ -17,7 +17,7 @@ import logging
 import math
 
 from tunelab.config.applicability import check_applicability
-from tunelab.config.args import DataArguments, RunConfig
+from tunelab.config.args import NONZERO_LORA_INITS, DataArguments, RunConfig
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, check_gguf_type
 from tunelab.config.metric_names import eval_metric_names
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, check_scheme
@@ -101,6 +101,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     _check_applicability(config, purpose)
     for check in (
         _check_finetuning,
+        _check_adapter_methods,
         _check_quantization,
         _check_qat,
         _check_template_options,
@@ -114,6 +115,9 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_nan_policy,
         _check_skip_bad_rows,
         _check_label_smoothing,
+        _check_neftune,
+        _check_liger_kernel,
+        _check_rope_scaling,
         _check_distributed,
         *LOOP_CHECKS,
     ):
@@ -220,6 +224,80 @@ def _check_finetuning(config: RunConfig) -> None:
         raise ConfigError(f"lora_alpha must be > 0, got {ft.lora_alpha} (or remove it: 2 * lora_rank)")
     if not 0.0 <= ft.lora_dropout < 1.0:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {ft.lora_dropout}")
+
+
+def _check_adapter_methods(config: RunConfig) -> None:
+    """LoRA's initialisations (init_lora_weights, pissa_*) and OFT's / VeRA's sizes (model/adapters.py,
+    docs/training.md#lora-initialisations)."""
+    ft = config.finetuning
+    init = ft.lora_init()
+    if ft.pissa_init and ft.init_lora_weights not in ("default", "pissa"):
+        raise ConfigError(f"pissa_init and init_lora_weights: {ft.init_lora_weights} are two initialisations: keep one",
+                          key="pissa_init")
+    defaults = type(ft)()
+    for key in ("pissa_iter", "pissa_convert"):
+        if init != "pissa" and getattr(ft, key) != getattr(defaults, key):
+            raise ConfigError(f"{key} only applies with pissa_init: true: set it or remove {key}", key=key)
+    if init == "pissa" and ft.pissa_iter < -1:
+        raise ConfigError(f"pissa_iter must be -1 (the full SVD) or at least 0 (fast SVD iterations), got "
+                          f"{ft.pissa_iter}", key="pissa_iter")
+    if init == "pissa" and not ft.pissa_convert and ft.pissa_iter != -1:
+        raise ConfigError(
+            f"pissa_convert: false saves the adapter as trained, which peft decomposes the base again to load; the "
+            f"randomized fast SVD of pissa_iter: {ft.pissa_iter} would not give the residual it trained on: set "
+            "pissa_iter: -1 or remove pissa_convert", key="pissa_convert")
+    if ft.finetuning_type == "lora" and init in NONZERO_LORA_INITS:
+        _check_nonzero_lora_start(config, init)
+    if ft.finetuning_type == "oft" and (ft.oft_rank < 0 or ft.oft_block_size < 0 or (ft.oft_rank > 0) == (ft.oft_block_size > 0)):
+        raise ConfigError(f"oft_rank and oft_block_size: set exactly one of them above 0 (blocks x block size = the "
+                          f"layer's width), got oft_rank: {ft.oft_rank}, oft_block_size: {ft.oft_block_size}",
+                          key="oft_rank")
+    if ft.finetuning_type == "oft" and not 0.0 <= ft.module_dropout < 1.0:
+        raise ConfigError(f"module_dropout must be in [0, 1), got {ft.module_dropout}", key="module_dropout")
+    if ft.finetuning_type == "vera" and ft.vera_rank < 1:
+        raise ConfigError(f"vera_rank must be at least 1, got {ft.vera_rank}", key="vera_rank")
+    if ft.finetuning_type in ("oft", "vera") and config.model.add_special_tokens:
+        raise ConfigError(f"add_special_tokens: the new tokens' rows train as peft trainable tokens, which only a LoRA "
+                          f"adapter holds; finetuning_type {ft.finetuning_type} cannot train them: use finetuning_type: "
+                          "lora (or full)", key="add_special_tokens")
+
+
+def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
+    """pissa / olora / loftq: the adapter does not start at zero (model/adapters.py saves the change from its start)."""
+    ft, args = config.finetuning, config.training
+    key = "pissa_init" if ft.pissa_init else "init_lora_weights"
+    name = "pissa_init" if ft.pissa_init else f"init_lora_weights: {init}"
+    if ft.use_dora:
+        raise ConfigError(f"{name} with use_dora: the adapter is saved as its change from the start, which DoRA's "
+                          "magnitude vector has no form for: remove use_dora", key=key)
+    reference = ft.stage == "kto" or (ft.stage == "dpo" and ft.pref_loss not in ("orpo", "simpo")) or (
+        ft.stage in RL_STAGES and ft.kl_coef)
+    if reference:
+        without = {"dpo": " (or set pref_loss: orpo or simpo)", "kto": ""}.get(ft.stage, " (or set kl_coef: 0)")
+        raise ConfigError(
+            f"{name}: stage {ft.stage} takes the model with its adapter disabled as the reference, which is not the "
+            f"model training starts from when the adapter starts away from zero: remove {key}{without}", key=key)
+    if args.deepspeed or args.fsdp:
+        engine = "deepspeed" if args.deepspeed else "fsdp"
+        raise ConfigError(f"{name} decomposes and saves whole weight matrices, which {engine} shards: remove {key} or "
+                          f"{engine}", key=key)
+    bits = config.model.quantization_bit
+    if init == "loftq":
+        if bits != 4:
+            raise ConfigError(f"init_lora_weights: loftq initialises LoRA for a 4-bit base: set quantization_bit: 4 "
+                              f"(got {bits})", key=key)
+        if ft.use_rslora or (ft.lora_alpha is not None and ft.lora_alpha != ft.lora_rank):
+            raise ConfigError(
+                f"init_lora_weights: loftq: peft sets B·A to the quantization error without the LoRA scale (peft issue "
+                f"#1982), so the scale must be 1: set lora_alpha: {ft.lora_rank} (= lora_rank, or remove it) and "
+                "remove use_rslora", key="lora_alpha")
+        if config.model.gguf_file or config.model.model_name_or_path.lower().endswith(".gguf"):
+            raise ConfigError("init_lora_weights: loftq reads the original weights from the model's safetensors "
+                              "files, which a GGUF model has not: use a Hugging Face model folder", key=key)
+    elif bits is not None:
+        raise ConfigError(f"{name} decomposes the full-precision weights, which quantization_bit: {bits} replaces: "
+                          "remove quantization_bit (init_lora_weights: loftq initialises LoRA for a 4-bit base)",
+                          key=key)
 
 
 def _check_quantization(config: RunConfig) -> None:
@@ -519,6 +597,53 @@ def _check_label_smoothing(config: RunConfig) -> None:
         raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {factor}")
 
 
+# Why NEFTune's noisy embeddings do not act, or do not belong, in the stages other than sft and pt.
+NEFTUNE_ELSEWHERE = {
+    "rm": "trains a reward head, not generation",
+    "dpo": "would noise its reference pass too (LoRA: the reference is the policy with the adapter off)",
+    "kto": "would noise its reference pass too (LoRA: the reference is the policy with the adapter off)",
+    "grpo": "trains in its own loop, which adds no noise",
+    "ppo": "trains in its own loop, which adds no noise",
+}
+
+
+def _check_neftune(config: RunConfig) -> None:
+    """neftune_noise_alpha: transformers' Trainer adds the noise to the input embeddings while training (sft, pt), as
+    TRL does in SFT only."""
+    alpha, stage = config.training.neftune_noise_alpha, config.finetuning.stage
+    if alpha is None:
+        return
+    if not (_finite(alpha) and alpha > 0):
+        raise ConfigError(f"neftune_noise_alpha must be > 0 (the noise scale; NEFTune's paper uses 5 to 15), got "
+                          f"{alpha}; remove it to train without noise", key="neftune_noise_alpha")
+    if stage in NEFTUNE_ELSEWHERE:
+        raise ConfigError(f"neftune_noise_alpha applies to stages sft and pt; stage {stage} "
+                          f"{NEFTUNE_ELSEWHERE[stage]}: remove it", key="neftune_noise_alpha")
+
+
+def _check_liger_kernel(config: RunConfig) -> None:
+    """use_liger_kernel (LlamaFactory's enable_liger_kernel): transformers applies Liger's kernels when its Trainer
+    trains; the GPU itself is checked when the config is read (config/loader.py), the package by tunelab/preflight.py."""
+    stage = config.finetuning.stage
+    if config.training.use_liger_kernel and stage in RL_STAGES:
+        raise ConfigError(f"use_liger_kernel: stage {stage} trains in its own loop, where transformers does not apply "
+                          "Liger's kernels: remove it", key="use_liger_kernel")
+
+
+def _check_rope_scaling(config: RunConfig) -> None:
+    """rope_scaling's values; what the model allows (a RoPE model, not scaled already, the factor from cutoff_len)
+    is model/rope.py's, run by tunelab/preflight.py."""
+    model = config.model
+    if model.rope_factor is None:
+        return
+    if model.rope_scaling is None:
+        raise ConfigError("rope_factor only applies with rope_scaling: set rope_scaling (linear, dynamic, yarn or "
+                          "llama3) or remove rope_factor", key="rope_factor")
+    if not (_finite(model.rope_factor) and model.rope_factor > 1):
+        raise ConfigError(f"rope_factor must be > 1 (the context grows by that factor), got {model.rope_factor}; "
+                          "remove it to derive it from cutoff_len", key="rope_factor")
+
+
 def _check_distributed(config: RunConfig) -> None:
     """DeepSpeed and FSDP come from transformers/accelerate; what we can tell before they start."""
     args = config.training
@@ -645,5 +770,113 @@ def _check_ignore_pad_token_for_loss(config: RunConfig) -> None:
         )
 
 
+# ---- the optimizer: memory-saving optimizers and LoRA+ (train/optimizers.py, docs/training.md) ----------------
+
+# The option that turns each optimizer on, and the prefix of the options that tune it.
+OPTIMIZER_SWITCHES = {"use_galore": "galore_", "use_apollo": "apollo_", "use_badam": "badam_", "use_adam_mini": None,
+                      "use_muon": None, "loraplus_lr_ratio": None}
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+# transformers' optim values that GaLore maps to its own AdamW / 8-bit AdamW / Adafactor (as LlamaFactory does).
+GALORE_OPTIMS = (*ADAMW_OPTIMS, "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adafactor")
+# transformers' own optimizers that build their parameter groups themselves or step inside backward.
+SELF_GROUPING_OPTIMS = ("galore", "apollo", "lomo", "layerwise")
+
+
+def chosen_optimizers(finetuning) -> list[str]:
+    """The optimizer switches a run turned on (use_galore, ..., loraplus_lr_ratio), in declaration order."""
+    return [key for key in OPTIMIZER_SWITCHES if getattr(finetuning, key) not in (False, None)]
+
+
+def _check_optimizers(config: RunConfig) -> None:
+    ft, args = config.finetuning, config.training
+    chosen = chosen_optimizers(ft)
+    _check_optimizer_sub_options(ft, chosen)
+    if len(chosen) > 1:
+        raise ConfigError(f"{' and '.join(chosen)} each choose the optimizer: keep one", key=chosen[1])
+    if not chosen:
+        return
+    key, optim = chosen[0], _strategy(args.optim)
+    if key == "loraplus_lr_ratio":
+        _check_loraplus(ft, optim)
+        return
+    if args.deepspeed or args.fsdp:
+        engine = "deepspeed" if args.deepspeed else "fsdp"
+        raise ConfigError(f"{key} builds its own optimizer states, which {engine} cannot shard: remove {key} or {engine}",
+                          key=key)
+    allowed = {"use_galore": GALORE_OPTIMS, "use_badam": None}.get(key, ADAMW_OPTIMS)
+    if allowed is not None and optim not in allowed:
+        raise ConfigError(f"{key} works with optim: {' / '.join(allowed)}, got optim: {optim}; remove optim", key="optim")
+    if key == "use_badam":
+        _check_badam(ft, args, optim)
+    if (key == "use_galore" and ft.galore_layerwise) or (key == "use_apollo" and ft.apollo_layerwise):
+        _check_layerwise(key.removeprefix("use_") + "_layerwise", args)
+    for name in ("galore", "apollo"):
+        if key == f"use_{name}":
+            for option in ("rank", "update_interval"):
+                if getattr(ft, f"{name}_{option}") < 1:
+                    raise ConfigError(f"{name}_{option} must be at least 1, got {getattr(ft, f'{name}_{option}')}")
+            if getattr(ft, f"{name}_scale") <= 0:
+                raise ConfigError(f"{name}_scale must be > 0, got {getattr(ft, f'{name}_scale')}")
+
+
+def _check_optimizer_sub_options(ft, chosen: list[str]) -> None:
+    """galore_* / apollo_* / badam_* options set without their use_* switch do nothing: refused."""
+    defaults = type(ft)()
+    for switch, prefix in OPTIMIZER_SWITCHES.items():
+        if prefix is None or switch in chosen:
+            continue
+        for option in dataclasses.fields(ft):
+            if option.name.startswith(prefix) and getattr(ft, option.name) != getattr(defaults, option.name):
+                raise ConfigError(f"{option.name} only applies with {switch}: true: set {switch}: true or remove "
+                                  f"{option.name}", key=option.name)
+    if ft.loraplus_lr_embedding != defaults.loraplus_lr_embedding and "loraplus_lr_ratio" not in chosen:
+        raise ConfigError("loraplus_lr_embedding only applies with loraplus_lr_ratio (LoRA+): set loraplus_lr_ratio "
+                          "or remove loraplus_lr_embedding", key="loraplus_lr_embedding")
+
+
+def _check_loraplus(ft, optim: str) -> None:
+    if not ft.loraplus_lr_ratio > 0:
+        raise ConfigError(f"loraplus_lr_ratio must be > 0 (lr_B / lr_A, typically 2 to 16), got {ft.loraplus_lr_ratio}")
+    if not ft.loraplus_lr_embedding > 0:
+        raise ConfigError(f"loraplus_lr_embedding must be > 0, got {ft.loraplus_lr_embedding}")
+    if any(word in optim for word in SELF_GROUPING_OPTIMS):
+        raise ConfigError(f"loraplus_lr_ratio sets learning rates per parameter group, which optim: {optim} builds "
+                          "itself: remove optim", key="optim")
+
+
+def _check_badam(ft, args, optim: str) -> None:
+    if ft.badam_mode == "ratio":
+        raise ConfigError(
+            "badam_mode: ratio is not supported: badam 1.4's ratio mode makes sparse gradients, which gradient "
+            "clipping cannot take, and fails on models with tied embeddings; use badam_mode: layer", key="badam_mode")
+    if ft.badam_switch_interval < 1:
+        raise ConfigError(f"badam_switch_interval must be at least 1, got {ft.badam_switch_interval} (to train one "
+                          "block only, set badam_switch_mode: fixed)", key="badam_switch_interval")
+    if ft.badam_start_block is not None and ft.badam_start_block < 0:
+        raise ConfigError(f"badam_start_block must be >= 0 (a decoder layer's index), got {ft.badam_start_block}")
+    if ft.stage in ("rm", "ppo"):
+        raise ConfigError(f"use_badam trains the decoder layers only, so stage {ft.stage}'s value head would never "
+                          "learn: remove use_badam", key="use_badam")
+    if any(word in optim for word in SELF_GROUPING_OPTIMS):
+        raise ConfigError(f"use_badam steps a plain optimizer per block; optim: {optim} is not one: remove optim",
+                          key="optim")
+    if args.nan_policy == "skip":
+        raise ConfigError("nan_policy: skip drops a step's gradients, which BAdam's step requires: remove "
+                          "nan_policy: skip or use_badam", key="nan_policy")
+
+
+def _check_layerwise(key: str, args) -> None:
+    """Layer-wise steps happen inside backward, before anything the loop does after it."""
+    if args.gradient_accumulation_steps != 1:
+        raise ConfigError(f"{key} steps each weight during its backward pass, so gradients cannot accumulate: set "
+                          "gradient_accumulation_steps: 1 or remove it", key=key)
+    if args.resume_from_checkpoint:
+        raise ConfigError(f"{key}: checkpoints do not hold its per-weight optimizer states, so a resume would not "
+                          f"continue the run: remove resume_from_checkpoint or {key}", key=key)
+    if args.nan_policy == "skip":
+        raise ConfigError(f"nan_policy: skip cannot undo the steps {key} took during backward: remove nan_policy: "
+                          f"skip or {key}", key=key)
+
+
 LOOP_CHECKS = (_check_callbacks, _check_early_stopping, _check_load_best_model, _check_generate_at_eval,
-               _check_ignore_pad_token_for_loss)
+               _check_ignore_pad_token_for_loss, _check_optimizers)

@@ -2,12 +2,16 @@
 
 Consulted only for keys that are not tunelab options, so that a LlamaFactory YAML fails with the way
 forward rather than a guess at a similar name (`export_device` is not a misspelt `export_dir`). Keys
-are LlamaFactory's (src/llamafactory/hparams/*.py); a family sharing a prefix (galore_*, vllm_*) has one
+are LlamaFactory's (src/llamafactory/hparams/*.py); a family sharing a prefix (vllm_*, swanlab_*) has one
 entry in LLAMAFACTORY_PREFIXES. Keys tunelab shares with LlamaFactory, or accepts as aliases, are not here.
-docs/config.md ("Coming from LlamaFactory") lists the same table for people.
+docs/config.md ("Coming from LlamaFactory") lists the same table for people. LLAMAFACTORY_HABITS lists the values
+of some of these keys that ask for what tunelab does anyway (use_fast_tokenizer: true): those are accepted with an
+info line instead.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 _TEXT_ONLY = "tunelab trains text and image models (video and audio are refused): remove it"
 _IMAGE_OPTIONS = (
@@ -49,15 +53,13 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "split_special_tokens": "the tokenizer's own setting is used: remove it",
     "low_cpu_mem_usage": "transformers always loads weights this way: remove it",
     "cache_dir": "Hub ids use the Hugging Face cache (HF_HOME / HF_HUB_CACHE): remove it",
-    "rope_scaling": "set rope_scaling in the model folder's config.json: remove it",
     "shift_attn": "shifted sparse attention (LongLoRA) is not supported: remove it",
     "mixture_of_depths": "mixture-of-depths is not supported: remove it",
     "use_unsloth": "Unsloth is not supported: remove it",
     "use_unsloth_gc": "Unsloth is not supported: use gradient_checkpointing: true",
-    "enable_liger_kernel": "use transformers' own use_liger_kernel: true",
     "moe_aux_loss_coef": "set router_aux_loss_coef in the model folder's config.json: remove it",
     "disable_gradient_checkpointing": "gradient checkpointing is off unless gradient_checkpointing: true: remove it",
-    "use_reentrant_gc": "use gradient_checkpointing_kwargs: {use_reentrant: false}",
+    "use_reentrant_gc": "use gradient_checkpointing_kwargs: {use_reentrant: true} (false is the default)",
     "upcast_layernorm": "remove it (under bf16 / fp16 the trainable parameters are kept in float32)",
     "upcast_lmhead_output": "the loss is computed in float32 already: remove it",
     "train_from_scratch": "training starts from the weights in model_name_or_path: remove it",
@@ -82,9 +84,6 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "freeze_language_model": "use train_mm_proj_only: true (only the projector trains) or finetuning_type: lora, "
     "whose adapters never touch the vision tower unless lora_target names it",
     "create_new_adapter": "adapter_name_or_path always continues training that adapter: remove it",
-    "module_dropout": "use lora_dropout",
-    "loraplus_lr_ratio": "LoRA+ is not supported: remove it",
-    "loraplus_lr_embedding": "LoRA+ is not supported: remove it",
     "pref_bco_weight": "BCO is not supported: remove it",
     "kto_chosen_weight": "use kto_desirable_weight",
     "kto_rejected_weight": "use kto_undesirable_weight",
@@ -103,12 +102,10 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
     "ppo_target": "remove it (the KL penalty has a fixed weight, kl_coef)",
     "pure_bf16": "use bf16: true (mixed precision)",
     "use_llama_pro": "LLaMA Pro block expansion is not supported: remove it",
-    "use_adam_mini": "Adam-mini is not supported: remove it",
-    "use_muon": "Muon is not supported: remove it",
-    "use_galore": "use transformers' optim: galore_adamw with optim_target_modules (pip install galore-torch)",
-    "use_apollo": "use transformers' optim: apollo_adamw with optim_target_modules (pip install apollo-torch)",
-    "use_badam": "BAdam is not supported: remove it",
-    "use_swanlab": "use report_to: swanlab (transformers' integration)",
+    "badam_update_ratio": "BAdam's ratio mode is not supported (use_badam trains one decoder layer at a time): "
+    "remove it",
+    "badam_mask_mode": "BAdam's ratio mode is not supported (use_badam trains one decoder layer at a time): remove it",
+    "badam_verbose": "each BAdam block switch is logged: remove it",
     "use_dft_loss": "DFT loss is not supported: remove it",
     "use_asft_loss": "ASFT loss is not supported: remove it",
     "use_eaft_loss": "EAFT loss is not supported: remove it",
@@ -153,12 +150,8 @@ LLAMAFACTORY_KEYS: dict[str, str] = {
 
 # Families of LlamaFactory keys, matched by prefix.
 LLAMAFACTORY_PREFIXES: dict[str, str] = {
-    "galore_": "use transformers' optim: galore_adamw with optim_target_modules (pip install galore-torch)",
-    "apollo_": "use transformers' optim: apollo_adamw with optim_target_modules (pip install apollo-torch)",
-    "badam_": "BAdam is not supported: remove it",
-    "pissa_": "PiSSA initialisation is not supported: remove it",
-    "oft_": "OFT adapters are not supported: use finetuning_type: lora",
-    "swanlab_": "use report_to: swanlab and its SWANLAB_* environment variables",
+    "swanlab_": "set swanlab's environment variables instead (SWANLAB_PROJECT, SWANLAB_WORKSPACE, SWANLAB_MODE, "
+    "SWANLAB_API_KEY, SWANLAB_LOG_DIR; run_name names the run)",
     "vllm_": _NOT_SERVING_ENGINE,
     "sglang_": _NOT_SERVING_ENGINE,
     "kt_": _KTRANSFORMERS,
@@ -169,6 +162,85 @@ LLAMAFACTORY_PREFIXES: dict[str, str] = {
     "image_": _IMAGE_OPTIONS,
     "video_": _TEXT_ONLY,
     "audio_": _TEXT_ONLY,
+}
+
+
+# LlamaFactory options whose value can ask for what tunelab does anyway (often LlamaFactory's own default, written
+# out by its web UI): key -> {value: the info line logged after "key: value "}. Such a value is accepted when the
+# config loads (config/loader.py); any other value is refused with the key's LLAMAFACTORY_KEYS advice. The type
+# `int` stands for any positive integer.
+LLAMAFACTORY_HABITS: dict[str, dict[Any, str]] = {
+    # data
+    "enable_thinking": {True: "is the chat template's own default (templates with the switch keep reasoning on; "
+                              "template_kwargs: {enable_thinking: false} turns it off)"},
+    "neat_packing": {True: "is how tunelab packs: packing: true, samples isolated (attention and positions)",
+                     False: "is accepted: tunelab's packing always isolates samples (packing without isolation is "
+                            "not available)"},
+    "eval_on_each_dataset": {True: "is what tunelab does: each eval_dataset is evaluated and logged separately"},
+    "preprocessing_batch_size": {int: "is accepted and not needed: tunelab encodes in batches of its own size (the "
+                                      "encoded rows are the same)"},
+    "data_shared_file_system": {True: "is accepted: the tokenized cache is safe on a shared file system (concurrent "
+                                      "builders publish it atomically)",
+                                False: "is tunelab's default (each node's main process builds the tokenized cache)"},
+    "eval_num_beams": {None: "is tunelab's default (generation-based evaluation is greedy)",
+                       1: "is what tunelab does (generation-based evaluation is greedy, one beam)"},
+    # model
+    "infer_backend": {"huggingface": "is what tunelab does (tunelab chat, api and eval generate with transformers)"},
+    "infer_dtype": {"auto": "is tunelab's default (tunelab chat / api --dtype auto)"},
+    "use_fast_tokenizer": {True: "is what tunelab does (the model folder's fast tokenizer is used when it has one)"},
+    "resize_vocab": {False: "is tunelab's default (the embeddings grow only for add_special_tokens)"},
+    "split_special_tokens": {False: "is the tokenizer's default, which tunelab keeps"},
+    "low_cpu_mem_usage": {True: "is how transformers 5 always loads weights"},
+    "cache_dir": {None: "is LlamaFactory's default (Hub ids use the Hugging Face cache: HF_HOME / HF_HUB_CACHE)"},
+    "shift_attn": {False: "is tunelab's default (no shifted sparse attention)"},
+    "use_unsloth": {False: "is tunelab's default (no Unsloth)"},
+    "use_unsloth_gc": {False: "is tunelab's default (no Unsloth)"},
+    "disable_gradient_checkpointing": {
+        True: "is tunelab's default (gradient checkpointing is off unless gradient_checkpointing: true)",
+        False: "keeps LlamaFactory's default, gradient checkpointing on: gradient_checkpointing: true",
+    },
+    "use_reentrant_gc": {False: "is tunelab's default (transformers checkpoints without reentrant autograd)"},
+    "upcast_layernorm": {False: "is what tunelab does (frozen norm weights keep their dtype; trainable parameters "
+                                "train in float32)"},
+    "upcast_lmhead_output": {True: "is what tunelab does (the loss reads the logits in float32, chunk by chunk)",
+                             False: "is accepted: the loss still reads the logits in float32, chunk by chunk"},
+    "train_from_scratch": {False: "is tunelab's default (training starts from the weights in model_name_or_path)"},
+    "use_kv_cache": {True: "is what tunelab does (the KV cache is on for generation, off while training)"},
+    "print_param_status": {False: "is tunelab's default (the run log counts trainable parameters)"},
+    "quantization_method": {"bnb": "is what quantization_bit uses (bitsandbytes)"},
+    "export_device": {"cpu": "is what tunelab export does (it merges on the CPU in float32)"},
+    "export_legacy_format": {False: "is what tunelab export does (safetensors)"},
+    "export_hf_on_finish": {False: "is tunelab's default (run tunelab export after training)"},
+    # fine-tuning
+    "freeze_language_model": {False: "is tunelab's default (the language model trains)"},
+    "create_new_adapter": {False: "is tunelab's default (adapter_name_or_path continues training that adapter)"},
+    "pref_bco_weight": {0.0: "is tunelab's default (no BCO term)"},
+    "use_llama_pro": {False: "is tunelab's default (no block expansion)"},
+    "use_dft_loss": {False: "is tunelab's default (the token cross-entropy)"},
+    "use_asft_loss": {False: "is tunelab's default (the token cross-entropy)"},
+    "use_eaft_loss": {False: "is tunelab's default (the token cross-entropy)"},
+    "compute_accuracy": {True: "is tunelab's compute_token_accuracy: true",
+                         False: "is tunelab's default (compute_token_accuracy: false)"},
+    "disable_shuffling": {False: "is tunelab's default (training rows are shuffled with seed)"},
+    "include_effective_tokens_per_second": {
+        True: "is reported already (trainer_log.jsonl logs tokens per second)",
+        False: "is accepted (trainer_log.jsonl logs tokens per second anyway)",
+    },
+    # generation
+    "num_beams": {1: "is what tunelab does (greedy or sampled generation, one beam)"},
+    "length_penalty": {1.0: "is accepted (it only acts on beams, which tunelab does not use)"},
+    "repetition_penalty": {1.0: "is tunelab's default (no penalty)"},
+    "skip_special_tokens": {True: "is what tunelab does (answers are decoded without special tokens)"},
+    "predict_with_generate": {True: "is what do_predict and tunelab eval do (they generate and score answers)"},
+    # training
+    "fp8": {False: "is tunelab's default (no FP8 training)"},
+    "enable_torch_profiler": {False: "is tunelab's default (no profiler)"},
+}
+# The tunelab options an accepted LlamaFactory value stands for: (key, value) -> {option: value}.
+LLAMAFACTORY_HABIT_OPTIONS: dict[tuple[str, Any], dict[str, Any]] = {
+    ("neat_packing", True): {"packing": True},  # LlamaFactory turns packing on with neat_packing
+    ("disable_gradient_checkpointing", False): {"gradient_checkpointing": True},  # LlamaFactory's default is on
+    ("compute_accuracy", True): {"compute_token_accuracy": True},
 }
 
 

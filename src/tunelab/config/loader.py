@@ -5,10 +5,13 @@ Overrides come as `key=value` or `--key value` and win over the file; a run may 
 overrides alone. Values given as text are converted to the type the option declares. Unknown keys
 fail together, in one message that says where each came from (the file or the command line) and,
 for each, a close match, or what to do instead of a LlamaFactory option tunelab lacks
-(config/llamafactory.py). A template alias (LlamaFactory's `qwen3_nothink`...) becomes its built-in and
-the template variables it implies. An explicit `save_steps` turns on `save_strategy: steps`, as in
-LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in). Early stopping and
-load_best_model_at_end watch `eval_loss` unless metric_for_best_model says otherwise (perplexity: lower is better).
+(config/llamafactory.py); a LlamaFactory key whose value asks for what tunelab does anyway
+(`use_fast_tokenizer: true`) is accepted with one info line instead. Liger kernels (use_liger_kernel, LlamaFactory's
+enable_liger_kernel) are refused for training on a machine without a CUDA GPU. A template alias (LlamaFactory's
+`qwen3_nothink`...) becomes its built-in and the template variables it implies. An explicit `save_steps` turns on
+`save_strategy: steps`, as in LlamaFactory and the Trainer (tunelab's own default is `no`: checkpoints are opt-in).
+Early stopping and load_best_model_at_end watch `eval_loss` unless metric_for_best_model says otherwise (perplexity:
+lower is better).
 
 Two steps, `read_values` then `build_config`, with nothing but values between them; what needs the files, the
 environment or the layers above (the model folder, the datasets, the DeepSpeed file...) is tunelab/preflight.py's,
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import os
 import types
 import typing
@@ -32,7 +36,11 @@ import yaml
 
 from tunelab.config import checks
 from tunelab.config.args import DataArguments, RunConfig, option_groups, training_group
-from tunelab.config.llamafactory import llamafactory_advice
+from tunelab.config.llamafactory import (
+    LLAMAFACTORY_HABIT_OPTIONS,
+    LLAMAFACTORY_HABITS,
+    llamafactory_advice,
+)
 from tunelab.config.precision import (
     Machine,
     PrecisionChoice,
@@ -47,12 +55,30 @@ from tunelab.errors import ConfigError
 
 COMMAND_LINE = "the command line"
 
+logger = logging.getLogger(__name__)
+
 
 # Names that LlamaFactory configs (written for transformers 4) use for options transformers 5 renamed.
 ALIASES = {
     "warmup_ratio": "warmup_steps", "evaluation_strategy": "eval_strategy",
     "early_stopping_steps": "early_stopping_patience",  # LlamaFactory's name: a count of evaluations, not steps
+    "enable_liger_kernel": "use_liger_kernel",  # LlamaFactory's name for transformers' switch
 }
+
+
+def _apply_use_swanlab(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
+    """LlamaFactory's `use_swanlab: true` is report_to with swanlab added (false: nothing)."""
+    if "use_swanlab" not in raw:
+        return raw
+    out = dict(raw)
+    origin = origins.pop("use_swanlab")
+    if not _coerce("use_swanlab", out.pop("use_swanlab"), bool):
+        return out
+    current = out.get("report_to", "none")
+    entries = [e for e in ([current] if isinstance(current, str) else list(current or [])) if str(e).strip() != "none"]
+    out["report_to"] = entries if "swanlab" in entries else [*entries, "swanlab"]
+    origins.setdefault("report_to", origin)
+    return out
 
 
 def _apply_aliases(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
@@ -66,6 +92,69 @@ def _apply_aliases(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, An
     return out
 
 
+def _where(origin: str) -> str:
+    return f"on {origin}" if origin == COMMAND_LINE else f"in {origin}"
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
+def _habit_value(key: str, value: Any) -> tuple[bool, Any]:
+    """(True, the accepted value `value` is) when it asks for what tunelab does anyway (config/llamafactory.py
+    LLAMAFACTORY_HABITS), else (False, None). Command-line text is read as the accepted value's type."""
+    for accepted in LLAMAFACTORY_HABITS[key]:
+        if accepted is None or value is None:
+            if accepted is value:
+                return True, accepted
+            continue
+        try:
+            typed = _coerce(key, value, accepted if isinstance(accepted, type) else type(accepted))
+        except ConfigError:
+            continue
+        if accepted is int:
+            same = typed >= 1  # any positive count
+        else:
+            same = typed.lower() == accepted if isinstance(accepted, str) else typed == accepted
+        if same:
+            return True, accepted
+    return False, None
+
+
+def _accept_llamafactory_habits(raw: dict[str, Any], origins: dict[str, str]) -> dict[str, Any]:
+    """LlamaFactory keys whose value asks for what tunelab does anyway: each accepted with one info line (and the
+    tunelab options it stands for set); another value is refused with what to do instead."""
+    out = dict(raw)
+    for key in [k for k in raw if k in LLAMAFACTORY_HABITS]:
+        value, origin = out.pop(key), origins.pop(key)
+        matched, accepted = _habit_value(key, value)
+        if not matched and set(LLAMAFACTORY_HABITS[key]) == {True, False}:
+            raise ConfigError(f"{key}: expected true or false, got {value!r}", key=key)
+        if not matched:
+            takes = " or ".join("a positive integer" if v is int else _shown(v) for v in LLAMAFACTORY_HABITS[key])
+            raise ConfigError(f"{key}: {_shown(value)} {_where(origin)}; LlamaFactory option: {llamafactory_advice(key)} "
+                              f"(tunelab accepts {key}: {takes})", key=key)
+        for option, implied in LLAMAFACTORY_HABIT_OPTIONS.get((key, accepted), {}).items():
+            if option in out and _coerce(option, out[option], type(implied)) != implied:
+                raise ConfigError(f"{key}: {_shown(value)} means {option}: {_shown(implied)}, but {option} is "
+                                  f"{_shown(out[option])}: keep one", key=key)
+            out[option], origins[option] = implied, origin
+        logger.info("%s: %s %s", key, _shown(value), LLAMAFACTORY_HABITS[key][accepted])
+    return out
+
+
+def _check_liger_device(training_values: dict[str, Any], name: str, machine: Machine) -> None:
+    """Liger's kernels are Triton programs for CUDA GPUs: refused before anything loads where there is none."""
+    if not training_values.get("use_liger_kernel"):
+        return
+    if not machine.has_cuda:
+        raise ConfigError(f"{name}: Liger kernels need a CUDA GPU (Triton); this machine has none: remove it",
+                          key="use_liger_kernel", fix=f"remove {name}")
+    if training_values.get("use_cpu"):
+        raise ConfigError(f"{name}: Liger kernels run on the GPU, but use_cpu is true: remove one of them",
+                          key="use_liger_kernel")
+
+
 def _unknown_keys_message(unknown: list[str], origins: dict[str, str], owners: dict) -> str:
     """Every unknown key in one message, grouped by where it came from, each with a close spelling or, for a
     LlamaFactory option tunelab lacks, what to do instead."""
@@ -77,18 +166,15 @@ def _unknown_keys_message(unknown: list[str], origins: dict[str, str], owners: d
         close = difflib.get_close_matches(key, owners, n=1, cutoff=0.8)
         return f"did you mean '{close[0]}'?" if close else None
 
-    def where(origin: str) -> str:
-        return f"on {origin}" if origin == COMMAND_LINE else f"in {origin}"
-
     help_hint = "see `tunelab train --help` for the options"
     if len(unknown) == 1:
         key = unknown[0]
-        return f"unknown key '{key}' {where(origins[key])}; {detail(key) or help_hint}"
+        return f"unknown key '{key}' {_where(origins[key])}; {detail(key) or help_hint}"
     groups: dict[str, list[str]] = {}
     for key in unknown:
         text = detail(key)
         groups.setdefault(origins[key], []).append(f"'{key}'" + (f" → {text}" if text else ""))
-    listed = "; ".join(f"{where(origin)}: {'; '.join(keys)}" for origin, keys in groups.items())
+    listed = "; ".join(f"{_where(origin)}: {'; '.join(keys)}" for origin, keys in groups.items())
     tail = f"; {help_hint}" if any(detail(key) is None for key in unknown) else ""
     return f"{len(unknown)} unknown keys {'— ' if len(groups) > 1 else ''}{listed}{tail}"
 
@@ -280,7 +366,9 @@ def read_values(
         overrides = parse_overrides(overrides)
     raw.update(overrides or {})
     origins.update(dict.fromkeys(overrides or {}, COMMAND_LINE))
-    raw = _apply_aliases(raw, origins)
+    liger_name = "enable_liger_kernel" if "enable_liger_kernel" in raw else "use_liger_kernel"
+    raw = _accept_llamafactory_habits(_apply_aliases(raw, origins), origins)
+    raw = _apply_use_swanlab(raw, origins)
 
     # bf16 / fp16: auto is the default; the value is decided below, from the hardware, unless given.
     for key in PRECISION_KEYS:
@@ -318,6 +406,8 @@ def read_values(
     if "dataloader_pin_memory" not in raw:
         training_values["dataloader_pin_memory"] = machine.has_cuda  # pinning only helps host→GPU copies
     precision = _auto_precision(training_values, purpose, machine)
+    if purpose == "train":
+        _check_liger_device(training_values, liger_name, machine)
 
     if purpose == "train" and not training_values.get("output_dir"):
         raise ConfigError("output_dir is not set: add `output_dir: saves/my-run` to the config")

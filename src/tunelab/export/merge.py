@@ -64,7 +64,7 @@ from tunelab.export.parity import ParityReport
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
 from tunelab import hub
-from tunelab.model import gguf as model_gguf, qat, vision, zero_checkpoint
+from tunelab.model import gguf as model_gguf, qat, rope, vision, zero_checkpoint
 from tunelab.model.adapters import load_adapter
 from tunelab.model.folder import is_sequence_classification
 from tunelab.model.tokenizer import load_processor
@@ -118,7 +118,8 @@ def trained_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Modul
     if zero_checkpoint.zero_tag(model_args.model_name_or_path):
         # A DeepSpeed ZeRO checkpoint: the float32 master weights, joined from every rank's partition.
         state_dict = zero_checkpoint.consolidated_state_dict(model_args.model_name_or_path, model_args.allow_pickle_weights)
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
+        config = rope.scaled_config(model_args.model_name_or_path, rope.of(model_args), model_args.trust_remote_code) \
+            or AutoConfig.from_pretrained(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
         for name in ("pad_token_id", "num_labels"):  # what from_pretrained would set on the config
             if name in kwargs:
                 setattr(config, name, kwargs[name])
@@ -126,6 +127,9 @@ def trained_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Modul
         zero_checkpoint.load_into(model, state_dict, model_args.model_name_or_path)
     else:
         hub.fetch_weights(model_args.model_name_or_path, model_args.allow_pickle_weights)
+        # rope_scaling (model/rope.py): the merged model's config.json carries it
+        kwargs = rope.with_rope_scaling(model_args.model_name_or_path, rope.of(model_args),
+                                        model_args.trust_remote_code, kwargs)
         try:
             model = model_gguf.from_pretrained(auto, model_args.model_name_or_path, **kwargs)  # a GGUF base: dequantized
         except Exception as exc:  # noqa: BLE001

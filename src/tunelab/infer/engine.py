@@ -41,7 +41,7 @@ from tunelab.infer.sampling import SamplingOptions
 from tunelab.infer.tool_calls import ToolSyntax, tool_syntax
 from tunelab.infer.trained import inference_template_kwargs, saved_template
 from tunelab import hub
-from tunelab.model import gguf, vision
+from tunelab.model import gguf, rope, vision
 from tunelab.model.adapters import load_adapter
 from tunelab.model.tokenizer import load_processor, load_tokenizer
 from tunelab.run_folder import TrainedFolder
@@ -114,10 +114,13 @@ def load_engine(
     trust_remote_code: bool = False,
     allow_pickle_weights: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    rope_scaling: tuple[str, float] | None = None,
 ) -> ChatEngine:
     """A ChatEngine for a model folder, or an adapter folder on its base (adapter_config.json, or `base_model`);
     either may be a Hub id (tunelab/hub.py). `template_kwargs` reach every prompt render; None: those the folder's
-    tunelab_config.yaml recorded for its own template (none with a `template` named here)."""
+    tunelab_config.yaml recorded for its own template (none with a `template` named here). `rope_scaling` (a YAML's
+    rope_scaling and resolved rope_factor): the base's RoPE scaled so; None: as the adapter's run recorded (a full
+    model's config.json has its own)."""
     model_dir, adapter_dir = resolve_folders(path, base_model, allow_pickle_weights, trust_remote_code)
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
@@ -140,9 +143,11 @@ def load_engine(
     is_vision = vision.is_vision_model_folder(model_dir)
     processor = load_processor(ModelArguments(model_name_or_path=model_dir, trust_remote_code=trust_remote_code))
     auto_class = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
+    scaling = rope.RopeScaling(*rope_scaling) if rope_scaling else rope.recorded_rope(adapter_dir)
     try:
+        kwargs = rope.with_rope_scaling(model_dir, scaling, trust_remote_code, {"dtype": torch_dtype})
         model, info = gguf.from_pretrained(
-            auto_class, model_dir, dtype=torch_dtype, trust_remote_code=trust_remote_code, output_loading_info=True
+            auto_class, model_dir, trust_remote_code=trust_remote_code, output_loading_info=True, **kwargs
         )
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, a hub id offline)
         hint = "; pass the base model folder with --model" if adapter_dir else ""

@@ -1,4 +1,14 @@
-"""Which parameters train: full, freeze (the last or first N decoder layers) or LoRA / QLoRA through peft.
+"""Which parameters train: full, freeze (the last or first N decoder layers), or a peft adapter: LoRA / QLoRA, OFT,
+VeRA.
+
+LoRA's starts (init_lora_weights, docs/training.md#lora-initialisations): default and gaussian begin with B = 0, the
+base model itself. pissa and olora move the principal part of each targeted weight into B·A and leave the base
+holding the rest; loftq (on a 4-bit base) starts B·A at the low-rank part of the quantization error. Such an adapter
+is only right on the base it trained with, so the final save (`save_as_change_from_start`, called by
+train/outputs.py) writes it as its change from the start, B·A - B0·A0 = [B | -B0]·[A ; A0]: a plain LoRA of rank
+2r on the original base, which every loader (tunelab chat / eval / export, peft, vLLM) applies as trained. peft's
+`save_pretrained(path_initial_model_for_weight_conversion=...)` does the arithmetic; the start is kept in memory
+from the moment the adapter is made (re-made identically on resume: same seed, same decomposition).
 
 Also the one config check that needs the loaded model: `lora_target` / `additional_target` / freeze names must
 match modules of that model.
@@ -14,15 +24,36 @@ float32.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
+from peft import (
+    LoraConfig,
+    OFTConfig,
+    PeftConfig,
+    PeftModel,
+    TaskType,
+    VeraConfig,
+    get_peft_model,
+    get_peft_model_state_dict,
+    prepare_model_for_kbit_training,
+    replace_lora_weights_loftq,
+)
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from tunelab.config.args import FinetuningArguments, RunConfig
+from tunelab.config.args import (
+    ADAPTER_TYPES,
+    NONZERO_LORA_INITS,
+    FinetuningArguments,
+    RunConfig,
+)
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.model import skeleton, vision
@@ -30,6 +61,10 @@ from tunelab.model import skeleton, vision
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
 LORA_LAYER_TYPES = (nn.Linear, Conv1D)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+ADAPTER_KINDS = ADAPTER_TYPES.values  # the finetuning_type values that train a peft adapter
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name
+# The PeftModel attribute holding the adapter's starting weights when they are not zero (module docstring).
+START_ATTRIBUTE = "tunelab_adapter_start"
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +75,19 @@ def setup_finetuning(
     training_args: TrainingArguments,
     adapter_name_or_path: str | None = None,
     new_token_ids: list[int] | None = None,
+    model_path: str | None = None,
 ) -> nn.Module:
-    """Mark the parameters that train; returns the model to train (a PeftModel for LoRA).
+    """Mark the parameters that train; returns the model to train (a PeftModel for LoRA, OFT, VeRA).
 
     ``new_token_ids``: rows of tokens added to the tokenizer (add_special_tokens); they must train whatever the
     method: full trains them anyway, LoRA as peft trainable tokens, freeze by training the embedding layers.
+    ``model_path``: the model folder, whose safetensors files LoftQ reads the unquantized weights from.
     """
     kind = finetuning_args.finetuning_type
-    if adapter_name_or_path and kind != "lora":
+    if adapter_name_or_path and kind not in ADAPTER_KINDS:
         raise ConfigError(
-            f"adapter_name_or_path: continuing training of an adapter needs finetuning_type: lora, got '{kind}'"
+            f"adapter_name_or_path: continuing training of an adapter needs finetuning_type: "
+            f"{' / '.join(ADAPTER_KINDS)} (the adapter's), got '{kind}'"
         )
     # No enable_input_require_grads here: transformers' activation_checkpointing_enable (called by Trainer) and
     # peft already make the embeddings' output require grad, which frozen-embedding checkpointing needs.
@@ -74,10 +112,10 @@ def setup_finetuning(
                           if parts.part_of(name) in {"tower", "projector"} - frozen}
         for name, param in model.named_parameters():
             param.requires_grad_(name in trainable)
-    elif kind == "lora":
-        model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path, new_token_ids)
+    elif kind in ADAPTER_KINDS:
+        model = _setup_lora(model, finetuning_args, training_args, adapter_name_or_path, new_token_ids, model_path)
     else:
-        raise ConfigError(f"finetuning_type: '{kind}' is not one of lora, freeze, full")
+        raise ConfigError(f"finetuning_type: '{kind}' is not one of {', '.join(ADAPTER_KINDS)}, freeze, full")
     _upcast_for_mixed_precision(model, finetuning_args, training_args)
     return model
 
@@ -188,13 +226,14 @@ LORA_TARGET_GROUPS = {"attention": ("attn", "attention"), "mlp": ("mlp", "feed_f
 
 
 def lora_target_modules(
-    model: nn.Module, lora_target: list[str], frozen_parts: tuple[vision.VisionParts, set[str]] | None = None
+    model: nn.Module, lora_target: list[str], frozen_parts: tuple[vision.VisionParts, set[str]] | None = None,
+    key: str = "lora_target",
 ) -> list[str]:
     """peft target_modules for `lora_target`: 'all' = every linear layer's name but the output head's
     (a reward model's `score` head trains in full instead, see build_lora_config); 'attention' / 'mlp' = the
     linear layers of the attention / MLP blocks of this model's family (Llama: q_proj, k_proj, v_proj, o_proj /
     gate_proj, up_proj, down_proj; GPT-2: attn.c_attn, attn.c_proj / mlp.c_fc, mlp.c_proj), beside layer names.
-    Each word's expansion is logged."""
+    Each word's expansion is logged; `key` is the option named in messages (oft_target, vera_target alike)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if is_reward_model(model):
         head = getattr(model, "score", None) or getattr(model, "classifier", None)
@@ -205,9 +244,9 @@ def lora_target_modules(
     family = type(model).__name__
     if "all" in lora_target:
         if len(lora_target) > 1:
-            raise ConfigError(f"lora_target: 'all' cannot be combined with other names, got {','.join(lora_target)}")
+            raise ConfigError(f"{key}: 'all' cannot be combined with other names, got {','.join(lora_target)}")
         names = sorted({name.rsplit(".", 1)[-1] for name, module in linears if module is not head})
-        logger.info("lora_target: all → %s (%s, every linear layer but the output head)", ", ".join(names), family)
+        logger.info("%s: all → %s (%s, every linear layer but the output head)", key, ", ".join(names), family)
         return names
     targets: list[str] = []
     for target in lora_target:
@@ -217,16 +256,16 @@ def lora_target_modules(
             expansion = _group_layers([name for name, module in linears if module is not head], LORA_TARGET_GROUPS[target])
             if not expansion:
                 raise ConfigError(
-                    f"lora_target: '{target}' finds no linear layer inside a module named like "
+                    f"{key}: '{target}' finds no linear layer inside a module named like "
                     f"{' / '.join(LORA_TARGET_GROUPS[target])} in {family}; name the layers instead: "
                     f"{', '.join(dict.fromkeys(name.rsplit('.', 1)[-1] for name, _ in linears))}"
                 )
-            logger.info("lora_target: %s → %s (%s)", target, ", ".join(expansion), family)
+            logger.info("%s: %s → %s (%s)", key, target, ", ".join(expansion), family)
             targets.extend(expansion)
         else:
             available = list(dict.fromkeys(name.rsplit(".", 1)[-1] for name, _ in linears))
             raise ConfigError(
-                f"lora_target: '{target}' matches no module of {family}; modules: {', '.join(available)}; "
+                f"{key}: '{target}' matches no module of {family}; modules: {', '.join(available)}; "
                 f"groups: all, {', '.join(LORA_TARGET_GROUPS)}"
             )
     return list(dict.fromkeys(targets))
@@ -249,29 +288,65 @@ def _group_layers(linear_names: list[str], keywords: tuple[str, ...]) -> list[st
 
 def build_lora_config(model: nn.Module, finetuning_args: FinetuningArguments) -> LoraConfig:
     ft = finetuning_args
+    init = ft.lora_init()
+    # peft's LoftQ sets B·A to the quantization error without the LoRA scale: it needs alpha = r (checks.py).
+    default_alpha = ft.lora_rank if init == "loftq" else 2 * ft.lora_rank
+    return LoraConfig(
+        r=ft.lora_rank,
+        lora_alpha=ft.lora_alpha if ft.lora_alpha is not None else default_alpha,
+        lora_dropout=ft.lora_dropout,
+        use_dora=ft.use_dora,
+        use_rslora=ft.use_rslora,
+        init_lora_weights=peft_lora_init(ft),
+        **_adapter_placement(model, ft, ft.lora_target, "lora_target"),
+    )
+
+
+def build_adapter_config(model: nn.Module, finetuning_args: FinetuningArguments) -> PeftConfig:
+    """The peft config of the run's finetuning_type: lora, oft or vera."""
+    ft = finetuning_args
+    if ft.finetuning_type == "oft":
+        placement = _adapter_placement(model, ft, ft.oft_target, "oft_target")
+        return OFTConfig(r=ft.oft_rank, oft_block_size=ft.oft_block_size, module_dropout=ft.module_dropout, **placement)
+    if ft.finetuning_type == "vera":
+        placement = _adapter_placement(model, ft, ft.vera_target, "vera_target")
+        if placement.pop("exclude_modules"):
+            raise ConfigError("finetuning_type: vera cannot keep out of a vision-language model's frozen vision parts "
+                              "(peft's VeRA has no exclude_modules): use finetuning_type: lora or oft")
+        return VeraConfig(r=ft.vera_rank, **placement)
+    return build_lora_config(model, ft)
+
+
+def peft_lora_init(finetuning_args: FinetuningArguments) -> bool | str:
+    """peft's init_lora_weights. loftq starts as the default here: its matrices are set on the quantized model."""
+    ft = finetuning_args
+    init = ft.lora_init()
+    if init == "pissa":  # LlamaFactory's pissa_iter: -1 is the full SVD, N the fast SVD with N iterations
+        return "pissa" if ft.pissa_iter == -1 else f"pissa_niter_{ft.pissa_iter}"
+    return True if init in ("default", "loftq") else init
+
+
+def _adapter_placement(model: nn.Module, finetuning_args: FinetuningArguments, target: list[str], key: str) -> dict:
+    """Where an adapter goes, whatever its kind: target_modules, exclude_modules, modules_to_save, task_type."""
+    ft = finetuning_args
     module_names = [name for name, _ in model.named_modules() if name]
-    for target in ft.additional_target or []:
-        if not any(_ends_with_module(name, target) for name in module_names):
+    for extra in ft.additional_target or []:
+        if not any(_ends_with_module(name, extra) for name in module_names):
             tops = _segment_names(name for name, _ in model.named_parameters())
             raise ConfigError(
-                f"additional_target: '{target}' matches no module of {type(model).__name__}; modules: {', '.join(tops)}"
+                f"additional_target: '{extra}' matches no module of {type(model).__name__}; modules: {', '.join(tops)}"
             )
-    # A vision-language model: LoRA stays out of the frozen parts (the vision tower by default).
+    # A vision-language model: the adapter stays out of the frozen parts (the vision tower by default).
     parts = vision.vision_parts(model)
     frozen = (parts, vision.frozen_parts(ft)) if parts is not None else None
     exclude = vision.lora_excluded_modules(model, *frozen) if frozen is not None else None
     # SEQ_CLS: peft trains and saves the reward head (`score`) in full with the adapter (modules_to_save).
-    return LoraConfig(
-        exclude_modules=exclude or None,
-        task_type=TaskType.SEQ_CLS if is_reward_model(model) else TaskType.CAUSAL_LM,
-        r=ft.lora_rank,
-        lora_alpha=ft.lora_alpha if ft.lora_alpha is not None else 2 * ft.lora_rank,
-        lora_dropout=ft.lora_dropout,
-        target_modules=lora_target_modules(model, ft.lora_target, frozen),
-        use_dora=ft.use_dora,
-        use_rslora=ft.use_rslora,
-        modules_to_save=ft.additional_target,
-    )
+    return {
+        "exclude_modules": exclude or None,
+        "task_type": TaskType.SEQ_CLS if is_reward_model(model) else TaskType.CAUSAL_LM,
+        "target_modules": lora_target_modules(model, target, frozen, key),
+        "modules_to_save": ft.additional_target,
+    }
 
 
 def _setup_lora(
@@ -280,10 +355,16 @@ def _setup_lora(
     training_args: TrainingArguments,
     adapter_name_or_path: str | None,
     new_token_ids: list[int] | None = None,
+    model_path: str | None = None,
 ) -> nn.Module:
+    """The peft adapter of finetuning_type lora, oft or vera on `model` (new, or continued from a saved one)."""
+    ft = finetuning_args
+    init = ft.lora_init() if ft.finetuning_type == "lora" else "default"
+    if init == "loftq":
+        _check_loftq_device()
     # Build (and so check) the config before prepare_model_for_kbit_training spends time upcasting weights.
-    config = build_lora_config(model, finetuning_args)
-    if new_token_ids:  # the added tokens' rows train as peft trainable tokens, saved with the adapter
+    config = build_adapter_config(model, ft)
+    if new_token_ids:  # the added tokens' rows train as peft trainable tokens, saved with the adapter (LoRA only)
         config.trainable_token_indices = {name: list(new_token_ids) for name in _embedding_layers(model)}
     if is_quantized(model):
         checkpointing, checkpoint_kwargs = _checkpointing(training_args)
@@ -291,9 +372,71 @@ def _setup_lora(
             model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=checkpoint_kwargs
         )
     if adapter_name_or_path:
-        # Continue training an existing adapter: its own adapter_config.json decides rank and targets.
+        # Continue training an existing adapter: its own adapter_config.json decides kind, rank and targets.
+        _check_continued_adapter(adapter_name_or_path, ft, init)
         return load_adapter(model, adapter_name_or_path, is_trainable=True)
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if init == "loftq":
+        # peft's one-pass LoftQ on the bitsandbytes base: B·A = the rank-r SVD of W - Q(W), W read from the files.
+        replace_lora_weights_loftq(model, model_path=model_path)
+        logger.info("init_lora_weights: loftq: LoRA starts as the rank-%d part of the 4-bit quantization error",
+                    ft.lora_rank)
+    if init in NONZERO_LORA_INITS and not (init == "pissa" and not ft.pissa_convert):
+        record_start(model)
+    return model
+
+
+def _check_loftq_device() -> None:
+    """peft computes LoftQ on a CUDA (or XPU) device only (peft/utils/loftq_utils.py picks the device by name)."""
+    xpu = getattr(torch, "xpu", None)
+    if not (torch.cuda.is_available() or (xpu is not None and xpu.is_available())):
+        raise ConfigError("init_lora_weights: loftq: peft computes LoftQ on a CUDA (or XPU) GPU and this machine has "
+                          "none; remove init_lora_weights (QLoRA starting from zero) or train on a GPU",
+                          key="init_lora_weights")
+
+
+def _check_continued_adapter(path: str, finetuning_args: FinetuningArguments, init: str) -> None:
+    """A continued adapter keeps its own kind and start: the configured ones must not say otherwise."""
+    ft = finetuning_args
+    if init != "default":
+        key = "pissa_init" if ft.pissa_init else "init_lora_weights"
+        raise ConfigError(f"{key}: adapter_name_or_path continues an adapter that has already started; remove {key}",
+                          key=key)
+    kind = str(_adapter_config(path).get("peft_type", "")).lower()
+    if kind and kind != ft.finetuning_type:
+        raise ConfigError(f"adapter_name_or_path: {path} holds a {kind} adapter, but finetuning_type is "
+                          f"{ft.finetuning_type}: set finetuning_type: {kind}", key="finetuning_type")
+
+
+def record_start(model: PeftModel) -> None:
+    """Keep the adapter's starting weights (CPU copies, the adapter's size) for `save_as_change_from_start`."""
+    start = {name: tensor.detach().to("cpu", copy=True) for name, tensor in get_peft_model_state_dict(model).items()}
+    setattr(model, START_ATTRIBUTE, start)
+
+
+def save_as_change_from_start(model: nn.Module, out: str | Path) -> bool:
+    """Rewrite the adapter saved in `out` as its change from its recorded start: a plain LoRA of the original base
+    (rank 2r, init_lora_weights true). False, touching nothing, when the adapter started at zero.
+
+    peft's conversion writes the LoRA matrices only: the modules trained in full (additional_target, a reward head)
+    and trainable tokens are put back with their trained values, which do not depend on the base."""
+    start = getattr(model, START_ATTRIBUTE, None)
+    if start is None:
+        return False
+    trained = get_peft_model_state_dict(model)
+    with tempfile.TemporaryDirectory() as scratch:
+        initial = Path(scratch) / "start"  # peft loads it as an adapter named after the folder, then deletes it
+        initial.mkdir()
+        save_file(start, initial / ADAPTER_WEIGHTS)
+        model.save_pretrained(str(out), path_initial_model_for_weight_conversion=str(initial))
+    weights = Path(out) / ADAPTER_WEIGHTS
+    converted = load_file(weights)
+    kept = {name: tensor.contiguous() for name, tensor in trained.items() if name not in converted}
+    if kept:
+        save_file(converted | kept, weights, metadata={"format": "pt"})
+    logger.info("adapter saved as a plain LoRA of the original base (its change from the start, rank %d)",
+                2 * model.peft_config["default"].r)
+    return True
 
 
 def _embedding_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -310,16 +453,17 @@ def load_adapter(model: nn.Module, path: str, is_trainable: bool) -> PeftModel:
         raise ModelError(f"adapter_name_or_path: cannot load {path}: {first_line(exc)}") from exc
 
 
+def _adapter_config(path: str) -> dict:
+    """The adapter folder's adapter_config.json; {} when unreadable (PeftModel.from_pretrained reports that)."""
+    try:
+        return json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
 def _grow_for_trainable_tokens(model: nn.Module, path: str) -> None:
     """An adapter trained with added tokens (add_special_tokens) holds their rows: the base must have them."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
-    try:
-        config = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # PeftModel.from_pretrained reports the unreadable folder
-    indices = config.get("trainable_token_indices") or []
+    indices = _adapter_config(path).get("trainable_token_indices") or []
     ids = [i for value in (indices.values() if isinstance(indices, dict) else [indices]) for i in value]
     rows = model.get_input_embeddings().weight.shape[0]
     if ids and max(ids) >= rows:
@@ -345,5 +489,7 @@ def _upcast_trainable(model: nn.Module, only: torch.dtype | None = None) -> None
 
 def trained_skeleton(config: RunConfig) -> torch.nn.Module:
     """model/skeleton.py's skeleton set up as training sets it up (adapters, upcasts): what trains and in which
-    dtype. An existing adapter's own rank decides in training; the skeleton uses the configured LoRA options."""
-    return setup_finetuning(skeleton.skeleton(config), config.finetuning, config.training, adapter_name_or_path=None)
+    dtype. An existing adapter's own rank decides in training; the skeleton uses the configured LoRA options, started
+    as the default (a decomposition needs real weights; the shapes are the same)."""
+    finetuning = dataclasses.replace(config.finetuning, init_lora_weights="default", pissa_init=False)
+    return setup_finetuning(skeleton.skeleton(config), finetuning, config.training, adapter_name_or_path=None)

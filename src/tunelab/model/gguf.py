@@ -75,6 +75,7 @@ def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
         state_dict, config, model_class = model.state_dict(), model.config, type(model)
         del model, loaded
         kwargs.pop("trust_remote_code", None)  # (the class is known now)
+        kwargs.pop("config", None)  # (a config given, e.g. with RoPE scaled, is the loaded model's now)
         loaded = model_class.from_pretrained(None, config=config, state_dict=state_dict,
                                              quantization_config=quantization_config, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded

@@ -27,7 +27,7 @@ from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError, first_line
 from tunelab import hub
-from tunelab.model import gguf, qat, quantization, sharding, vision
+from tunelab.model import gguf, qat, quantization, rope, sharding, vision
 from tunelab.model.adapters import load_adapter, setup_finetuning
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 
@@ -78,12 +78,14 @@ def load_model(
     sharded = sharding.load_kwargs(training_args) if is_trainable else {}  # fsdp on CPU: FSDP2 shards while loading
     kwargs.update(sharded)
     hub.fetch_weights(path, model_args.allow_pickle_weights)
+    if reward_head:
+        kwargs.update(num_labels=1, pad_token_id=tokenizer.pad_token_id)  # the reward is read at the last non-pad token
+    scaling = rope.of(model_args)
     try:
-        if reward_head:
-            kwargs.update(num_labels=1, pad_token_id=tokenizer.pad_token_id)  # the reward is read at the last non-pad token
         auto_class = AutoModelForSequenceClassification if reward_head else AutoModelForCausalLM
         if not reward_head and vision.is_vision_model_folder(path):
             auto_class = AutoModelForImageTextToText
+        kwargs = rope.with_rope_scaling(path, scaling, model_args.trust_remote_code, kwargs)  # (its config changed)
         model, info = gguf.from_pretrained(auto_class, path, output_loading_info=True, **kwargs)  # (a GGUF: dequantized)
     except Exception as exc:  # noqa: BLE001  (missing or corrupt files, unknown architecture, ...)
         raise ModelError(f"model_name_or_path: cannot load the model from {path}: {first_line(exc)}") from exc
@@ -125,7 +127,8 @@ def load_model(
     if finetuning_args.qat:  # before LoRA, so the adapters wrap the fake-quantized base layers
         group_size = finetuning_args.qat_group_size or DEFAULT_GROUP_SIZE
         qat.prepare_qat(model, finetuning_args.qat, group_size, enabled=finetuning_args.qat_start_step == 0)
-    model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids)
+    model = setup_finetuning(model, finetuning_args, training_args, model_args.adapter_name_or_path, new_token_ids,
+                             model_path=path)
     parts = vision.vision_parts(model)
     if parts is not None:
         vision.log_parts(model, parts)

@@ -1,10 +1,11 @@
 """Trainer callbacks: the JSON-lines training log, early stopping, evaluation metrics of our own, and the user's
 callbacks named in the config (the plots drawn from the log are in plots.py).
 
-trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate,
-grad norm, tokens per second (all and supervised) since the previous line, elapsed seconds and ETA,
-and the process's memory (train/memory.py). Only the main process writes. A resumed run keeps the lines
-up to its checkpoint's step and goes on from there, so the file reads as one run.
+trainer_log.jsonl gets one object per log event: step, epoch, loss / eval metrics, learning rate, grad norm,
+tokens seen and tokens per second (all and supervised) since the previous line, elapsed seconds and ETA, and the
+process's memory (train/memory.py): the line exactly as the Trainer's log hands it to every callback, the trackers
+of `report_to` included (RunProgress adds tunelab's fields first). Only the main process writes. A resumed run
+keeps the lines up to its checkpoint's step and goes on from there, so the file reads as one run.
 
 The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, QAT's start switch
 (`qat_start_step`, QATStartCallback), the stage's own, EarlyStopping when `early_stopping_patience` is set, then the
@@ -66,12 +67,41 @@ def qat_callbacks(finetuning_args) -> list[transformers.TrainerCallback]:
     return []
 
 
+class RunProgress:
+    """What tunelab adds to a log line before any callback sees it, so that trainer_log.jsonl and every tracker of
+    `report_to` (train/trackers.py) get the same numbers: tokens per second, all and supervised, since the previous
+    line that counted tokens (from the line's tokens_seen / supervised_tokens_seen), elapsed seconds and the ETA, and
+    the process's memory (train/memory.py). TunelabTrainer.log and the RL loop call `add_to` on every line."""
+
+    def __init__(self):
+        self.start: float | None = None
+        self.last_time: float | None = None
+        self.last_tokens = (0, 0)  # a resumed run sets the counts its checkpoint saved
+
+    def begin(self) -> None:
+        self.start = self.last_time = time.time()
+
+    def add_to(self, logs: dict, state, device) -> None:
+        now = time.time()
+        if "tokens_seen" in logs:
+            tokens, supervised = logs["tokens_seen"], logs["supervised_tokens_seen"]
+            window = max(now - (self.last_time or now), 1e-9)
+            logs["tokens_per_second"] = round((tokens - self.last_tokens[0]) / window, 1)
+            logs["supervised_tokens_per_second"] = round((supervised - self.last_tokens[1]) / window, 1)
+            self.last_tokens, self.last_time = (tokens, supervised), now
+        elapsed = now - (self.start or now)
+        logs["elapsed_seconds"] = round(elapsed, 2)
+        if state.global_step and state.max_steps:
+            logs["eta_seconds"] = round(elapsed / state.global_step * (state.max_steps - state.global_step), 2)
+        logs.update(memory_metrics(device))
+
+
 class JsonlLogCallback(transformers.TrainerCallback):
+    """trainer_log.jsonl: each log line as logged (RunProgress's fields included), after the step, max_steps and
+    epoch."""
+
     def __init__(self, output_dir: str):
         self.folder = Path(output_dir)
-        self.start = None
-        self.last_time = None
-        self.last_tokens = (0, 0)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -79,26 +109,12 @@ class JsonlLogCallback(transformers.TrainerCallback):
             # A fresh run starts an empty log; a resumed one drops what the stopped run logged after its checkpoint.
             kept = [r for r in run_folder.read_log(self.folder) if r.get("step", 0) <= state.global_step]
             run_folder.rewrite_log(self.folder, kept if state.global_step else [])
-        self.start = self.last_time = time.time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        now = time.time()
         record = {"step": state.global_step, "max_steps": state.max_steps, "epoch": round(state.epoch or 0.0, 4)}
-        record.update({k: v for k, v in logs.items() if k not in ("tokens_seen", "supervised_tokens_seen")})
-        if "tokens_seen" in logs:
-            tokens, supervised = logs["tokens_seen"], logs["supervised_tokens_seen"]
-            window = max(now - self.last_time, 1e-9)
-            record["tokens_per_second"] = round((tokens - self.last_tokens[0]) / window, 1)
-            record["supervised_tokens_per_second"] = round((supervised - self.last_tokens[1]) / window, 1)
-            self.last_tokens, self.last_time = (tokens, supervised), now
-        elapsed = now - (self.start or now)
-        record["elapsed_seconds"] = round(elapsed, 2)
-        if state.global_step and state.max_steps:
-            record["eta_seconds"] = round(elapsed / state.global_step * (state.max_steps - state.global_step), 2)
-        record.update(memory_metrics(getattr(args, "device", None)))
-        run_folder.append_log(self.folder, record)
+        run_folder.append_log(self.folder, {**record, **logs})
 
 
 # ---- the user's callbacks -------------------------------------------------------------------------------------

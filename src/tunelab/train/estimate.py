@@ -434,7 +434,7 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
         trainer = TunelabTrainer(
             model=model, args=probe_args, train_dataset=dataset,
             data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
-            processing_class=tokenizer, callbacks=[times.callback],
+            processing_class=tokenizer, callbacks=[times.callback], finetuning=config.finetuning,
         )
         for printer in (transformers.PrinterCallback, transformers.ProgressCallback):  # the table is the output
             trainer.remove_callback(printer)

@@ -1,6 +1,8 @@
 """What a run writes to output_dir, so it can be loaded, understood and reproduced later.
 
-- the model (full/freeze) or the adapter (LoRA), safetensors, via save_pretrained;
+- the model (full/freeze) or the adapter (LoRA, OFT, VeRA), safetensors, via save_pretrained; a LoRA that did not
+  start at zero (init_lora_weights pissa / olora / loftq) as its change from that start, a plain LoRA of the
+  original base (model/adapters.py `save_as_change_from_start`), so everything that loads it gets the trained model;
 - the tokenizer with the chat template training used (tokenizer_config.json / chat_template.jinja);
   stage pt trains without one and saves the tokenizer as it was loaded;
 - generation_config.json whose eos ids are the template's end-of-turn tokens (pt: the tokenizer's
@@ -92,12 +94,23 @@ def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
             raise
         raise error from exc
     if trainer.is_world_process_zero():
-        save_tokenizer_and_generation_config(trainer.accelerator.unwrap_model(trainer.model), tokenizer, template, out)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        save_adapter_as_trained(model, out)
+        save_tokenizer_and_generation_config(model, tokenizer, template, out)
+
+
+def save_adapter_as_trained(model, out: str) -> None:
+    """After the weights are saved: an adapter that started away from zero (PiSSA, OLoRA, LoftQ) becomes its change
+    from that start, which the original base plus it reproduces (checkpoints keep the trained form, for resuming)."""
+    from tunelab.model.adapters import save_as_change_from_start  # noqa: PLC0415 - imports peft; preflight imports this module for `tunelab data`
+
+    save_as_change_from_start(model, out)
 
 
 def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -> None:
     """The files beside the weights: tokenizer with the chat template, generation config with stop ids.
-    (Stages that run their own loop — grpo, ppo — save the weights themselves, then call this.)"""
+    (Stages that run their own loop — grpo, ppo — save the weights themselves, then call save_adapter_as_trained and
+    this.)"""
 
     if template is not None:
         tokenizer.chat_template = template.jinja

@@ -109,9 +109,8 @@ class PreferenceTrainer(TunelabTrainer):
     loss_is_scaled_for_ga = False  # our losses are per-micro-batch means; the Trainer divides by accumulation
 
     def __init__(self, *args, stage: str, finetuning: FinetuningArguments, ref_model: nn.Module | None = None, **kwargs):
-        super().__init__(*args, compute_loss_func=None, **kwargs)
+        super().__init__(*args, compute_loss_func=None, finetuning=finetuning, **kwargs)
         self.stage = stage
-        self.finetuning = finetuning
         self.ref_model = ref_model.to(self.args.device) if ref_model is not None else None
         # mode ("train" / "eval") -> metric name -> [sum, count]
         self._metric_sums: dict[str, dict[str, list[float]]] = defaultdict(dict)

@@ -119,6 +119,7 @@ class Recipe:
             data_collator=self.collator(model),
             processing_class=self.tokenizer,
             callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks),
+            finetuning=self.config.finetuning,
         )
 
     # ---- what each stage defines ---------------------------------------------------------------------------

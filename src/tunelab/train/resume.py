@@ -156,19 +156,25 @@ def _check_optimizer_state(folder: Path, weights_only: bool) -> None:
 TRAJECTORY_KEYS = (
     # model
     "model_name_or_path", "model_revision", "adapter_name_or_path", "compute_dtype", "add_special_tokens",
-    "quantization_bit", "quantization_type", "double_quantization",
+    "quantization_bit", "quantization_type", "double_quantization", "rope_scaling", "rope_factor",
     # data
     "template", "template_kwargs", "dataset", "dataset_dir", "cutoff_len", "train_on_prompt", "mask_history",
     "mix_strategy", "interleave_probs", "max_samples", "val_size", "packing", "dedup", "dedup_threshold", "stride",
     "min_length", "tail", "text_column", "txt_sample_by", "streaming", "buffer_size", "skip_bad_rows",
     # method
     "stage", "finetuning_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target",
-    "use_dora", "use_rslora", "freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules",
+    "use_dora", "use_rslora", "init_lora_weights", "pissa_init", "pissa_iter", "oft_rank", "oft_block_size",
+    "oft_target", "module_dropout", "vera_rank", "vera_target", "freeze_trainable_layers", "freeze_trainable_modules",
+    "freeze_extra_modules",
     "pref_beta", "pref_loss", "pref_ftx", "dpo_label_smoothing", "simpo_gamma", "kto_desirable_weight",
     "kto_undesirable_weight", "label_smoothing_factor", "neftune_noise_alpha",
     # optimizer and schedule
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim",
-    "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
+    "optim_args", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "use_galore", "galore_target",
+    "galore_rank", "galore_update_interval", "galore_scale", "galore_proj_type", "use_apollo", "apollo_target",
+    "apollo_rank", "apollo_update_interval", "apollo_scale", "apollo_proj", "apollo_proj_type", "apollo_scale_type",
+    "apollo_scale_front", "use_badam", "badam_start_block", "badam_switch_mode", "badam_switch_interval",
+    "use_adam_mini", "use_muon", "loraplus_lr_ratio", "loraplus_lr_embedding",
     # batch and randomness
     "per_device_train_batch_size", "gradient_accumulation_steps", "nproc_per_node", "nnodes", "seed", "data_seed",
     "bf16", "fp16",

@@ -10,6 +10,7 @@ from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
 from tunelab.train.plan import RunPlan
 from tunelab.train.recipe import recipe_for
+from tunelab.train.trackers import keep_trackers_local
 from tunelab.train.open_files import is_open_file_exhaustion, open_file_fix, raise_open_file_limit
 
 logger = logging.getLogger("tunelab")
@@ -47,6 +48,7 @@ def run(plan: RunPlan) -> dict:
         logger.info("precision: %s", config.precision)
     if config.training.process_index == 0:
         outputs.write_run_start(config)
+    keep_trackers_local(config.training.report_to, config.training.output_dir)
     launch.start_deepspeed_comm(config.training)
     stage = config.finetuning.stage
     if stage not in ("sft", "dpo") and is_vision_model_folder(config.model.model_name_or_path):

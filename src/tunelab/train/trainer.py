@@ -7,7 +7,9 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
   `label_smoothing_factor` (transformers' own LabelSmoother is never reached past a compute_loss_func);
   the model computes logits only at positions that predict a label (`logits_to_keep`, where its
   forward takes it; losses.py's docstring), in training and evaluation;
-- token accounting (all tokens and supervised tokens seen), logged with every training log line;
+- token accounting (all tokens and supervised tokens seen), logged with every training log line, and
+  callbacks.RunProgress's fields (tokens per second, ETA, memory) in every line, before the callbacks see it, so
+  the trackers of `report_to` (trackers.py) get what trainer_log.jsonl gets;
 - evaluation metrics per eval set, counted batch by batch (logits are never gathered across the set):
   `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
   batch means), `eval[_{name}]_perplexity` its exp, and with `compute_token_accuracy` the share of
@@ -19,7 +21,9 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
 - what the loop tells a user (docs/training.md): the metrics of EvalMetricsCallback callbacks in each
   evaluation's line (generate_at_eval), why early stopping stopped (and which checkpoint
   load_best_model_at_end loads) in the run summary, and a warning before training when the open-file limit
-  is too low for the DataLoader workers (open_files.py).
+  is too low for the DataLoader workers (open_files.py);
+- the optimizer the run's options ask for (GaLore, APOLLO, BAdam, Adam-mini, Muon, LoRA+: optimizers.py), through
+  the Trainer's public create_optimizer; otherwise transformers' own.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import transformers
 
 from tunelab.errors import TrainingError
 from tunelab.train import checkpoints
-from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, JsonlLogCallback
+from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, RunProgress
 from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
 from tunelab.train.losses import (
     IGNORE_INDEX,
@@ -46,16 +50,19 @@ from tunelab.train.losses import (
     token_log_probs,
 )
 from tunelab.train.open_files import check_open_file_budget
+from tunelab.train.optimizers import build_optimizer
 from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
 
 class TunelabTrainer(transformers.Trainer):
-    def __init__(self, *args, compute_loss_func=causal_lm_loss_func, **kwargs):
+    def __init__(self, *args, compute_loss_func=causal_lm_loss_func, finetuning=None, **kwargs):
         super().__init__(*args, compute_loss_func=compute_loss_func, **kwargs)
+        self.finetuning = finetuning  # FinetuningArguments: the optimizer options (None: transformers' optimizer)
         if compute_loss_func is causal_lm_loss_func and self.args.label_smoothing_factor:
             self.compute_loss_func = CausalLMLoss(self.args.label_smoothing_factor)
         self.tokens_seen = 0
         self.supervised_tokens_seen = 0
+        self.progress = RunProgress()  # tunelab's fields of every log line (rates, ETA, memory)
         # [tokens, supervised tokens] counted on the batch's device since the last log line: reading them is a
         # host sync, so it happens only when a line is logged or a checkpoint saved (_flush_token_counts).
         self._token_counts: torch.Tensor | None = None
@@ -80,6 +87,11 @@ class TunelabTrainer(transformers.Trainer):
         self.add_callback(NonFiniteCallback(self.nonfinite, reduce, scaler_active=self._has_grad_scaler))
         self.add_callback(self.stop_on_signal)
         self.add_callback(self.checkpointing)  # after StopOnSignal: it sees the save a signal asks for
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model if model is None else model, self.args, self.finetuning)
+        return super().create_optimizer(model)  # transformers' own when the options chose none
 
     # ---- reliability: resume, checkpoints, signals, the non-finite guard (docs/reliability.md) ----------------
 
@@ -138,6 +150,7 @@ class TunelabTrainer(transformers.Trainer):
         tunelab_state.json saved."""
         self._loss_since_log = torch.zeros((), device=self.args.device)  # float32, as the Trainer's own sum
         self._last_logged_step, self._resumed_loss_window = self.state.global_step, False
+        self.progress.begin()
         saved = self._run_state_to_restore
         if not saved:
             return
@@ -150,9 +163,7 @@ class TunelabTrainer(transformers.Trainer):
             self._loss_since_log = torch.tensor(saved["loss_since_last_log"], device=self.args.device)
             self._last_logged_step = saved["last_logged_step"]
             self._resumed_loss_window = self._last_logged_step < self.state.global_step
-        for callback in self.callback_handler.callbacks:
-            if isinstance(callback, JsonlLogCallback):
-                callback.last_tokens = (self.tokens_seen, self.supervised_tokens_seen)
+        self.progress.last_tokens = (self.tokens_seen, self.supervised_tokens_seen)
 
     # Private override kept (tests/test_private_names.py): the only place the Trainer hands over the gradient norm it
     # computed before clipping, reduced the way each engine (DDP, FSDP, DeepSpeed) needs.
@@ -242,6 +253,8 @@ class TunelabTrainer(transformers.Trainer):
                 logs["skipped_nonfinite_steps"] = self.nonfinite.skipped
         if "train_runtime" in logs:  # the run summary: the Trainer's last line, and the metrics train() returns
             logs.update(self._stop_summary())
+        # Before the Trainer hands the line to the callbacks: trainer_log.jsonl and report_to's trackers see it whole.
+        self.progress.add_to(logs, self.state, self.args.device)
         super().log(logs, start_time)
 
     def _stop_summary(self) -> dict:

@@ -16,9 +16,11 @@ Steps are optimizer steps: max_steps when set, else num_train_epochs passes over
 launch): each process draws its own prompts; gradients are averaged. Dropout stays off (the model is
 in eval mode throughout) so that the policy ratio compares the same function before and after a step.
 
-Logging writes trainer_log.jsonl in the Trainer's format through the same JsonlLogCallback (memory included).
-No other TrainerCallback event fires here, so the config refuses `callbacks` and early stopping (which need
-the Trainer's events and evaluations) for grpo and ppo with one line each (config/checks.py).
+Each log line gets the fields the Trainer's lines get (callbacks.RunProgress: rates, ETA, memory) and goes to
+the same callbacks a Trainer would hand it to: JsonlLogCallback (trainer_log.jsonl) and the trackers of `report_to`
+(transformers' integrations, train/trackers.py), which also see on_train_begin and on_train_end. No other
+TrainerCallback event fires here, so the config refuses `callbacks` and early stopping (which need the Trainer's
+events and evaluations) for grpo and ppo with one line each (config/checks.py).
 """
 
 from __future__ import annotations
@@ -35,16 +37,14 @@ import transformers
 from accelerate import Accelerator
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers.trainer_pt_utils import get_parameter_names
+from transformers.integrations import get_reporting_integration_callbacks
 
 from tunelab.config.args import RunConfig
 from tunelab.errors import DataError
-from tunelab.train.callbacks import JsonlLogCallback
+from tunelab.train.callbacks import JsonlLogCallback, RunProgress
+from tunelab.train.optimizers import build_optimizer, default_optimizer
 
 logger = logging.getLogger(__name__)
-
-# The names transformers.Trainer keeps out of weight decay (Trainer.get_decay_parameter_names).
-NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
 
 
 class Algorithm(Protocol):
@@ -61,17 +61,10 @@ def build_accelerator(config: RunConfig) -> Accelerator:
     return Accelerator(mixed_precision=precision, cpu=args.use_cpu)
 
 
-def build_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    """The optimizer transformers.Trainer would build: `optim` and its kwargs, no decay on biases and norms."""
-    decay = set(get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS))
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
-         "weight_decay": 0.0},
-    ]
-    optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
-    return optimizer_cls([g for g in groups if g["params"]], **kwargs)
+def loop_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """The optimizer the options ask for (train/optimizers.py), else the one transformers.Trainer would build."""
+    optimizer = build_optimizer(model, config.training, config.finetuning)
+    return default_optimizer(model, config.training) if optimizer is None else optimizer
 
 
 class RLLoop:
@@ -97,7 +90,7 @@ class RLLoop:
             self.max_steps = args.max_steps
         else:
             self.max_steps = math.ceil(args.num_train_epochs * self.rounds_per_epoch) * num_iterations
-        optimizer = build_optimizer(model, args)
+        optimizer = loop_optimizer(model, config)
         scheduler = transformers.get_scheduler(
             args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(self.max_steps),
             num_training_steps=self.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},
@@ -107,7 +100,10 @@ class RLLoop:
             max_steps=self.max_steps, logging_steps=args.logging_steps,
             is_world_process_zero=accelerator.is_main_process, is_local_process_zero=accelerator.is_local_main_process,
         )
-        self.log_callback = JsonlLogCallback(args.output_dir)
+        trackers = [tracker() for tracker in get_reporting_integration_callbacks(args.report_to)]
+        self.callbacks: list[transformers.TrainerCallback] = [JsonlLogCallback(args.output_dir), *trackers]
+        self.control = transformers.TrainerControl()
+        self.progress = RunProgress()
         self.rounds = 0
         self.pending: dict[str, list[float]] = defaultdict(list)
         self._batches = self._endless_batches()
@@ -122,8 +118,8 @@ class RLLoop:
 
     def train(self, algorithm: Algorithm) -> dict[str, float]:
         """Run to max_steps; returns the train metrics of the whole run."""
-        control = transformers.TrainerControl()
-        self.log_callback.on_train_begin(self.args, self.state, control)
+        self.progress.begin()
+        self._event("on_train_begin")
         self.model.eval()  # dropout off: see the module docstring
         while self.state.global_step < self.max_steps:
             rollouts = [algorithm.rollout(next(self._batches)) for _ in range(self.accum)]
@@ -137,7 +133,16 @@ class RLLoop:
                         self.accelerator.backward(loss / self.accum)
                     self.record({"loss": loss.detach(), **stats})
                 self._optimizer_step()
+        self._event("on_train_end")
         return {"train_steps": self.state.global_step, "train_rounds": self.rounds}
+
+    def _event(self, event: str, **kwargs) -> None:
+        """Call `event` of each callback with what the Trainer's handler passes (the policy as the model)."""
+        model = self.accelerator.unwrap_model(self.model)
+        model = getattr(model, "policy", model)  # ppo trains the policy and its value head as one module
+        for callback in self.callbacks:
+            getattr(callback, event)(self.args, self.state, self.control, model=model, optimizer=self.optimizer,
+                                     lr_scheduler=self.scheduler, **kwargs)
 
     def _optimizer_step(self) -> None:
         if self.args.max_grad_norm and self.args.max_grad_norm > 0:
@@ -163,11 +168,13 @@ class RLLoop:
         logs = {k: round(float(v), 6) for k, v in zip(keys, values)}
         logs["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.pending.clear()
-        self.state.log_history.append({**logs, "step": self.state.global_step})
         if self.accelerator.is_main_process:
             logger.info("step %d/%d %s", self.state.global_step, self.max_steps,
                         " ".join(f"{k}={v:.4g}" for k, v in logs.items()))
-        self.log_callback.on_log(self.args, self.state, transformers.TrainerControl(), logs=logs)
+        logs["epoch"] = self.state.epoch
+        self.progress.add_to(logs, self.state, self.accelerator.device)
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self._event("on_log", logs=logs)
 
     def final_metrics(self, keys: tuple[str, ...]) -> dict[str, float]:
         """`<key>_first` / `<key>_last`: the value on the first and the last log line, to show a trend."""

@@ -100,6 +100,7 @@ def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:
     state_dict = accelerator.get_state_dict(policy)
     policy.save_pretrained(out, state_dict=state_dict, is_main_process=accelerator.is_main_process)
     if accelerator.is_main_process:
+        outputs.save_adapter_as_trained(policy, out)
         outputs.save_tokenizer_and_generation_config(policy, tokenizer, template, out)
     return policy
 
