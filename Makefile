@@ -33,10 +33,13 @@ test-fast: setup
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL) -m "not slow"
 
 # The peer comparison (docs/benchmarks.md): the peers' venvs once (~5 min, idempotent), then every
-# workload, 3 repeats of 30 steps (~45 min on 2 cores). Arguments for bench/run.py: make bench BENCH_ARGS="..."
+# workload on the proxy models, 3 repeats of 30 steps (~45 min on 2 cores), then the real model, SmolLM2-135M-Instruct
+# (bench/real_model.sh, ~3 h: fp32, and bf16 on a CPU that has it; GRPO against TRL). Arguments for bench/run.py:
+# make bench BENCH_ARGS="..."; only the real model: bash bench/real_model.sh
 bench: setup
 	bash bench/peers/setup.sh
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
+	bash bench/real_model.sh
 
 clean:
 	rm -rf $(VENV) saves outputs .pytest_cache

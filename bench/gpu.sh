@@ -11,7 +11,7 @@
 #                      tunelab computes its loss itself, so it gets Liger's other kernels and keeps its
 #                      own logits-at-labels-only loss)
 #
-# Then the Liger check: tunelab trains the embedded tiny model 20 steps in bf16 with LlamaFactory's key
+# Then the real model, SmolLM2-135M-Instruct (sft/dpo against every peer, GRPO against TRL), and the Liger check: tunelab trains the embedded tiny model 20 steps in bf16 with LlamaFactory's key
 # `enable_liger_kernel: true` (transformers' use_liger_kernel) and without it: the two final training losses must
 # agree within 5% (Liger's kernels change rounding, not the maths).
 #
@@ -99,6 +99,13 @@ for attn in sdpa fa2; do
   run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --label "gpu $GPU $attn"
   run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --liger --label "gpu $GPU $attn liger"
 done
+
+# The real model (docs/benchmarks.md, "Real model"): SmolLM2-135M-Instruct, its own template, every SFT/DPO
+# workload at bf16 against every peer, then GRPO against TRL's GRPOTrainer (3 seeds).
+run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" \
+  --repeats "$REPEATS" --cutoff-len 1024 --batch-size "$BATCH" --workloads sft_lora,sft_lora_packed,sft_full,dpo_lora_mixed \
+  --tools "$TOOLS" --label "gpu $GPU smollm2"
+run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds 0,1,2
 
 LIGER_OUT="$HERE/.results/liger-check"
 for liger in false true; do

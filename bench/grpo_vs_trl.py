@@ -77,9 +77,9 @@ def tunelab_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, rows
     return [str(peers.TUNELAB_PYTHON), str(peers.PEERS / "probe.py"), "tunelab", "train", str(out / "tunelab.yaml")]
 
 
-def trl_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, data_file: Path) -> list[str]:
+def trl_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, data_file: Path, device: str) -> list[str]:
     spec = {**SETTINGS, "model": str(model), "data_file": str(data_file), "output_dir": str(out / "output"),
-            "seed": seed, "max_steps": steps, "bf16": bf16}
+            "seed": seed, "max_steps": steps, "bf16": bf16, "device": device}
     (out / "spec.json").write_text(json.dumps(spec, indent=2))
     python = peers.VENVS / "trl" / "bin" / "python"
     return [str(python), str(peers.PEERS / "probe.py"), str(peers.PEERS / "trl_grpo.py"), str(out / "spec.json")]
@@ -132,6 +132,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tools", default="tunelab,trl")
     parser.add_argument("--fp32", action="store_true", help="fp32 for both (default: bf16 autocast)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
     parser.add_argument("--timeout", type=float, default=3600)
     args = parser.parse_args()
     model = peers.DATA / "model-smollm2"
@@ -142,8 +143,9 @@ def main() -> None:
     rows = args.steps * SETTINGS["prompts"] * 4  # enough prompts that no run repeats one
     data_file = write_prompts(root, rows)
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0",
-           "BENCH_PAD_ID": str(peers.pad_id(model))}
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(peers.pad_id(model))}
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
     bf16 = not args.fp32
     results: dict[str, list[dict]] = {}
     for seed in map(int, args.seeds.split(",")):
@@ -151,7 +153,7 @@ def main() -> None:
             out = root / tool / f"seed{seed}"
             out.mkdir(parents=True)
             argv = tunelab_argv(model, out, seed, args.steps, bf16, rows) if tool == "tunelab" else \
-                trl_argv(model, out, seed, args.steps, bf16, data_file)
+                trl_argv(model, out, seed, args.steps, bf16, data_file, args.device)
             timed, step = TIMED[tool]
             launched = peers.launch(argv, {**env, "BENCH_TIMED": timed, "BENCH_STEP": step,
                                            "TUNELAB_CACHE": str(out / "cache")}, out, args.timeout)
@@ -163,7 +165,7 @@ def main() -> None:
             print(f"{tool:<8} seed {seed}: step {record['step_s']:.2f} s, rollout {record['rollout_s']:.2f} s, "
                   f"reward {record['mean_reward']:.3f}", flush=True)
     medians = {tool: summary(runs) for tool, runs in results.items()}
-    print(f"\nGRPO, {'bf16' if bf16 else 'fp32'}, SmolLM2-135M-Instruct, {SETTINGS['prompts']} prompts x "
+    print(f"\nGRPO, {args.device}, {'bf16' if bf16 else 'fp32'}, SmolLM2-135M-Instruct, {SETTINGS['prompts']} prompts x "
           f"{SETTINGS['num_generations']} completions of <= {SETTINGS['max_new_tokens']} tokens per step, "
           f"{args.steps} steps, seeds {args.seeds} (medians; reward: mean over steps and seeds, [min, max] of seeds)")
     print(f"{'tool':<10}" + "".join(f"{title:>12}" for _, title, _ in COLUMNS) + "   reward seeds")
@@ -178,7 +180,7 @@ def main() -> None:
     peers.RESULTS.mkdir(exist_ok=True)
     path = peers.RESULTS / f"grpo-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"command": " ".join(sys.argv), "settings": SETTINGS, "steps": args.steps,
-                                "bf16": bf16, "load_avg_at_end": os.getloadavg(), "medians": medians,
+                                "bf16": bf16, "device": args.device, "load_avg_at_end": os.getloadavg(), "medians": medians,
                                 "runs": results}, indent=2))
     print(f"results: {path}")
 

@@ -48,7 +48,7 @@ def main() -> None:
         max_completion_length=spec["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
         beta=spec["kl_coef"], epsilon=0.2, loss_type=spec["loss_type"], scale_rewards=spec["scale_rewards"],
         learning_rate=spec["learning_rate"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        bf16=spec["bf16"], use_cpu=True, gradient_checkpointing=False, dataloader_num_workers=0,
+        bf16=spec["bf16"], use_cpu=spec.get("device", "cpu") == "cpu", gradient_checkpointing=False, dataloader_num_workers=0,
         logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, log_completions=False,
     )
     peft_config = LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"], lora_dropout=0.0,
