@@ -142,7 +142,7 @@ def _wrap_step(spec: str) -> None:
 
 def _count(inputs: dict) -> tuple[int, int, int]:
     """(tokens, supervised, positions) of one micro-batch, as described in the module docstring."""
-    if not isinstance(inputs, dict):  # TRL's GRPO: the raw prompts, generated inside the step (BENCH_TIMED counts)
+    if isinstance(inputs, (list, tuple)):  # TRL's GRPO: the raw prompts, generated inside the step (BENCH_TIMED counts)
         return 0, 0, 0
     if "input_ids" in inputs and "labels" in inputs:
         ids, mask = inputs["input_ids"], inputs.get("attention_mask")
@@ -212,7 +212,7 @@ def install() -> None:
 
     def training_step(self, model, inputs, *args, **kwargs):
         tokens, supervised, positions = _count(inputs)
-        if probe.batch_keys is None and isinstance(inputs, dict):
+        if probe.batch_keys is None and not isinstance(inputs, (list, tuple)):
             probe.batch_keys = sorted(f"{k}{list(v.shape)}" if hasattr(v, "shape") else k for k, v in inputs.items())
         probe.pending = [probe.pending[0] + tokens, probe.pending[1] + supervised, probe.pending[2] + positions,
                          probe.pending[3] + 1]
