@@ -49,7 +49,7 @@ from tunelab.config.precision import (
 )
 from tunelab.config.template_names import resolve_template_name
 from tunelab.config.training_fields import OptionField, dataclass_options
-from tunelab.config.training_options import TRAINING_DEFAULTS
+from tunelab.config.training_options import TRAINING_DEFAULTS, tracker_names
 from tunelab.config.training_values import training_value_fields
 from tunelab.errors import ConfigError
 
@@ -74,9 +74,8 @@ def _apply_use_swanlab(raw: dict[str, Any], origins: dict[str, str]) -> dict[str
     origin = origins.pop("use_swanlab")
     if not _coerce("use_swanlab", out.pop("use_swanlab"), bool):
         return out
-    current = out.get("report_to", "none")
-    entries = [e for e in ([current] if isinstance(current, str) else list(current or [])) if str(e).strip() != "none"]
-    out["report_to"] = entries if "swanlab" in entries else [*entries, "swanlab"]
+    names = [name for name in tracker_names(out.get("report_to", "none")) if name != "none"]
+    out["report_to"] = names if "swanlab" in names else [*names, "swanlab"]
     origins.setdefault("report_to", origin)
     return out
 

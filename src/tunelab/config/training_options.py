@@ -108,6 +108,17 @@ TRAINING_DEFAULTS = {
     "ddp_find_unused_parameters": False,
     "prediction_loss_only": True,  # evaluation computes losses per batch; never gathers logits (PEERS #13)
 }
+
+
+def tracker_names(report_to: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """report_to as a list of names: `none` → []; `a,b` (the command line's way to give a list) → [a, b]."""
+    if report_to is None:
+        return []
+    entries = [report_to] if isinstance(report_to, str) else list(report_to)
+    names = [name.strip() for entry in entries for name in str(entry).split(",") if name.strip()]
+    return [] if names == ["none"] else names
+
+
 # What tunelab adds to transformers' help of its options (`tunelab train --help`).
 TRAINING_NOTES = {
     "save_strategy": "tunelab: checkpoints are opt-in; the final model is always saved, and SIGTERM / SIGINT save one.",

@@ -227,8 +227,7 @@ def _badam(model, args, ft: FinetuningArguments):
         if ft.badam_start_block >= count:
             raise ConfigError(f"badam_start_block: {ft.badam_start_block} is past the {count} decoder layers of "
                               f"{type(model).__name__}; use 0..{count - 1}", key="badam_start_block")
-    optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
-    base = optimizer_cls(decay_groups(model, args.weight_decay), **kwargs)
+    base = default_optimizer(model, args)
     if any(p.dtype == torch.float32 for p in model.parameters()):
         logger.info("use_badam: the weights are float32, so BAdam's float32 copy of the training block doubles that "
                     "block's memory (pure_bf16: true keeps bf16 weights)")

@@ -27,6 +27,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from tunelab.config.training_options import tracker_names
 from tunelab.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -48,15 +49,6 @@ TRACKER_PACKAGES: dict[str, tuple[str, str]] = {
     "dagshub": ("dagshub", "dagshub"),
     "flyte": ("flytekit", "flytekit"),
 }
-
-
-def tracker_names(report_to: str | Sequence[str] | None) -> list[str]:
-    """report_to as a list of names: `none` → []; `a,b` (the command line's way to give a list) → [a, b]."""
-    if report_to is None:
-        return []
-    entries = [report_to] if isinstance(report_to, str) else list(report_to)
-    names = [name.strip() for entry in entries for name in str(entry).split(",") if name.strip()]
-    return [] if names == ["none"] else names
 
 
 def check_trackers(report_to: str | Sequence[str] | None) -> list[str]:
