@@ -37,6 +37,7 @@ import yaml
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 import run as peers  # noqa: E402 (bench/run.py: launch(), the venvs, the inputs)
+from inputs import user_text  # noqa: E402 (bench/inputs.py: the user message every tool is given)
 
 from tunelab.data import synthetic  # noqa: E402
 
@@ -56,8 +57,7 @@ def write_prompts(folder: Path, rows: int) -> Path:
     path = folder / "grpo_add_chat.jsonl"
     with path.open("w", encoding="utf-8") as f:
         for row in synthetic.generate("add", "train", rows, seed=0):
-            content = f"{row['instruction']}\n{row['input']}" if row["input"] else row["instruction"]
-            f.write(json.dumps({"prompt": [{"role": "user", "content": content}], "answer": row["output"]}) + "\n")
+            f.write(json.dumps({"prompt": [{"role": "user", "content": user_text(row)}], "answer": row["output"]}) + "\n")
     return path
 
 

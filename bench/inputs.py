@@ -111,7 +111,7 @@ def long_prompt_rows(num_rows: int, seed: int = 0) -> list[dict]:
 
 def chat_sft(rows: list[dict]) -> list[dict]:
     return [
-        {"prompt": [{"role": "user", "content": _user(r)}], "completion": [{"role": "assistant", "content": r["output"]}]}
+        {"prompt": [{"role": "user", "content": user_text(r)}], "completion": [{"role": "assistant", "content": r["output"]}]}
         for r in rows
     ]
 
@@ -119,7 +119,7 @@ def chat_sft(rows: list[dict]) -> list[dict]:
 def chat_pref(rows: list[dict]) -> list[dict]:
     return [
         {
-            "prompt": [{"role": "user", "content": _user(r)}],
+            "prompt": [{"role": "user", "content": user_text(r)}],
             "chosen": [{"role": "assistant", "content": r["chosen"]}],
             "rejected": [{"role": "assistant", "content": r["rejected"]}],
         }
@@ -137,7 +137,8 @@ def mixed_pairs(rows: list[dict]) -> list[dict]:
     ]
 
 
-def _user(row: dict) -> str:
+def user_text(row: dict) -> str:
+    """An alpaca row's user message, as tunelab and LlamaFactory render alpaca: instruction, newline, input."""
     return f"{row['instruction']}\n{row['input']}" if row["input"] else row["instruction"]
 
 

@@ -7,13 +7,13 @@ one optimizer step per generation batch (steps_per_generation 1, num_iterations 
 (with LoRA the reference is the base with the adapter disabled in both), loss_type and scale_rewards as given,
 plain temperature sampling (top_k 0, top_p 1), `max_completion_length` = max_new_tokens, LoRA on every linear
 layer; under bf16 the frozen base in bf16 and the adapters in float32, as tunelab has them. The reward is the
-partial-credit sum reward of examples/real/rewards.py, written out again here so this venv needs nothing of tunelab.
+partial-credit sum reward of examples/real/rewards.py, loaded from that file (it needs nothing of tunelab).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -23,15 +23,24 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
+REWARDS = Path(__file__).resolve().parents[2] / "examples" / "real" / "rewards.py"
 
-def sum_reward(completions, answer, **_) -> list[float]:
-    """1 for the bare right sum, 0.5 for the right sum among other words, else 0 (examples/real/rewards.py)."""
-    scores = []
-    for completion, right in zip(completions, answer):
-        text = completion[0]["content"] if isinstance(completion, list) else completion
-        text, right = text.strip(), right.strip()
-        scores.append(1.0 if text == right else 0.5 if right in re.findall(r"-?\d+", text) else 0.0)
-    return scores
+
+def _load_sum_reward():
+    """examples/real/rewards.py's sum_reward, the one tunelab's run uses (a plain file: it imports only `re`)."""
+    spec = importlib.util.spec_from_file_location("real_rewards", REWARDS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.sum_reward
+
+
+SUM_REWARD = _load_sum_reward()
+
+
+def sum_reward(prompts, completions, answer, **_) -> list[float]:
+    """TRL's reward signature (conversational completions, the answer column) around examples/real/rewards.py's."""
+    texts = [completion[0]["content"] if isinstance(completion, list) else completion for completion in completions]
+    return SUM_REWARD(prompts, texts, answer)
 
 
 def main() -> None:
