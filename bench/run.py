@@ -29,8 +29,8 @@ of the batches it is given (not the tool's own counters). Per run:
     peak RSS       of the tool's process tree, sampled every 0.1 s
     GPU MB         torch.cuda.max_memory_allocated at the last step (--device cuda)
 
-Every figure is the median over --repeats; the table gives tunelab's ratio to each peer. Raw runs
-and medians go to bench/.results/<time>.json.
+Every figure is the median over --repeats, run interleaved (each tool once, then each again); the table
+gives tunelab's ratio to each peer. Raw runs and medians go to bench/.results/<time>.json.
 
 Workloads (a tool without the mode is listed as n/a):
     sft_lora         LoRA r=8 on every linear layer, no packing
@@ -546,21 +546,20 @@ def main() -> None:
     records, medians, targets = [], {}, {}
     for name in workloads:
         medians[name] = {}
-        for tool in tools:
-            if tool not in WORKLOADS[name].tools:
-                continue
-            runs = []
-            for repeat in range(args.repeats):
+        failed: set[str] = set()
+        # Repeats interleave (every tool once, then every tool again): a slow spell of the machine
+        # touches each tool's runs alike instead of all the runs of one tool.
+        for repeat in range(args.repeats):
+            for tool in [t for t in tools if t in WORKLOADS[name].tools and t not in failed]:
                 t = time.time()
                 record = run_one(tool, name, settings, repeat, root, env, rows[WORKLOADS[name].rows_file], params,
                                  peak[peak_key], args.timeout)
                 records.append(record)
-                runs.append(record)
                 status = "ok" if record["returncode"] == 0 else f"FAILED (exit {record['returncode']})"
                 print(f"{name:<16} {tool:<13} repeat {repeat}: {status} in {time.time() - t:.0f} s", flush=True)
                 if record["returncode"] != 0:
                     print(record["error"][-1500:], flush=True)
-                    break
+                    failed.add(tool)
         done = [r for r in records if r["workload"] == name and r["returncode"] == 0]
         target = add_time_to_target(done)
         for tool in [t for t in tools if t in WORKLOADS[name].tools]:

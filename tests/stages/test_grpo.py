@@ -132,7 +132,7 @@ def test_a_grpo_run_whose_reward_never_varies_logs_it_and_warns_once(tmp_path, c
 def test_dynamic_sampling_drops_the_groups_whose_rewards_are_all_equal(monkeypatch, rewards, kept, dropped):
     rollout = Rollout(torch.arange(6)[:, None].repeat(1, 3), torch.ones(6, 3), torch.ones(6, 2), 1,
                       [f"c{i}" for i in range(6)], [True] * 6)
-    monkeypatch.setattr(grpo_module, "generate_rollout", lambda *args: rollout)
+    monkeypatch.setattr(grpo_module, "generate_rollout", lambda *args, **kwargs: rollout)
     monkeypatch.setattr(grpo_module, "score_completions", lambda *args: (rewards, {}))
     grpo = _grpo_with(dynamic_sampling=True)
     rows = [{"prompt_ids": [1], "prompt": "p", "reference": "r"}] * 3

@@ -1,9 +1,12 @@
 """Rollouts on the embedded tiny Llama: the log-probs of a left-padded batch equal a plain forward of each
-sequence alone, and the LoRA reference (adapter disabled) equals the base model."""
+sequence alone, the LoRA reference (adapter disabled) equals the base model, and a group's shared prompt
+(sampled and forwarded once) gives what G separate rows give."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import stop_token_ids
-from tunelab.train.rl.rollout import completion_log_probs, generate_rollout, reference_log_probs
+from tunelab.train.rl import shared_prefix
+from tunelab.train.rl.rollout import (
+    Rollout, completion_log_probs, generate_rollout, left_pad, reference_log_probs, select_rows,
+)
 from tunelab.train.rl.workflow import build_reference
 
 TEMPERATURE = 0.7
@@ -113,3 +119,103 @@ def test_entropy_is_that_of_the_distribution_each_token_was_sampled_from(tiny):
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / TEMPERATURE
     direct = F.log_softmax(logits.float(), dim=-1)
     torch.testing.assert_close(entropy[0, :n], -(direct.exp() * direct).sum(-1), rtol=0, atol=1e-4)
+
+
+def _grouped(rollout: Rollout, group_size: int) -> Rollout:
+    return dataclasses.replace(rollout, group_size=group_size)
+
+
+def _random_grouped_rollout(prompt_ids: list[list[int]], group_size: int, length: int, pad_id: int) -> Rollout:
+    """G completions of random tokens per prompt, of lengths 1 ... length (pads after), as generate_rollout lays them out."""
+    generator = torch.Generator().manual_seed(3)
+    prompts, prompt_mask = left_pad(prompt_ids, pad_id, "cpu")
+    rows = len(prompt_ids) * group_size
+    completion = torch.randint(10, 200, (rows, length), generator=generator)
+    lengths = torch.randint(1, length + 1, (rows,), generator=generator)
+    lengths[0] = length
+    completion_mask = (torch.arange(length)[None] < lengths[:, None]).float()
+    completion = completion.masked_fill(completion_mask == 0, pad_id)
+    input_ids = torch.cat([prompts.repeat_interleave(group_size, 0), completion], dim=1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(group_size, 0), completion_mask.long()], dim=1)
+    return Rollout(input_ids, attention_mask, completion_mask, prompts.shape[1], [""] * rows, [True] * rows, group_size)
+
+
+def test_a_group_samples_what_its_repeated_prompts_sample(tiny):
+    """generate_rollout with group_size G prefills each prompt once and repeats its KV cache: the same draws as
+    G copies of each prompt sampled independently, rows group by group."""
+    model, tokenizer, stops, prompt_ids = tiny
+    torch.manual_seed(0)
+    grouped = generate_rollout(model, tokenizer, prompt_ids, stops, max_new_tokens=12, temperature=TEMPERATURE,
+                               pad_id=tokenizer.pad_token_id, group_size=3)
+    repeated = _rollout(model, tokenizer, stops, [p for p in prompt_ids for _ in range(3)])
+    assert grouped.group_size == 3 and repeated.group_size == 1
+    assert torch.equal(grouped.input_ids, repeated.input_ids)
+    assert torch.equal(grouped.attention_mask, repeated.attention_mask)
+    assert grouped.completions == repeated.completions and grouped.finished == repeated.finished
+    # What the draws come from: the prefilled cache continued by the last prompt token gives each row the
+    # next-token logits of a plain forward of its prompt.
+    prompts, prompt_mask = left_pad(prompt_ids, tokenizer.pad_token_id, "cpu")
+    cache = shared_prefix.prefilled_cache(model, prompts, prompt_mask, group_size=3)
+    rows_mask = prompt_mask.repeat_interleave(3, 0)
+    with torch.no_grad():
+        continued = model(input_ids=prompts.repeat_interleave(3, 0)[:, -1:], attention_mask=rows_mask, cache=cache,
+                          position_ids=rows_mask.sum(1, keepdim=True) - 1).logits[:, -1]
+    for row, prompt in enumerate(prompt_ids):
+        with torch.no_grad():
+            direct = model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        for copy_ in range(3):
+            torch.testing.assert_close(continued[row * 3 + copy_], direct, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_forward_equals_one_row_per_completion(tiny, attention):
+    """The grouped forward (each prompt once, completion blocks masked from each other) gives the log-probs, the
+    entropies and the LoRA gradients of the plain layout, with gradient checkpointing too."""
+    model, tokenizer, _, prompt_ids = tiny
+    policy = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
+    torch.manual_seed(1)
+    for name, param in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    policy.config._attn_implementation = attention
+    grouped = _random_grouped_rollout(prompt_ids, group_size=3, length=7, pad_id=tokenizer.pad_token_id)
+    plain = _grouped(grouped, 1)
+    assert shared_prefix.applies(policy, grouped) and not shared_prefix.applies(policy, plain)
+    mask = grouped.completion_mask.bool()
+
+    def forward(rollout):
+        policy.zero_grad()
+        log_probs, entropy = completion_log_probs(policy, rollout, TEMPERATURE, output_entropy=True)
+        (log_probs * rollout.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+        return log_probs, entropy, grads
+
+    shared, plain_out = forward(grouped), forward(plain)
+    torch.testing.assert_close(shared[0][mask], plain_out[0][mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(shared[1][mask], plain_out[1][mask], rtol=0, atol=1e-5)
+    for name, grad in plain_out[2].items():
+        torch.testing.assert_close(shared[2][name], grad, rtol=1e-4, atol=1e-4 * grad.abs().max().item())
+    policy.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.train()
+    checkpointed = forward(grouped)
+    policy.eval()
+    torch.testing.assert_close(checkpointed[0], shared[0], rtol=0, atol=0)
+    for name, grad in shared[2].items():
+        torch.testing.assert_close(checkpointed[2][name], grad, rtol=0, atol=1e-6 * grad.abs().max().item())
+
+
+def test_shared_prompt_forward_applies_only_where_a_custom_mask_is_exact(tiny):
+    model, tokenizer, _, prompt_ids = tiny
+    grouped = _random_grouped_rollout(prompt_ids, group_size=2, length=5, pad_id=tokenizer.pad_token_id)
+    row = grouped.prompt_width + 2 * 5
+    assert shared_prefix.applies(model, grouped)
+    config = copy.deepcopy(model.config)
+    shell = SimpleNamespace(config=config)
+    config.sliding_window = row - 1  # the custom mask would ignore the window: the plain layout instead
+    assert not shared_prefix.applies(shell, grouped)
+    config.sliding_window = row
+    assert shared_prefix.applies(shell, grouped)
+    config._attn_implementation = "flash_attention_2"  # takes no 4D mask
+    assert not shared_prefix.applies(shell, grouped)
+    kept = select_rows(grouped, torch.tensor([False, False, True, True, False, False]))
+    assert kept.group_size == 2 and kept.input_ids.shape[0] == 2  # whole groups stay grouped

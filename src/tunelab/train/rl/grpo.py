@@ -71,8 +71,8 @@ class GRPO:
     def rollout(self, rows: list[dict]) -> GRPOBatch:
         group = [row for row in rows for _ in range(self.group_size)]
         rollout = generate_rollout(
-            self.policy, self.tokenizer, [row["prompt_ids"] for row in group], self.stop_ids,
-            self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id,
+            self.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
+            self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id, group_size=self.group_size,
         )
         totals, per_function = score_completions(
             self.rewards, [row["prompt"] for row in group], rollout.completions,

@@ -1,0 +1,121 @@
+"""A group's prompt computed once: the G completions of one prompt share its keys and values.
+
+Sampling: the prompts (B rows, left-padded) are prefilled into a KV cache once, less their last token, and the
+cache is repeated G times; `generate` then runs the last prompt token and the decode steps for the B·G rows.
+
+Log-probs (policy with gradients, old policy, reference): each group becomes one row,
+
+    [pad pad p0 p1 p2 | c0 c1 <eot> pad | c0' c1' c2' <eot> | ...]      B × (P + G·C)
+
+with a 4D attention mask in which the prompt is causal over its real tokens and each completion block sees the
+whole prompt and itself causally, never another block. Completion positions continue from the prompt's length,
+so every completion token gets the position and the context it had when it was sampled. Logits are computed only
+where a completion token is predicted: the last prompt column (the first token of all G completions) and each
+block's columns but its last. The forward then covers P + G·C tokens a group instead of G·(P + C).
+
+A custom 4D mask replaces the model's own: it applies only to text models with a single 1D position per token,
+attention through sdpa or eager, and rows no longer than a sliding window (which the custom mask would ignore).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from tunelab.train.rl.log_probs import position_ids_from_mask, token_log_probs
+
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def _config(model):
+    config = getattr(model, "module", model).config  # without a DDP wrapper
+    return config
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _fits(config, length: int) -> bool:
+    """A custom mask is exact for this model and a row of `length` tokens."""
+    text = _text_config(config)
+    if getattr(config, "vision_config", None) is not None or getattr(config, "_attn_implementation", None) not in MASKABLE_ATTENTION:
+        return False
+    windows = [getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size")]
+    return all(not window or length <= window for window in windows)
+
+
+def applies(model, rollout) -> bool:
+    group = rollout.group_size
+    completion = rollout.completion_mask.shape[1]
+    return group > 1 and completion > 0 and _fits(_config(model), rollout.prompt_width + group * completion)
+
+
+@torch.no_grad()
+def prefilled_cache(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, group_size: int) -> DynamicCache | None:
+    """The KV cache of each prompt but its last token, computed once and repeated `group_size` times (rows
+    group by group), for `generate` to continue from. None when it does not apply (a group of one, a one-token
+    prompt, a model that is not a plain text model)."""
+    config = _config(model)
+    if group_size == 1 or prompts.shape[1] < 2 or getattr(config, "vision_config", None) is not None:
+        return None
+    cache = DynamicCache(config=_text_config(config))
+    head, head_mask = prompts[:, :-1], prompt_mask[:, :-1]
+    model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask), cache=cache,
+          use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(group_size)
+    return cache
+
+
+def grouped_inputs(rollout) -> dict[str, torch.Tensor]:
+    """One row per group: input_ids, the 4D mask (True: may attend) and position ids; `keep`, the columns whose
+    logits predict a completion token."""
+    group, width = rollout.group_size, rollout.prompt_width
+    rows, length = rollout.completion_mask.shape
+    ids, mask = rollout.input_ids, rollout.attention_mask
+    device = ids.device
+    prompt_ids, prompt_mask = ids[::group, :width], mask[::group, :width].bool()
+    groups = prompt_ids.shape[0]
+    input_ids = torch.cat([prompt_ids, ids[:, width:].reshape(groups, group * length)], dim=1)
+    total = width + group * length
+
+    column = torch.arange(total, device=device)
+    block = torch.where(column < width, -1, (column - width) // length)  # -1: the prompt
+    causal = column[:, None] >= column[None, :]
+    same_block = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
+    sees_prompt = (block[None, :] < 0) & (causal | (block[:, None] >= 0))  # completions see the whole prompt
+    allowed = (sees_prompt & torch.cat([prompt_mask, torch.ones(groups, total - width, dtype=torch.bool, device=device)],
+                                       dim=1)[:, None, :]) | (same_block & causal)[None]
+    allowed = allowed | torch.eye(total, dtype=torch.bool, device=device)[None]  # no query sees nothing (NaN)
+
+    prompt_positions = position_ids_from_mask(prompt_mask)
+    prompt_length = prompt_mask.sum(dim=1, keepdim=True)
+    completion_positions = (prompt_length + torch.arange(length, device=device)).repeat(1, group)
+    keep = torch.cat([torch.tensor([width - 1], device=device),
+                      (width + torch.arange(group, device=device)[:, None] * length
+                       + torch.arange(length - 1, device=device)).flatten()])
+    return {"input_ids": input_ids, "attention_mask": allowed[:, None], "position_ids":
+            torch.cat([prompt_positions, completion_positions], dim=1), "keep": keep}
+
+
+def completion_log_probs(model, rollout, temperature: float, output_entropy: bool = False):
+    """rollout.completion_log_probs for a grouped rollout: N × C log-probs (and entropies), rows as in the rollout."""
+    inputs = grouped_inputs(rollout)
+    mask = inputs["attention_mask"]
+    if _config(model)._attn_implementation == "eager":  # eager adds the mask to the scores
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    logits = model(input_ids=inputs["input_ids"], attention_mask=mask, position_ids=inputs["position_ids"],
+                   logits_to_keep=inputs["keep"], use_cache=False).logits
+    group, width = rollout.group_size, rollout.prompt_width
+    rows, length = rollout.completion_mask.shape
+    groups = rows // group
+    targets = rollout.input_ids[:, width:].reshape(groups, group, length)
+    # The last prompt column predicts the first token of every completion of its group.
+    first, first_entropy = token_log_probs(logits[:, :1].expand(groups, group, -1), targets[:, :, 0], temperature,
+                                           output_entropy)
+    rest, rest_entropy = token_log_probs(logits[:, 1:].reshape(groups, group, length - 1, -1), targets[:, :, 1:],
+                                         temperature, output_entropy)
+    log_probs = torch.cat([first[..., None], rest], dim=2).reshape(rows, length)
+    if not output_entropy:
+        return log_probs, None
+    return log_probs, torch.cat([first_entropy[..., None], rest_entropy], dim=2).reshape(rows, length)
