@@ -217,5 +217,10 @@ def test_shared_prompt_forward_applies_only_where_a_custom_mask_is_exact(tiny):
     assert shared_prefix.applies(shell, grouped)
     config._attn_implementation = "flash_attention_2"  # takes no 4D mask
     assert not shared_prefix.applies(shell, grouped)
+    # Dense attention over a grouped row of long completions costs more than the shared prompt saves.
+    assert shared_prefix.cheaper(model.config, groups=4, group=4, prompt=60, completion=24)
+    assert not shared_prefix.cheaper(model.config, groups=4, group=16, prompt=512, completion=1024)
+    long = _random_grouped_rollout(prompt_ids, group_size=8, length=400, pad_id=tokenizer.pad_token_id)
+    assert not shared_prefix.applies(model, long)
     kept = select_rows(grouped, torch.tensor([False, False, True, True, False, False]))
     assert kept.group_size == 2 and kept.input_ids.shape[0] == 2  # whole groups stay grouped

@@ -57,6 +57,7 @@ from tunelab.config.args import (
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError, ModelError, first_line
 from tunelab.model import skeleton, vision
+from tunelab.model.text_config import text_config
 
 # Layer types LoRA targets (bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; GPT-2 style models use Conv1D).
 LORA_LAYER_TYPES = (nn.Linear, Conv1D)
@@ -142,7 +143,7 @@ def is_quantized(model: nn.Module) -> bool:
 
 def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     """The decoder layer stack: the first ModuleList holding config.num_hidden_layers modules."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model.config)
     count = getattr(config, "num_hidden_layers", None)
     parts = vision.vision_parts(model)
     for name, module in model.named_modules():

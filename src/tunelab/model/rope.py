@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.errors import ConfigError
 from tunelab.model import gguf
+from tunelab.model.text_config import text_config
 from tunelab.run_folder import read_run_record
 
 logger = logging.getLogger(__name__)
@@ -47,14 +48,10 @@ class RopeScaling:
     factor: float
 
 
-def _text_config(config: PretrainedConfig) -> PretrainedConfig:
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _rope_parameters(config: PretrainedConfig) -> dict[str, Any] | None:
     """The text config's rope_parameters; None for a model without rotary embeddings (GPT-2's learned positions,
     BLOOM's ALiBi...)."""
-    return getattr(_text_config(config), "rope_parameters", None) or None
+    return getattr(text_config(config), "rope_parameters", None) or None
 
 
 def _scaled(rope: dict[str, Any], scaling: RopeScaling) -> bool:
@@ -81,7 +78,7 @@ def check_rope_scaling(config: PretrainedConfig, kind: str, factor: float | None
                           "remove rope_scaling, or edit rope_parameters in its config.json", key="rope_scaling")
     if factor is not None:
         return factor
-    positions = getattr(_text_config(config), "max_position_embeddings", None)
+    positions = getattr(text_config(config), "max_position_embeddings", None)
     if not positions:
         raise ConfigError(f"rope_scaling: {where} states no max_position_embeddings to derive the factor from: set "
                           "rope_factor", key="rope_factor")
@@ -137,7 +134,7 @@ def scaled_config(path: str, scaling: RopeScaling | None, trust_remote_code: boo
     if scaling is None:
         return None
     config = gguf.load_config(path, trust_remote_code=trust_remote_code)
-    text, rope = _text_config(config), _rope_parameters(config)
+    text, rope = text_config(config), _rope_parameters(config)
     if rope is None or _scaled(rope, scaling):
         return None
     positions = text.max_position_embeddings

@@ -79,6 +79,7 @@ from tunelab.model.adapters import (
 )
 from tunelab.model.load import load_model
 from tunelab.model.resolve import resolve_dtype
+from tunelab.model.text_config import text_config
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.losses import CHUNK_ELEMENTS
 from tunelab.train.memory import reset_peak_rss, rss_bytes
@@ -105,7 +106,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         return cls(

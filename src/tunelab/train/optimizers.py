@@ -29,6 +29,7 @@ from torch import nn
 from tunelab.config.args import FinetuningArguments
 from tunelab.config.checks import chosen_optimizers
 from tunelab.errors import ConfigError
+from tunelab.model.text_config import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -245,8 +246,7 @@ def _badam(model, args, ft: FinetuningArguments):
 
 def _text_config(model: nn.Module):
     """The language model's config (inside a PEFT or value-head wrapper, or a vision-language model)."""
-    config = next(m.config for m in model.modules() if hasattr(m, "config"))
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(next(m.config for m in model.modules() if hasattr(m, "config")))
 
 
 def _adam_mini(model, args, ft: FinetuningArguments):

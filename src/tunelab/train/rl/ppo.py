@@ -24,6 +24,7 @@ from torch import nn
 
 from tunelab.data.encode import _parse_tools
 from tunelab.model.reward import sequence_rewards
+from tunelab.model.text_config import text_config
 from tunelab.train.rl.losses import clipped_policy_loss, clipped_value_loss, gae, masked_mean, masked_whiten
 from tunelab.train.rl.rollout import Rollout, completion_log_probs, generate_rollout, reference_log_probs
 
@@ -36,7 +37,7 @@ class PolicyWithValueHead(nn.Module):
     def __init__(self, policy: nn.Module):
         super().__init__()
         self.policy = policy
-        config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
+        config = text_config(policy.config)
         self.value_head = nn.Linear(config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)

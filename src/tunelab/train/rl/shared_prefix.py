@@ -15,6 +15,9 @@ block's columns but its last. The forward then covers P + G·C tokens a group in
 
 A custom 4D mask replaces the model's own: it applies only to text models with a single 1D position per token,
 attention through sdpa or eager, and rows no longer than a sliding window (which the custom mask would ignore).
+And only where it is cheaper: attention over the grouped row is dense (L² for L = P + G·C, the blocks' mutual
+masking is not skipped), so long completions in large groups can cost more in attention than the shared prompt
+saves in the linear layers; `cheaper` weighs the two from the model's shape.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from tunelab.model.text_config import text_config
 from tunelab.train.rl.log_probs import position_ids_from_mask, token_log_probs
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
@@ -32,23 +36,38 @@ def _config(model):
     return config
 
 
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _fits(config, length: int) -> bool:
     """A custom mask is exact for this model and a row of `length` tokens."""
-    text = _text_config(config)
+    text = text_config(config)
     if getattr(config, "vision_config", None) is not None or getattr(config, "_attn_implementation", None) not in MASKABLE_ATTENTION:
         return False
     windows = [getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size")]
     return all(not window or length <= window for window in windows)
 
 
+def cheaper(config, groups: int, group: int, prompt: int, completion: int) -> bool:
+    """The grouped layout's forward costs fewer FLOPs than one row per completion: linear layers per token
+    (2 × the layers' weights), attention per query-key pair (QKᵀ and the weighted values, both computed densely)."""
+    text = text_config(config)
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv = (getattr(text, "num_key_value_heads", None) or heads) * head_dim
+    inner = getattr(text, "intermediate_size", None) or 4 * hidden
+    per_token = 2 * layers * (2 * hidden * heads * head_dim + 2 * hidden * kv + 3 * hidden * inner)
+    per_pair = 4 * layers * heads * head_dim
+    grouped_row = prompt + group * completion
+    grouped = groups * (grouped_row * per_token + grouped_row**2 * per_pair)
+    plain = groups * group * ((prompt + completion) * per_token + (prompt + completion) ** 2 * per_pair)
+    return grouped < plain
+
+
 def applies(model, rollout) -> bool:
-    group = rollout.group_size
-    completion = rollout.completion_mask.shape[1]
-    return group > 1 and completion > 0 and _fits(_config(model), rollout.prompt_width + group * completion)
+    group, width = rollout.group_size, rollout.prompt_width
+    rows, completion = rollout.completion_mask.shape
+    config = _config(model)
+    return (group > 1 and completion > 0 and _fits(config, width + group * completion)
+            and cheaper(config, rows // group, group, width, completion))
 
 
 @torch.no_grad()
@@ -59,7 +78,7 @@ def prefilled_cache(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, gro
     config = _config(model)
     if group_size == 1 or prompts.shape[1] < 2 or getattr(config, "vision_config", None) is not None:
         return None
-    cache = DynamicCache(config=_text_config(config))
+    cache = DynamicCache(config=text_config(config))
     head, head_mask = prompts[:, :-1], prompt_mask[:, :-1]
     model(input_ids=head, attention_mask=head_mask, position_ids=position_ids_from_mask(head_mask), cache=cache,
           use_cache=True, logits_to_keep=1)
