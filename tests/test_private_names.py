@@ -50,6 +50,11 @@ PRIVATE_NAMES = {
         ("data/encode.py takes its fast encoding path only while a tokenizer class keeps transformers' own "
          "_encode_plus (compared by identity, never called)"),
     ),
+    "_attn_implementation": (
+        "transformers.PretrainedConfig",
+        ("the attention a loaded model runs, a property with no public getter: train/rl/shared_prefix.py hands a "
+         "custom 4D mask only to sdpa and eager (data/collate.py and train/estimate.py read it through getattr)"),
+    ),
     "_fingerprint": (
         "datasets.Dataset",
         "data/pretrain.py keys the cached pt windows on the documents' fingerprint",
