@@ -1,9 +1,11 @@
-"""Per-token log-probabilities from logits, and the position ids of a left-padded batch."""
+"""Per-token log-probabilities of sampled tokens, and the position ids of a left-padded batch."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tunelab.train import losses
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -11,14 +13,14 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_log_probs(
+def tempered_log_probs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float, output_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / T) at `targets` (logits … × V, targets …) in float32 and, when asked, the entropy of
-    each distribution (detached). A log-prob is the target's logit less the logsumexp, so no … × V tensor of
-    log-probs is kept for the backward."""
+    """log softmax(logits / T) at `targets` (logits … × V, targets …), float32, through the training loss's chunked
+    log-probs (losses.token_log_probs), and when asked the entropy of each distribution (detached)."""
     scaled = logits.float() / temperature
-    log_probs = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - scaled.logsumexp(-1)
+    log_probs = losses.token_log_probs(scaled.reshape(-1, scaled.shape[-1]), targets.reshape(-1))[0]
+    log_probs = log_probs.view(targets.shape)
     if not output_entropy:
         return log_probs, None
     with torch.no_grad():  # of the sampled (temperature-scaled) distribution at each position

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from tunelab.train.rl import shared_prefix
-from tunelab.train.rl.log_probs import position_ids_from_mask, token_log_probs
+from tunelab.train.rl.log_probs import position_ids_from_mask, tempered_log_probs
 
 
 @dataclass
@@ -109,7 +109,7 @@ def completion_log_probs(
         logits_to_keep=length + 1, output_hidden_states=output_hidden, use_cache=False,
     )
     # position t predicts token t + 1
-    log_probs, entropy = token_log_probs(output.logits[:, :-1], ids[:, width:], temperature, output_entropy)
+    log_probs, entropy = tempered_log_probs(output.logits[:, :-1], ids[:, width:], temperature, output_entropy)
     if output_entropy:
         return log_probs, entropy
     hidden = output.hidden_states[-1][:, width - 1 : -1] if output_hidden else None

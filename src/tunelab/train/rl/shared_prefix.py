@@ -26,7 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from tunelab.model.text_config import text_config
-from tunelab.train.rl.log_probs import position_ids_from_mask, token_log_probs
+from tunelab.train.rl.log_probs import position_ids_from_mask, tempered_log_probs
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
@@ -130,10 +130,10 @@ def completion_log_probs(model, rollout, temperature: float, output_entropy: boo
     groups = rows // group
     targets = rollout.input_ids[:, width:].reshape(groups, group, length)
     # The last prompt column predicts the first token of every completion of its group.
-    first, first_entropy = token_log_probs(logits[:, :1].expand(groups, group, -1), targets[:, :, 0], temperature,
-                                           output_entropy)
-    rest, rest_entropy = token_log_probs(logits[:, 1:].reshape(groups, group, length - 1, -1), targets[:, :, 1:],
-                                         temperature, output_entropy)
+    first, first_entropy = tempered_log_probs(logits[:, :1].expand(groups, group, -1), targets[:, :, 0], temperature,
+                                              output_entropy)
+    rest, rest_entropy = tempered_log_probs(logits[:, 1:].reshape(groups, group, length - 1, -1), targets[:, :, 1:],
+                                            temperature, output_entropy)
     log_probs = torch.cat([first[..., None], rest], dim=2).reshape(rows, length)
     if not output_entropy:
         return log_probs, None
