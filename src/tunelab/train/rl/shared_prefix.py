@@ -32,14 +32,18 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
 def _config(model):
-    config = getattr(model, "module", model).config  # without a DDP wrapper
-    return config
+    return getattr(model, "module", model).config  # without a DDP wrapper
+
+
+def _text_only(config) -> bool:
+    """A plain text model: one 1D position per token, no image inputs to line up."""
+    return getattr(config, "vision_config", None) is None
 
 
 def _fits(config, length: int) -> bool:
     """A custom mask is exact for this model and a row of `length` tokens."""
     text = text_config(config)
-    if getattr(config, "vision_config", None) is not None or getattr(config, "_attn_implementation", None) not in MASKABLE_ATTENTION:
+    if not _text_only(config) or getattr(config, "_attn_implementation", None) not in MASKABLE_ATTENTION:
         return False
     windows = [getattr(text, name, None) for name in ("sliding_window", "attention_chunk_size")]
     return all(not window or length <= window for window in windows)
@@ -76,7 +80,7 @@ def prefilled_cache(model, prompts: torch.Tensor, prompt_mask: torch.Tensor, gro
     group by group), for `generate` to continue from. None when it does not apply (a group of one, a one-token
     prompt, a model that is not a plain text model)."""
     config = _config(model)
-    if group_size == 1 or prompts.shape[1] < 2 or getattr(config, "vision_config", None) is not None:
+    if group_size == 1 or prompts.shape[1] < 2 or not _text_only(config):
         return None
     cache = DynamicCache(config=text_config(config))
     head, head_mask = prompts[:, :-1], prompt_mask[:, :-1]
