@@ -124,12 +124,14 @@ def test_chunked_cross_entropy_equals_torch_in_every_chunking(smoothing):
     targets = torch.randint(0, VOCAB, (13,), generator=g)
     expected = F.cross_entropy(logits, targets, reduction="sum", label_smoothing=smoothing)
     (grad_expected,) = torch.autograd.grad(expected, logits)
+    unchanged = logits.detach().clone()
     for chunk in (1, 4, 13, 100):
         log_p, mean_log_p = losses.token_log_probs(logits, targets, chunk, with_mean=bool(smoothing))
         total = -((1 - smoothing) * log_p + smoothing * mean_log_p).sum()
         (grad,) = torch.autograd.grad(total, logits)
         assert abs(total.item() - expected.item()) < 1e-4
         assert (grad - grad_expected).abs().max().item() < 1e-6
+        assert torch.equal(logits, unchanged)  # the in-place softmax works on a copy, never on float32 logits
 
 
 @pytest.mark.parametrize("with_mean", [False, True])
