@@ -18,6 +18,8 @@ What it writes (deterministic: the same files on every run and machine):
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
+    heldout_chat.json   64 held-out rows of sft.json's kinds (the tasks' test split, prose from another pool),
+                        as messages: the probe's token accuracy for t→acc (run.py --heldout-every)
     pref.json           preference rows, alpaca ranking {"instruction", "input", "chosen", "rejected"}
     pref_chat.json      the same rows as TRL's conversational preference format
     pref_mixed.json     mixed-length pairs: the first SFT rows' prompts, chosen = the row's own answer,
@@ -79,10 +81,11 @@ def _prose_row(rng: random.Random, pool: list[str]) -> dict:
     return {"instruction": PROSE_INSTRUCTIONS[kind], "input": passage, "output": answer}
 
 
-def sft_rows(num_rows: int, seed: int = 0) -> list[dict]:
+def sft_rows(num_rows: int, seed: int = 0, split: str = "train") -> list[dict]:
+    """Half short task rows (sort, add, reverse) of `split`, half prose rows drawn from a pool seeded by `seed`."""
     rng = random.Random(seed)
     pool = synthetic.prose(2000, seed=seed)
-    short = [r for task in ("sort", "add", "reverse") for r in synthetic.generate(task, "train", num_rows // 2, seed)]
+    short = [r for task in ("sort", "add", "reverse") for r in synthetic.generate(task, split, num_rows // 2, seed)]
     rng.shuffle(short)
     rows = [short.pop() if rng.random() < 0.5 else _prose_row(rng, pool) for _ in range(num_rows)]
     return rows
@@ -93,6 +96,11 @@ LONG_QUESTIONS = (
     "Copy the first {k} sentences of the document.",
     "How many sentences does the document have?",
 )
+
+
+def heldout_rows(num_rows: int) -> list[dict]:
+    """Rows of sft.json's kinds that it cannot hold: the tasks' test split, prose from another pool (seed 1)."""
+    return sft_rows(num_rows, seed=1, split="test")
 
 
 def long_prompt_rows(num_rows: int, seed: int = 0) -> list[dict]:
@@ -149,7 +157,7 @@ def _write(path: Path, rows: list[dict]) -> str:
 
 
 def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000, docs_n: int = 8000,
-          long_rows_n: int = 400, models: tuple[str, ...] = ("tiny", "small")) -> dict:
+          long_rows_n: int = 400, heldout_rows_n: int = 64, models: tuple[str, ...] = ("tiny", "small")) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / "model"
     if model_dir.exists():
@@ -171,6 +179,7 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
     hashes = {
         "sft.json": _write(out / "sft.json", sft),
         "sft_chat.json": _write(out / "sft_chat.json", chat_sft(sft)),
+        "heldout_chat.json": _write(out / "heldout_chat.json", chat_sft(heldout_rows(heldout_rows_n))),
         "pref.json": _write(out / "pref.json", pref),
         "pref_chat.json": _write(out / "pref_chat.json", chat_pref(pref)),
         "pref_mixed.json": _write(out / "pref_mixed.json", pref_mixed),

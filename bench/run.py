@@ -54,6 +54,13 @@ Workloads (a tool without the mode is listed as n/a):
     t→loss         seconds from launch (preprocessing and start-up included) to the first step where
                    the 10-step mean loss reaches the workload's target: the highest final mean loss
                    of the tools, so every tool reaches it
+    acc            with --heldout-every N (SFT workloads): the held-out token accuracy at the last step:
+                   the probe evaluates every tool's model itself every N steps on heldout_chat.json (64
+                   rows of sft.json's kinds it does not hold, rendered by the model's chat template):
+                   argmax == label over the answer tokens, teacher-forced
+    t→acc          seconds from launch to the first evaluation at the workload's target accuracy (the
+                   lowest final accuracy of the tools), the evaluations' own time not counted: a user's
+                   time to a model that is as good as every tool's final one
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ class Settings:
     lora_rank: int = 8
     lora_alpha: int = 16
     tunelab_options: dict = field(default_factory=dict)  # --tunelab-set: extra keys of tunelab's config
+    heldout_every: int = 0  # --heldout-every: the probe's held-out accuracy every N steps (SFT workloads)
 
 
 # --- per-tool command lines ---------------------------------------------------------------------
@@ -282,8 +290,10 @@ def launch(argv: list[str], env: dict, workdir: Path, timeout: float) -> Launch:
         returncode = popen.wait()
     sampler.join()
     events = [json.loads(line) for line in probe_out.read_text().splitlines()] if probe_out.exists() else []
+    evaluations = [(e["time"], e["seconds"]) for e in events if e["event"] == "heldout"]
     for event in events:
-        if "time" in event:
+        if "time" in event:  # training time: the probe's held-out evaluations that ended by then are taken off
+            event["time"] -= sum(seconds for end, seconds in evaluations if end <= event["time"])
             event["since_launch"] = event["time"] - start
     tail = log_path.read_text(errors="replace")[-3000:]
     return Launch(returncode, time.time() - start, peak[0] / 2**20, events, tail)
@@ -312,6 +322,19 @@ def add_time_to_target(runs: list[dict]) -> float | None:
     return target
 
 
+def add_time_to_accuracy(runs: list[dict]) -> float | None:
+    """Every tool's training time to the held-out accuracy that all of them reach (the lowest final accuracy)."""
+    finals = [r["final_accuracy"] for r in runs if r.get("final_accuracy") is not None]
+    if not finals:
+        return None
+    target = min(finals)
+    for r in runs:
+        if r.get("heldout_curve"):
+            r["target_accuracy"] = target
+            r["time_to_accuracy_s"] = next(t for t, accuracy in r["heldout_curve"] if accuracy >= target)
+    return target
+
+
 def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflops: float) -> dict:
     """One repeat's figures from its cold (measured) and warm (second-launch) runs."""
     steps = [e for e in cold.events if e["event"] == "step"]
@@ -330,6 +353,7 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
     curve = [(at[e["step"]], e["logs"]["loss"]) for e in cold.events
              if e["event"] == "log" and "loss" in e["logs"] and e["step"] in at]
     losses = [loss for _, loss in curve]
+    heldout = [(e["since_launch"], e["accuracy"]) for e in cold.events if e["event"] == "heldout"]
     tok_s = tokens / seconds
     warm_steps = [e for e in (warm.events if warm else []) if e["event"] == "step"]
     return {
@@ -348,6 +372,9 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "peak_gpu_mb": max((e["gpu_mb"] for e in steps if "gpu_mb" in e), default=None),
         "final_loss": statistics.fmean(losses[-LOSS_WINDOW:]) if losses else None,
         "loss_curve": curve,
+        "final_accuracy": heldout[-1][1] if heldout else None,
+        "heldout_curve": heldout,
+        "heldout_evaluations_s": sum(e["seconds"] for e in cold.events if e["event"] == "heldout"),
         "steps": len(steps),
         "steady_steps": len(window),
         "tokens_per_step": sum(e["tokens"] for e in steps) / len(steps),
@@ -364,6 +391,9 @@ def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dic
     env = {**env, "TUNELAB_CACHE": str(caches / "tunelab"), "HF_DATASETS_CACHE": str(caches / "datasets")}
     argv, preprocess = COMMANDS[tool](w, s, s.steps, workdir)
     env["BENCH_PREPROCESS"] = preprocess
+    if s.heldout_every and w.stage == "sft":
+        env.update(BENCH_HELDOUT=str(DATA / "heldout_chat.json"), BENCH_HELDOUT_MODEL=str(model_dir(s)),
+                   BENCH_HELDOUT_EVERY=str(s.heldout_every))
     cold = launch(argv, env, workdir, timeout)
     record = {"tool": tool, "workload": name, "repeat": repeat, "returncode": cold.returncode}
     if cold.returncode != 0:
@@ -372,7 +402,7 @@ def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dic
     warm = None
     if s.second_launch:
         argv, _ = COMMANDS[tool](w, s, 1, workdir)  # second launch: only the time to the first step
-        warm = launch(argv, env, workdir, timeout)
+        warm = launch(argv, {k: v for k, v in env.items() if not k.startswith("BENCH_HELDOUT")}, workdir, timeout)
     record.update(figures(cold, warm if warm and warm.returncode == 0 else None, rows, params, peak))
     return record
 
@@ -427,15 +457,19 @@ COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"),
            ("pre_ex_s", "pre ex/s", "{:,.0f}"), ("ttfs_first_s", "ttfs 1st", "{:.1f}s"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
            ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("peak_gpu_mb", "GPU MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
-           ("time_to_target_s", "t→loss", "{:.1f}s")]
+           ("time_to_target_s", "t→loss", "{:.1f}s"), ("final_accuracy", "acc", "{:.1%}"),
+           ("time_to_accuracy_s", "t→acc", "{:.1f}s")]
 HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
 
 
-def table(medians: dict, targets: dict) -> str:
+def table(medians: dict, targets: dict, accuracy_targets: dict | None = None) -> str:
     lines = []
     for name, by_tool in medians.items():
         target = f" (t→loss: seconds from launch to a {LOSS_WINDOW}-step mean loss <= {targets[name]:.4f})" \
             if targets.get(name) is not None else ""
+        if (accuracy_targets or {}).get(name) is not None:
+            target += (f" (t→acc: training seconds from launch to a held-out token accuracy >= "
+                       f"{accuracy_targets[name]:.1%}, the probe's evaluations not counted)")
         lines.append(f"\n{name}{target}")
         lines.append(f"{'tool':<13}" + "".join(f"{title:>11}" for _, title, _ in COLUMNS))
         for tool, m in by_tool.items():
@@ -453,6 +487,9 @@ def table(medians: dict, targets: dict) -> str:
                 a, b = ours.get(key), m.get(key)
                 if key == "final_loss" and a is not None and b:
                     cells.append(f"{(a - b) / b:+.1%}")
+                    continue
+                if key == "final_accuracy" and a is not None and b is not None:
+                    cells.append(f"{100 * (a - b):+.1f}pt")
                     continue
                 if a is None or b is None or not b or not a:
                     cells.append("-")
@@ -492,6 +529,8 @@ def main() -> None:
     parser.add_argument("--tunelab-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an extra key of tunelab's config (YAML value), e.g. padding_free=false or torch_compile=true")
     parser.add_argument("--label", default="", help="free text stored with the results (e.g. 'smoke')")
+    parser.add_argument("--heldout-every", type=int, default=0, metavar="N",
+                        help="SFT workloads: the probe's held-out token accuracy every N steps and at the last (t→acc)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (configs, logs, outputs)")
     args = parser.parse_args()
     options = {}
@@ -502,7 +541,8 @@ def main() -> None:
         options[key] = yaml.safe_load(value)
     settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model,
                         device=args.device, attn=args.attn, liger=args.liger,
-                        second_launch=not args.no_second_launch, tunelab_options=options)
+                        second_launch=not args.no_second_launch, tunelab_options=options,
+                        heldout_every=args.heldout_every)
     workloads = args.workloads.split(",")
     tools = args.tools.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]
@@ -543,7 +583,7 @@ def main() -> None:
           "output layer", flush=True)
 
     root = Path(tempfile.mkdtemp(prefix="bench-peers-"))
-    records, medians, targets = [], {}, {}
+    records, medians, targets, accuracy_targets = [], {}, {}, {}
     for name in workloads:
         medians[name] = {}
         failed: set[str] = set()
@@ -562,16 +602,18 @@ def main() -> None:
                     failed.add(tool)
         done = [r for r in records if r["workload"] == name and r["returncode"] == 0]
         target = add_time_to_target(done)
+        accuracy_targets[name] = add_time_to_accuracy(done)
         for tool in [t for t in tools if t in WORKLOADS[name].tools]:
             good = [r for r in done if r["tool"] == tool]
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
-                                       ("tool", "workload", "repeat", "returncode", "loss_curve")}
+                                       ("tool", "workload", "repeat", "returncode", "loss_curve",
+                                                                      "heldout_curve")}
             else:
                 medians[name][tool] = {"error": "failed, see the JSON"}
         targets[name] = target
 
-    print(table(medians, targets))
+    print(table(medians, targets, accuracy_targets))
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {
@@ -582,7 +624,8 @@ def main() -> None:
         "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "memory_gb": psutil.virtual_memory().total / 2**30,
                     "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
         "versions": {tool: venv_versions(tool_python(tool)) for tool in tools},
-        "inputs": manifest, "medians": medians, "target_losses": targets, "runs": records,
+        "inputs": manifest, "medians": medians, "target_losses": targets,
+        "target_accuracies": accuracy_targets, "runs": records,
     }
     path = RESULTS / f"peers-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))

@@ -27,6 +27,15 @@ Events (time is time.time(), so the parent can subtract its own launch time):
     {"event": "log", "step", "logs"}                    the Trainer's logs (loss, ...)
     {"event": "train_end", "time"}
 
+With $BENCH_HELDOUT (a JSON file of {"prompt", "completion"} message rows), $BENCH_HELDOUT_EVERY (N) and
+$BENCH_HELDOUT_MODEL (the folder whose tokenizer renders them), every N-th step and the last one end with the
+probe's own held-out evaluation, the same code in every tool: teacher-forced next-token accuracy over the
+completion tokens (argmax == label, counted over all rows), under the run's bf16 autocast when it has one:
+
+    {"event": "heldout", "step", "time", "seconds", "accuracy", "loss", "tokens"}
+                                                        time: its end; seconds: its length, which bench/run.py
+                                                        takes off every later timestamp (training time only)
+
 Loops that are not a Trainer (tunelab's grpo / ppo loop) and phases inside a step are timed by wrapping named
 functions the same way, through two more variables:
 
@@ -175,6 +184,62 @@ def _count(inputs: dict) -> tuple[int, int, int]:
     raise KeyError(f"bench probe: cannot count a batch with keys {sorted(inputs)}")
 
 
+class HeldOut:
+    """The held-out rows, tokenised once by the model's own chat template, and their evaluation."""
+
+    BATCH = 8
+
+    def __init__(self, rows_path: str, model_dir: str, every: int):
+        self.rows_path, self.model_dir, self.every = rows_path, model_dir, every
+        self.rows: list[tuple[list[int], int]] | None = None  # (input_ids, first completion index): at first use
+
+    def _encode(self) -> None:
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.pad, self.rows = tokenizer.pad_token_id or 0, []
+        for row in json.loads(open(self.rows_path, encoding="utf-8").read()):
+            prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                   return_dict=True)["input_ids"]
+            full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True,
+                                                 return_dict=True)["input_ids"]
+            if full[: len(prompt)] != prompt:
+                raise ValueError(f"{self.rows_path}: the rendered prompt is not a prefix of the rendered row")
+            self.rows.append((full, len(prompt)))
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step % self.every == 0 or step == max_steps
+
+    def evaluate(self, model, bf16: bool) -> dict:
+        import torch  # noqa: PLC0415
+
+        if self.rows is None:
+            self._encode()  # inside the timed evaluation, so its time is taken off too
+        device = next(model.parameters()).device
+        was_training, correct, total, nll = model.training, 0, 0, 0.0
+        model.eval()
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            for start in range(0, len(self.rows), self.BATCH):
+                batch = self.rows[start : start + self.BATCH]
+                width = max(len(ids) for ids, _ in batch)
+                ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                labels = torch.full_like(ids, -100)
+                for i, (row, answer_from) in enumerate(batch):
+                    ids[i, : len(row)] = torch.tensor(row)
+                    mask[i, : len(row)] = 1
+                    labels[i, answer_from : len(row)] = ids[i, answer_from : len(row)]
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+                targets = labels[:, 1:].to(device)
+                kept = targets != -100
+                picked = logits[:, :-1][kept]
+                correct += int((picked.argmax(-1) == targets[kept]).sum())
+                nll += float(torch.nn.functional.cross_entropy(picked, targets[kept], reduction="sum"))
+                total += int(kept.sum())
+        model.train(was_training)
+        return {"accuracy": correct / total, "loss": nll / total, "tokens": total}
+
+
 def install() -> None:
     import transformers  # noqa: PLC0415
 
@@ -195,6 +260,11 @@ def install() -> None:
             emit("step", step=state.global_step, time=time.time(), tokens=tokens, supervised=supervised,
                  positions=positions, micro_batches=micro, **extra)
             self.pending = [0, 0, 0, 0]
+            if heldout is not None and heldout.due(state.global_step, state.max_steps):
+                start = time.perf_counter()
+                result = heldout.evaluate(kwargs["model"], bool(args.bf16))
+                emit("heldout", step=state.global_step, time=time.time(), seconds=time.perf_counter() - start,
+                     **result)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             emit("log", step=state.global_step, logs={k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))})
@@ -202,6 +272,8 @@ def install() -> None:
         def on_train_end(self, args, state, control, **kwargs):
             emit("train_end", time=time.time())
 
+    heldout = HeldOut(os.environ["BENCH_HELDOUT"], os.environ["BENCH_HELDOUT_MODEL"],
+                      int(os.environ["BENCH_HELDOUT_EVERY"])) if os.environ.get("BENCH_HELDOUT") else None
     probe = ProbeCallback()
     trainer_cls = transformers.Trainer
     original_init, original_step = trainer_cls.__init__, trainer_cls.training_step
