@@ -391,10 +391,9 @@ def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dic
     env = {**env, "TUNELAB_CACHE": str(caches / "tunelab"), "HF_DATASETS_CACHE": str(caches / "datasets")}
     argv, preprocess = COMMANDS[tool](w, s, s.steps, workdir)
     env["BENCH_PREPROCESS"] = preprocess
-    if s.heldout_every and w.stage == "sft":
-        env.update(BENCH_HELDOUT=str(DATA / "heldout_chat.json"), BENCH_HELDOUT_MODEL=str(model_dir(s)),
-                   BENCH_HELDOUT_EVERY=str(s.heldout_every))
-    cold = launch(argv, env, workdir, timeout)
+    heldout = {"BENCH_HELDOUT": str(DATA / "heldout_chat.json"), "BENCH_HELDOUT_MODEL": str(model_dir(s)),
+               "BENCH_HELDOUT_EVERY": str(s.heldout_every)} if s.heldout_every and w.stage == "sft" else {}
+    cold = launch(argv, {**env, **heldout}, workdir, timeout)
     record = {"tool": tool, "workload": name, "repeat": repeat, "returncode": cold.returncode}
     if cold.returncode != 0:
         record["error"] = cold.log_tail
@@ -402,7 +401,7 @@ def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dic
     warm = None
     if s.second_launch:
         argv, _ = COMMANDS[tool](w, s, 1, workdir)  # second launch: only the time to the first step
-        warm = launch(argv, {k: v for k, v in env.items() if not k.startswith("BENCH_HELDOUT")}, workdir, timeout)
+        warm = launch(argv, env, workdir, timeout)
     record.update(figures(cold, warm if warm and warm.returncode == 0 else None, rows, params, peak))
     return record
 
@@ -608,7 +607,7 @@ def main() -> None:
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
                                        ("tool", "workload", "repeat", "returncode", "loss_curve",
-                                                                      "heldout_curve")}
+                                                    "heldout_curve")}
             else:
                 medians[name][tool] = {"error": "failed, see the JSON"}
         targets[name] = target

@@ -142,7 +142,7 @@ def _chunk_buffer(logits: torch.Tensor, chunk: int) -> torch.Tensor:
     """One float32 (chunk, vocab) buffer that every chunk reuses with in-place ops. A fresh tensor per chunk and
     per intermediate (`.float()`, then logsumexp's own temporaries) costs more than the arithmetic on a CPU: each
     large allocation is new pages, faulted in on first write. On a pt batch of SmolLM2 the reuse cuts the loss's
-    forward and backward to about a third (docs/benchmarks.md, "Where a pt step goes")."""
+    forward and backward to about a third (docs/benchmarks.md, "pt after the loss's buffer reuse")."""
     return torch.empty((min(chunk, logits.shape[0]), logits.shape[1]), dtype=torch.float32, device=logits.device)
 
 
