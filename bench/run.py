@@ -382,6 +382,14 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
     }
 
 
+def rotated(tools: list[str], repeat: int) -> list[str]:
+    """The tools' order for this repeat: the list turned left by `repeat` places."""
+    if not tools:
+        return tools
+    shift = repeat % len(tools)
+    return tools[shift:] + tools[:shift]
+
+
 def run_one(tool: str, name: str, s: Settings, repeat: int, root: Path, env: dict, rows: int, params: int,
             peak: float, timeout: float) -> dict:
     w = WORKLOADS[name]
@@ -587,9 +595,10 @@ def main() -> None:
         medians[name] = {}
         failed: set[str] = set()
         # Repeats interleave (every tool once, then every tool again): a slow spell of the machine
-        # touches each tool's runs alike instead of all the runs of one tool.
+        # touches each tool's runs alike instead of all the runs of one tool. Each repeat starts one tool
+        # later, so a drift inside a repeat does not always fall on the same tool.
         for repeat in range(args.repeats):
-            for tool in [t for t in tools if t in WORKLOADS[name].tools and t not in failed]:
+            for tool in rotated([t for t in tools if t in WORKLOADS[name].tools and t not in failed], repeat):
                 t = time.time()
                 record = run_one(tool, name, settings, repeat, root, env, rows[WORKLOADS[name].rows_file], params,
                                  peak[peak_key], args.timeout)
