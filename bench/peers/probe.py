@@ -205,7 +205,10 @@ class HeldOut:
                                                  return_dict=True)["input_ids"]
             if full[: len(prompt)] != prompt:
                 raise ValueError(f"{self.rows_path}: the rendered prompt is not a prefix of the rendered row")
-            self.rows.append((full, len(prompt)))
+            # Up to the end-of-turn token: what generation produces. The template's text after it (ChatML's "\n")
+            # is never generated; some tools train it and some do not, and scoring it favoured the former.
+            ends = [i for i in range(len(prompt), len(full)) if full[i] == tokenizer.eos_token_id]
+            self.rows.append((full[: ends[-1] + 1] if ends else full, len(prompt)))
 
     def due(self, step: int, max_steps: int) -> bool:
         return step % self.every == 0 or step == max_steps
