@@ -57,7 +57,7 @@ Workloads (a tool without the mode is listed as n/a):
     acc            with --heldout-every N (SFT workloads): the held-out token accuracy at the last step:
                    the probe evaluates every tool's model itself every N steps on heldout_chat.json (64
                    rows of sft.json's kinds it does not hold, rendered by the model's chat template):
-                   argmax == label over the answer tokens, teacher-forced
+                   argmax == label over the answer tokens up to the end-of-turn token, teacher-forced
     t→acc          seconds from launch to the first evaluation at the workload's target accuracy (the
                    lowest final accuracy of the tools), the evaluations' own time not counted: a user's
                    time to a model that is as good as every tool's final one
@@ -616,7 +616,7 @@ def main() -> None:
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
                                        ("tool", "workload", "repeat", "returncode", "loss_curve",
-                                                    "heldout_curve")}
+                                        "heldout_curve")}
             else:
                 medians[name][tool] = {"error": "failed, see the JSON"}
         targets[name] = target

@@ -30,7 +30,8 @@ Events (time is time.time(), so the parent can subtract its own launch time):
 With $BENCH_HELDOUT (a JSON file of {"prompt", "completion"} message rows), $BENCH_HELDOUT_EVERY (N) and
 $BENCH_HELDOUT_MODEL (the folder whose tokenizer renders them), every N-th step and the last one end with the
 probe's own held-out evaluation, the same code in every tool: teacher-forced next-token accuracy over the
-completion tokens (argmax == label, counted over all rows), under the run's bf16 autocast when it has one:
+completion tokens up to its end-of-turn token (argmax == label, counted over all rows), under the run's bf16
+autocast when it has one:
 
     {"event": "heldout", "step", "time", "seconds", "accuracy", "loss", "tokens"}
                                                         time: its end; seconds: its length, which bench/run.py
