@@ -61,6 +61,9 @@ Workloads (a tool without the mode is listed as n/a):
     t→acc          seconds from launch to the first evaluation at the workload's target accuracy (the
                    lowest final accuracy of the tools), the evaluations' own time not counted: a user's
                    time to a model that is as good as every tool's final one
+    h-loss         with --heldout-every N: the held-out loss (mean cross-entropy over the same answer tokens)
+                   at the last step: the same rows for every tool, so unlike the training loss it compares
+                   the models rather than each tool's own batches
 """
 
 from __future__ import annotations
@@ -353,7 +356,8 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
     curve = [(at[e["step"]], e["logs"]["loss"]) for e in cold.events
              if e["event"] == "log" and "loss" in e["logs"] and e["step"] in at]
     losses = [loss for _, loss in curve]
-    heldout = [(e["since_launch"], e["accuracy"]) for e in cold.events if e["event"] == "heldout"]
+    evaluations = [e for e in cold.events if e["event"] == "heldout"]
+    heldout = [(e["since_launch"], e["accuracy"]) for e in evaluations]
     tok_s = tokens / seconds
     warm_steps = [e for e in (warm.events if warm else []) if e["event"] == "step"]
     return {
@@ -373,8 +377,9 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "final_loss": statistics.fmean(losses[-LOSS_WINDOW:]) if losses else None,
         "loss_curve": curve,
         "final_accuracy": heldout[-1][1] if heldout else None,
+        "final_heldout_loss": evaluations[-1]["loss"] if evaluations else None,
         "heldout_curve": heldout,
-        "heldout_evaluations_s": sum(e["seconds"] for e in cold.events if e["event"] == "heldout"),
+        "heldout_evaluations_s": sum(e["seconds"] for e in evaluations),
         "steps": len(steps),
         "steady_steps": len(window),
         "tokens_per_step": sum(e["tokens"] for e in steps) / len(steps),
@@ -465,7 +470,7 @@ COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
            ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("peak_gpu_mb", "GPU MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
            ("time_to_target_s", "t→loss", "{:.1f}s"), ("final_accuracy", "acc", "{:.1%}"),
-           ("time_to_accuracy_s", "t→acc", "{:.1f}s")]
+           ("time_to_accuracy_s", "t→acc", "{:.1f}s"), ("final_heldout_loss", "h-loss", "{:.4f}")]
 HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
 
 
@@ -492,7 +497,7 @@ def table(medians: dict, targets: dict, accuracy_targets: dict | None = None) ->
             cells = []
             for key, _, _ in COLUMNS:
                 a, b = ours.get(key), m.get(key)
-                if key == "final_loss" and a is not None and b:
+                if key in ("final_loss", "final_heldout_loss") and a is not None and b:
                     cells.append(f"{(a - b) / b:+.1%}")
                     continue
                 if key == "final_accuracy" and a is not None and b is not None:

@@ -195,9 +195,15 @@ class HeldOut:
         self.rows: list[tuple[list[int], int]] | None = None  # (input_ids, first completion index): at first use
 
     def _encode(self) -> None:
-        from transformers import AutoTokenizer  # noqa: PLC0415
+        from transformers import AutoTokenizer, GenerationConfig  # noqa: PLC0415
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        stops = {tokenizer.eos_token_id}  # and the generation config's, where a template ends turns with another token
+        try:
+            configured = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            stops |= set(configured if isinstance(configured, list) else [configured])
+        except OSError:  # no generation_config.json
+            pass
         self.pad, self.rows = tokenizer.pad_token_id or 0, []
         for row in json.loads(open(self.rows_path, encoding="utf-8").read()):
             prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True,
@@ -208,7 +214,7 @@ class HeldOut:
                 raise ValueError(f"{self.rows_path}: the rendered prompt is not a prefix of the rendered row")
             # Up to the end-of-turn token: what generation produces. The template's text after it (ChatML's "\n")
             # is never generated; some tools train it and some do not, and scoring it favoured the former.
-            ends = [i for i in range(len(prompt), len(full)) if full[i] == tokenizer.eos_token_id]
+            ends = [i for i in range(len(prompt), len(full)) if full[i] in stops]
             self.rows.append((full[: ends[-1] + 1] if ends else full, len(prompt)))
 
     def due(self, step: int, max_steps: int) -> bool:
