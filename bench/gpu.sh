@@ -105,6 +105,10 @@ done
 run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" \
   --repeats "$REPEATS" --cutoff-len 1024 --batch-size "$BATCH" --workloads sft_lora,sft_lora_packed,sft_full,dpo_lora_mixed \
   --tools "$TOOLS" --label "gpu $GPU smollm2"
+# Time to a held-out accuracy and the held-out loss (the probe scores every tool's model on the same rows).
+run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps 40 \
+  --repeats "$REPEATS" --cutoff-len 512 --batch-size "$BATCH" --workloads sft_lora --heldout-every 8 \
+  --tools tunelab,llamafactory,trl --no-second-launch --label "gpu $GPU smollm2 held-out"
 run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds 0,1,2
 
 LIGER_OUT="$HERE/.results/liger-check"

@@ -46,6 +46,9 @@ functions the same way, through two more variables:
                   or the attribute of its `rollout`; 0 when it has none)
     $BENCH_STEP   "module:attr": each return is one optimizer step: {"event": "step", "step", "time"} with
                   zero token counts (a rollout's tokens come from BENCH_TIMED)
+
+$BENCH_DUMP_BATCHES (a folder) saves every micro-batch a Trainer is given there, batch0000.pt, batch0001.pt, ...
+(torch.save of its tensors), so that the tools' batches can be scored offline by one common forward.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from contextlib import contextmanager
 
 OUT_PATH = os.environ.get("BENCH_PROBE_OUT")
 PAD_ID = int(os.environ.get("BENCH_PAD_ID", "0"))
+DUMP_DIR = os.environ.get("BENCH_DUMP_BATCHES")
 
 
 def emit(event: str, **fields) -> None:
@@ -257,6 +261,7 @@ def install() -> None:
         def __init__(self):
             self.pending = [0, 0, 0, 0]
             self.batch_keys: list[str] | None = None  # of the first micro-batch, reported with step 1
+            self.dumped = 0  # micro-batches saved to $BENCH_DUMP_BATCHES
 
         def on_train_begin(self, args, state, control, **kwargs):
             emit("train_begin", time=time.time())
@@ -298,6 +303,12 @@ def install() -> None:
             probe.batch_keys = sorted(f"{k}{list(v.shape)}" if hasattr(v, "shape") else k for k, v in inputs.items())
         probe.pending = [probe.pending[0] + tokens, probe.pending[1] + supervised, probe.pending[2] + positions,
                          probe.pending[3] + 1]
+        if DUMP_DIR and not isinstance(inputs, (list, tuple)):
+            import torch  # noqa: PLC0415
+
+            probe.dumped += 1
+            torch.save({k: v.detach().cpu() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
+                       os.path.join(DUMP_DIR, f"batch{probe.dumped - 1:04d}.pt"))
         return original_step(self, model, inputs, *args, **kwargs)
 
     trainer_cls.__init__ = init
