@@ -306,9 +306,9 @@ def install() -> None:
         if DUMP_DIR and not isinstance(inputs, (list, tuple)):
             import torch  # noqa: PLC0415
 
-            probe.dumped += 1
             torch.save({k: v.detach().cpu() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
-                       os.path.join(DUMP_DIR, f"batch{probe.dumped - 1:04d}.pt"))
+                       os.path.join(DUMP_DIR, f"batch{probe.dumped:04d}.pt"))
+            probe.dumped += 1
         return original_step(self, model, inputs, *args, **kwargs)
 
     trainer_cls.__init__ = init
