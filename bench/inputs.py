@@ -294,7 +294,8 @@ def main() -> None:
     parser.add_argument("--long-rows", type=int, default=400)
     parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real24 (full depth) and smollm2 (real weights)")
     args = parser.parse_args()
-    manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows, tuple(args.models.split(",")))
+    manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows,
+                     models=tuple(args.models.split(",")))
     print(json.dumps(manifest, indent=2))
 
 
