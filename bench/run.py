@@ -179,6 +179,8 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
         config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_target="all")
     if w.stage == "dpo":
         config.update(pref_beta=0.1, pref_loss="sigmoid")
+    if w.stage == "pt" and not w.isolated:  # the peers' full windows: they drop the stream's tail, as group_texts does
+        config["tail"] = "drop"
     if s.liger:
         config["use_liger_kernel"] = True
     if w.defaults:
