@@ -38,8 +38,8 @@ Workloads (a tool without the mode is listed as n/a):
                      TRL bfd packing (padding-free rows, positions restart per sample)
     sft_full         every parameter, no packing
     pt               pretraining on cutoff_len windows of the concatenated corpus, the same work in every
-                     tool (tunelab pt with packing: false; LlamaFactory pt, TRL wrapped packing, HF's
-                     group_texts): a token attends across document boundaries
+                     tool (tunelab pt with packing: false and tail: drop; LlamaFactory pt, TRL wrapped
+                     packing, HF's group_texts): a token attends across document boundaries
     pt_isolated      tunelab's pt with packing: true (documents packed with isolation: a token attends only
                      to its own document, positions restart) against the same peers' concatenation
     dpo_lora         DPO (sigmoid, beta 0.1), LoRA; the reference is the adapter-free base
