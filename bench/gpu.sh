@@ -18,6 +18,12 @@
 #   bash bench/gpu.sh --dry-run      # print what it would run (no GPU, no venvs needed)
 #   bash bench/gpu.sh                # run: needs a CUDA torch in bench/.venvs/* (see below)
 #   STEPS=20 WORKLOADS=sft_long_lora bash bench/gpu.sh
+#   SECTIONS=smollm2,grpo TOOLS=tunelab,trl,hf SEEDS=0 bash bench/gpu.sh   # a part (bench/gpu_lease.sh)
+#
+# SECTIONS (default all, in this order): shapes (model-real24, four attention configurations), smollm2 (one
+# run.py per workload, so each leaves its own results file), grpo, liger, heldout. A failed command is
+# reported and the rest still run; the exit status is 1 then. TOOLS drops peers whose
+# venv is absent; SEEDS are the GRPO seeds.
 #
 # Needs: nvidia-smi; bench/.venvs/{tunelab,llamafactory,trl} made with a CUDA torch
 # (TUNELAB_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" bash bench/peers/setup.sh),
@@ -33,6 +39,12 @@ CUTOFF="${CUTOFF:-2048}"
 BATCH="${BATCH:-4}"
 WORKLOADS="${WORKLOADS:-sft_long_lora,sft_lora,sft_lora_packed,sft_full,pt,dpo_lora}"
 TOOLS="${TOOLS:-tunelab,llamafactory,trl,hf}"
+SECTIONS="${SECTIONS:-shapes,smollm2,heldout,grpo,liger}"
+SEEDS="${SEEDS:-0,1,2}"
+has() { [[ ",$1," == *",$2,"* ]]; }  # has LIST ITEM
+for section in ${SECTIONS//,/ }; do
+  has shapes,smollm2,heldout,grpo,liger "$section" || { echo "bench/gpu.sh: unknown section '$section'" >&2; exit 2; }
+done
 PYTHON="${PYTHON:-$HERE/.venvs/tunelab/bin/python}"
 
 for arg in "$@"; do
@@ -79,12 +91,14 @@ run() {
   printf ' %q' "$@"
   printf '\n'
   if [ "$DRY_RUN" -eq 0 ]; then
-    "$@"
+    "$@" || { status=$?; echo "bench/gpu.sh: exit $status from the command above; going on" >&2; FAILED=1; }
   fi
 }
+FAILED=0
 
 if [ "$DRY_RUN" -eq 0 ]; then
   for venv in tunelab llamafactory trl; do
+    [ "$venv" = tunelab ] || has "$TOOLS" "$venv" || continue
     if [ ! -x "$HERE/.venvs/$venv/bin/python" ]; then
       echo "bench/gpu.sh: $HERE/.venvs/$venv is missing: make the venvs with a CUDA torch first (see the header)" >&2
       exit 1
@@ -95,33 +109,45 @@ fi
 
 common=(--model real24 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" --repeats "$REPEATS"
         --cutoff-len "$CUTOFF" --batch-size "$BATCH" --workloads "$WORKLOADS" --tools "$TOOLS" --no-second-launch)
-for attn in sdpa fa2; do
-  run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --label "gpu $GPU $attn"
-  run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --liger --label "gpu $GPU $attn liger"
-done
+if has "$SECTIONS" shapes; then
+  for attn in sdpa fa2; do
+    run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --label "gpu $GPU $attn"
+    run "$PYTHON" "$HERE/run.py" "${common[@]}" --attn "$attn" --liger --label "gpu $GPU $attn liger"
+  done
+fi
 
 # The real model (docs/benchmarks.md, "Real model"): SmolLM2-135M-Instruct, its own template, every SFT/DPO
 # workload at bf16 against every peer, then GRPO against TRL's GRPOTrainer (3 seeds).
-run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" \
-  --repeats "$REPEATS" --cutoff-len 1024 --batch-size "$BATCH" --workloads sft_lora,sft_lora_packed,sft_full,dpo_lora_mixed \
-  --tools "$TOOLS" --label "gpu $GPU smollm2"
-# Time to a held-out accuracy and the held-out loss (the probe scores every tool's model on the same rows).
-run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps 40 \
-  --repeats "$REPEATS" --cutoff-len 512 --batch-size "$BATCH" --workloads sft_lora --heldout-every 8 \
-  --tools tunelab,llamafactory,trl --no-second-launch --label "gpu $GPU smollm2 held-out"
-run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds 0,1,2
-
-LIGER_OUT="$HERE/.results/liger-check"
-for liger in false true; do
-  run "$(dirname "$PYTHON")/tunelab" train model_name_or_path=tiny template=chatml dataset=demo_reverse \
-    max_samples=320 max_steps=20 per_device_train_batch_size=16 learning_rate=1e-3 seed=0 bf16=true \
-    logging_steps=5 plot_loss=false overwrite_output_dir=true enable_liger_kernel="$liger" \
-    output_dir="$LIGER_OUT/$liger"
-done
-run "$PYTHON" - "$LIGER_OUT" <<'PY'
+if has "$SECTIONS" smollm2; then
+  for workload in sft_lora sft_lora_packed sft_full dpo_lora_mixed; do
+    run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" \
+      --repeats "$REPEATS" --cutoff-len 1024 --batch-size "$BATCH" --workloads "$workload" --tools "$TOOLS" \
+      --no-second-launch --label "gpu $GPU smollm2"
+  done
+fi
+if has "$SECTIONS" grpo; then
+  run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds "$SEEDS"
+fi
+if has "$SECTIONS" liger; then
+  LIGER_OUT="$HERE/.results/liger-check"
+  for liger in false true; do
+    run "$(dirname "$PYTHON")/tunelab" train model_name_or_path=tiny template=chatml dataset=demo_reverse \
+      max_samples=320 max_steps=20 per_device_train_batch_size=16 learning_rate=1e-3 seed=0 bf16=true \
+      logging_steps=5 plot_loss=false overwrite_output_dir=true enable_liger_kernel="$liger" \
+      output_dir="$LIGER_OUT/$liger"
+  done
+  run "$PYTHON" - "$LIGER_OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 loss = {name: json.loads((out / name / "all_results.json").read_text())["train_loss"] for name in ("false", "true")}
 print(f"liger check: train_loss {loss['false']:.4f} without, {loss['true']:.4f} with enable_liger_kernel")
 assert abs(loss["true"] - loss["false"]) <= 0.05 * loss["false"], "the losses with and without Liger differ by > 5%"
 PY
+fi
+# Time to a held-out accuracy and the held-out loss (the probe scores every tool's model on the same rows).
+if has "$SECTIONS" heldout; then
+  run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps 40 \
+    --repeats "$REPEATS" --cutoff-len 512 --batch-size "$BATCH" --workloads sft_lora --heldout-every 8 \
+    --tools "$TOOLS" --no-second-launch --label "gpu $GPU smollm2 held-out"
+fi
+exit "$FAILED"
