@@ -143,7 +143,8 @@ def main() -> None:
     rows = args.steps * SETTINGS["prompts"] * 4  # enough prompts that no run repeats one
     data_file = write_prompts(root, rows)
     env = {**os.environ, "OMP_NUM_THREADS": str(os.cpu_count()), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(peers.pad_id(model))}
+           "TRANSFORMERS_OFFLINE": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(peers.pad_id(model)),
+           "USE_HUB_KERNELS": "NO"}  # (bench/run.py says why)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     bf16 = not args.fp32

@@ -578,7 +578,9 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true",
-           "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(pad_id(model_dir(settings)))}
+           "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(pad_id(model_dir(settings))),
+           # transformers >= 5.25 would fetch Hub kernels on a GPU (offline: it fails); tunelab sets use_kernels off
+           "USE_HUB_KERNELS": "NO"}
     env.pop("TOKENIZERS_PARALLELISM", None)
     if args.tokenizers_parallelism == "off":
         env["TOKENIZERS_PARALLELISM"] = "false"

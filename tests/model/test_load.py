@@ -169,3 +169,10 @@ def test_incomplete_weights_fail(tiny_llama_dir, tmp_path, training_args):
     assert str(err.value) == (
         f"model_name_or_path: the weights in {folder} lack model.norm.weight; the checkpoint is incomplete"
     )
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_hub_kernels_only_when_asked(tiny_llama_dir, training_args, use_kernels):
+    # transformers >= 5.25 turns use_kernels on by itself when `kernels` is installed; a GPU then fetches code.
+    model = _load(tiny_llama_dir, training_args, use_kernels=use_kernels)
+    assert model.use_kernels is use_kernels

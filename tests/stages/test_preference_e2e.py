@@ -70,7 +70,9 @@ def test_rm_full_saves_a_sequence_classifier(tmp_path, sft_model_dir, precision)
     assert model.config.num_labels == 1 and model.config.pad_token_id == 0
     with autocast(precision):  # as the run evaluated (float32 master weights saved, bf16 autocast)
         rewards = rewards_of(model, batch)
-        assert torch.equal(rewards_of(load_reward_model(out), batch), rewards)
+        reloaded = load_reward_model(out)
+        assert torch.equal(rewards_of(reloaded, batch), rewards)
+    assert reloaded.use_kernels is False  # transformers' own default would turn Hub kernels on
     chosen, rejected = rewards.chunk(2)
     reported = results(out)
     assert (chosen > rejected).float().mean().item() == reported["reward_accuracy_after"]

@@ -56,6 +56,12 @@ class ModelArguments:
         "LoRA adapter folder (or Hub id) to load on top of the model.", default=None
     )
     trust_remote_code: bool = _help("Run custom modelling code shipped in the model folder.", default=False)
+    use_kernels: bool = _help(
+        "Let transformers swap layers for kernels it downloads from the Hub (the `kernels` package, "
+        "kernels-community repos; GPUs). It runs code fetched at train time and needs the network, so it is off "
+        "unless set: transformers itself turns it on whenever that package is installed.",
+        default=False,
+    )
     allow_pickle_weights: bool = _help(
         "Load a model or adapter whose weights are only pickle files (pytorch_model.bin, adapter_model.bin), "
         "which can run code when loaded; by default tunelab reads safetensors only.",

@@ -294,7 +294,8 @@ def save_quantized(
     quantization_config = qat.torchao_config(scheme, group_size, model)
     with tempfile.TemporaryDirectory(prefix=".merged-", dir=out) as scratch:
         model.save_pretrained(scratch)
-        quantized = AutoModelForCausalLM.from_pretrained(scratch, dtype=dtype, quantization_config=quantization_config)
+        quantized = AutoModelForCausalLM.from_pretrained(scratch, dtype=dtype, quantization_config=quantization_config,
+                                                         use_kernels=False)
         quantized.save_pretrained(out, max_shard_size=max_shard_size)
     return quantized.eval()
 

@@ -55,7 +55,10 @@ def load_model(
     path = model_args.model_name_or_path
     if dtype is None:
         dtype = resolve_dtype(model_args, training_args, finetuning_args if is_trainable else None)
-    kwargs: dict = {"dtype": dtype, "trust_remote_code": model_args.trust_remote_code}
+    # use_kernels: transformers' own default is on wherever `kernels` is installed (one of its requirements), and on a
+    # GPU its first model.train() then fetches kernels-community code from the Hub: offline it fails there.
+    kwargs: dict = {"dtype": dtype, "trust_remote_code": model_args.trust_remote_code,
+                    "use_kernels": model_args.use_kernels}
     if qat.is_torchao_quantized(path):
         # A quantized export computes in the dtype it was exported from (its int4 / int8 weights dequantize to it):
         # other embeddings and norms would meet those weights in another dtype.

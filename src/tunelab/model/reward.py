@@ -46,7 +46,8 @@ def load_reward_model(
     """
     path = Path(hub.resolve_model(str(path_or_dir), "reward_model", allow_pickle=allow_pickle_weights))
     hub.fetch_weights(path, allow_pickle_weights, "reward_model")
-    kwargs = {"num_labels": 1} | ({"dtype": dtype} if dtype is not None else {})
+    # use_kernels=False: no Hub kernels fetched behind the caller's back (model/load.py says why)
+    kwargs = {"num_labels": 1, "use_kernels": False} | ({"dtype": dtype} if dtype is not None else {})
     try:
         if (path / "adapter_config.json").is_file():
             from peft import PeftModel  # noqa: PLC0415
