@@ -11,6 +11,7 @@ What it writes (deterministic: the same files on every run and machine):
                         (`run.py --model real`; built only when asked: `--models tiny,small,real`). Token ids
                         come from the embedded tokenizer (8,192 of them); the vocabulary size is what costs:
                         the head alone is 136M parameters, fp32 logits of 2,048 tokens 1.2 GB
+    model-real8/        the same at 8 layers (a depth a 2-core CPU can time; the output head's share nearer a real model's)
     model-real24/       the same at full depth (24 layers, 494M parameters): bench/gpu.sh
     model-smollm2/      a real pretrained model: SmolLM2-135M-Instruct (30 layers, tied vocabulary of 49,152),
                         its own tokenizer and chat template; a link to bench/.data/real/smollm2-hf, the plain HF
@@ -238,7 +239,8 @@ SMALL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, 
 QWEN05 = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
           "num_key_value_heads": 2, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
           "tie_word_embeddings": True, "use_sliding_window": False}
-REAL = {"real": {**QWEN05, "num_hidden_layers": 2}, "real24": {**QWEN05, "num_hidden_layers": 24}}
+REAL = {"real": {**QWEN05, "num_hidden_layers": 2}, "real8": {**QWEN05, "num_hidden_layers": 8},
+        "real24": {**QWEN05, "num_hidden_layers": 24}}
 
 
 def smollm2_model(link: Path) -> None:
@@ -292,7 +294,7 @@ def main() -> None:
     parser.add_argument("--pref-rows", type=int, default=2000)
     parser.add_argument("--docs", type=int, default=8000)
     parser.add_argument("--long-rows", type=int, default=400)
-    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real24 (full depth) and smollm2 (real weights)")
+    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real8, real24 (full depth) and smollm2 (real weights)")
     args = parser.parse_args()
     manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows,
                      models=tuple(args.models.split(",")))

@@ -134,7 +134,7 @@ class Settings:
     seed: int
     bf16: bool
     threads: int
-    model: str = "tiny"  # tiny | small | real | real24 | smollm2 (bench/inputs.py)
+    model: str = "tiny"  # tiny | small | real | real8 | real24 | smollm2 (bench/inputs.py)
     device: str = "cpu"  # cpu | cuda
     attn: str = "sdpa"  # sdpa | fa2
     liger: bool = False
@@ -156,7 +156,7 @@ def model_dir(s: Settings) -> Path:
 # proxies carry the tiny model's ChatML; SmolLM2 its own template (ChatML with a default system prompt), which is
 # tunelab's `model` and LlamaFactory's `smollm2`.
 _CHATML = {"tunelab": "chatml", "llamafactory": "chatml"}
-TEMPLATES = {"tiny": _CHATML, "small": _CHATML, "real": _CHATML, "real24": _CHATML,
+TEMPLATES = {"tiny": _CHATML, "small": _CHATML, "real": _CHATML, "real8": _CHATML, "real24": _CHATML,
              "smollm2": {"tunelab": "model", "llamafactory": "smollm2"}}
 
 
@@ -525,7 +525,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=tuple(TEMPLATES), default="tiny",
                         help="tiny: the embedded model (853k non-embedding parameters); small: random init, 27M; "
-                             "real: the Qwen2.5-0.5B layout (vocab 151,936) cut to 2 layers; real24: at full depth; "
+                             "real: the Qwen2.5-0.5B layout (vocab 151,936) cut to 2 layers; real8: to 8; real24: at full depth; "
                              "smollm2: SmolLM2-135M-Instruct, real weights, its own tokenizer and chat template")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision for every tool (default fp32)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
