@@ -6,7 +6,7 @@
 # fp32, and in bf16 where the CPU has native bf16 (avx512_bf16 / amx_bf16: elsewhere bf16 is emulated and its
 # timings say nothing). Run by `make bench`.
 #
-#   bash bench/real_model.sh                       # ~4.5 h on 2 cores
+#   bash bench/real_model.sh                       # ~6 h on 2 cores
 #   REPEATS=1 WORKLOADS=sft_lora bash bench/real_model.sh
 set -euo pipefail
 
