@@ -39,11 +39,11 @@ CUTOFF="${CUTOFF:-2048}"
 BATCH="${BATCH:-4}"
 WORKLOADS="${WORKLOADS:-sft_long_lora,sft_lora,sft_lora_packed,sft_full,pt,dpo_lora}"
 TOOLS="${TOOLS:-tunelab,llamafactory,trl,hf}"
-SECTIONS="${SECTIONS:-shapes,smollm2,heldout,grpo,liger}"
+SECTIONS="${SECTIONS:-shapes,smollm2,grpo,liger,heldout}"
 SEEDS="${SEEDS:-0,1,2}"
 has() { [[ ",$1," == *",$2,"* ]]; }  # has LIST ITEM
 for section in ${SECTIONS//,/ }; do
-  has shapes,smollm2,heldout,grpo,liger "$section" || { echo "bench/gpu.sh: unknown section '$section'" >&2; exit 2; }
+  has shapes,smollm2,grpo,liger,heldout "$section" || { echo "bench/gpu.sh: unknown section '$section'" >&2; exit 2; }
 done
 PYTHON="${PYTHON:-$HERE/.venvs/tunelab/bin/python}"
 

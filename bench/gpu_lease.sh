@@ -9,8 +9,8 @@
 #                                    # for tunelab / TRL / plain HF (the machine's python3), then bench/gpu.sh
 #
 # LlamaFactory stays out: its venv pins another transformers and pulls far more than a call can carry.
-# `run` passes SECTIONS, STEPS, SEEDS... to bench/gpu.sh (defaults below) and copies every results file and
-# the log to $OUT.
+# `run` passes SECTIONS, STEPS, SEEDS... to bench/gpu.sh (defaults below) and tars the results files into
+# $OUT/results.tgz; the log comes back by the call's own `| tee $OUT/log`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
