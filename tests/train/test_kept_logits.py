@@ -334,3 +334,24 @@ def test_a_training_step_selects_by_no_data_dependent_shape(tmp_path):
                for n in (12, 9, 20, 15)]  # padded rows of four-token answers: no filling at all
     count, rows_seen = step_ops(SupervisedCollator(0), 4, datasets.Dataset.from_list(uniform))
     assert count == 0 and rows_seen == [(4, 4)]
+
+
+def liger_style_forward(self, input_ids=None, logits_to_keep=0, **kwargs):
+    """Stands for Liger's fused forward: defined outside transformers, slices with `[:, logits_to_keep, :]`."""
+    return LlamaForCausalLM.forward(self, input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def test_a_forward_replaced_on_the_instance_keeps_every_position():
+    """Liger's use_liger_kernel sets `model.forward` on the instance (found on a lent GPU: its forward indexed the
+    hidden states with our 2-D mask and raised IndexError). Such a model gets no logits_to_keep, PEFT-wrapped too."""
+    import peft  # noqa: PLC0415
+    from types import MethodType  # noqa: PLC0415
+
+    model = tiny("llama")
+    assert takes_logits_to_keep(model)
+    model.forward = MethodType(liger_style_forward, model)
+    assert not takes_logits_to_keep(model)
+    wrapped = peft.get_peft_model(tiny("llama"), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    assert takes_logits_to_keep(wrapped)
+    wrapped.get_base_model().forward = MethodType(liger_style_forward, wrapped.get_base_model())
+    assert not takes_logits_to_keep(wrapped)

@@ -345,10 +345,12 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, with_accuracy: bool)
 def takes_logits_to_keep(model) -> bool:
     """Whether the model (PEFT-wrapped or not) is transformers' own code with a forward that takes
     `logits_to_keep`: those slice their last hidden states with a 2-D bool tensor before the output layer
-    (`slice_logits_to_keep`). Remote code may slice it differently, so it keeps every position."""
+    (`slice_logits_to_keep`). Remote code may slice it differently, so it keeps every position. The forward is
+    read from the instance: Liger (`use_liger_kernel`) replaces it there with one that takes only an int or a slice."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    native = type(base).__module__.startswith("transformers.")
-    return native and "logits_to_keep" in inspect.signature(type(base).forward).parameters
+    forward = getattr(base.forward, "__func__", base.forward)
+    native = type(base).__module__.startswith("transformers.") and forward.__module__.startswith("transformers.")
+    return native and "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def token_metrics(stats: list[float], prefix: str, with_accuracy: bool) -> dict[str, float]:
