@@ -78,6 +78,9 @@ def cfg(tmp_path):
 
 
 @pytest.mark.slow
+# What 2 nodes add (the rendezvous, a cache per node) is precision-blind; bf16 across processes is
+# test_ddp's, test_fsdp's and test_deepspeed's. One 4-process launch less (about 70 s of the suite).
+@pytest.mark.parametrize("precision", ["fp32"], indirect=True)
 def test_two_nodes_train_like_one_process_and_tokenise_once_per_node(tmp_path, cfg, one_process_reference, precision):
     """2 nodes × 2 processes × batch 2 = 1 process × batch 8: the DDP tolerances of tests/train/test_ddp.py.
     Each node's local rank 0 builds its node's cache once; the other local rank waits for it and reads it (were
