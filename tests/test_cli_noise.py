@@ -85,30 +85,37 @@ def test_deepspeed_cpu_accelerator_note_is_dropped_and_its_other_warnings_kept()
 
 
 QUICK_DATA = ["examples/quickstart.yaml", "max_samples=64"]
-
-
-@pytest.mark.parametrize("argv", [
+LIGHT_COMMANDS = [
     ["template", "list"], ["template", "show", "chatml"], ["--help"], ["data", "--help"], ["env"],
     # `tunelab data` reads the whole config, training options included (config/training_values.py)
     ["data", "stats", *QUICK_DATA, "output_dir=OUT"], ["data", "verify", *QUICK_DATA], ["data", "coverage", *QUICK_DATA],
     ["data", "stats", "examples/pretrain.yaml", "max_samples=64", "output_dir=OUT"],
     ["data", "verify", "examples/dpo.yaml", "max_samples=64", "model_name_or_path=tiny"],
-], ids=lambda argv: " ".join(argv[:2]) + (f" {argv[2].split('/')[-1]}" if len(argv) > 2 else ""))
-def test_light_commands_import_no_training_stack(argv: list[str], tmp_path) -> None:
-    # train's --help lists every TrainingArguments option; building that text imports transformers' training
-    # arguments, and through them peft and bitsandbytes: only `train --help` pays for it.
+]
+TRAINING_STACK = ("peft", "bitsandbytes", "transformers.trainer", "transformers.training_args")
+
+
+def test_light_commands_import_no_training_stack(tmp_path) -> None:
+    """One interpreter runs the commands in turn and lists the training modules loaded after each: sys.modules only
+    grows, so the first command that imports one is the first line that names it (one start-up, not ten).
+    train's --help lists every TrainingArguments option; building that text imports transformers' training
+    arguments, and through them peft and bitsandbytes: only `train --help` pays for it."""
+    import json  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
     repo = Path(__file__).resolve().parents[1]
-    argv = [str(repo / a) if a.startswith("examples/") else a.replace("OUT", str(tmp_path)) for a in argv]
+    commands = [[str(repo / a) if a.startswith("examples/") else a.replace("OUT", str(tmp_path / f"out{i}")) for a in argv]
+                for i, argv in enumerate(LIGHT_COMMANDS)]
     code = (
-        "import sys\nfrom tunelab.cli import main\n"
-        f"try:\n    code = main({argv!r})\nexcept SystemExit as exit:\n    code = exit.code\n"
-        "print(code, sorted(m for m in ('peft', 'bitsandbytes', 'transformers.trainer', 'transformers.training_args') "
-        "if m in sys.modules), file=sys.stderr)"
+        "import json, sys\nfrom tunelab.cli import main\n"
+        f"for argv in {commands!r}:\n"
+        "    try:\n        code = main(argv)\n    except SystemExit as exit:\n        code = exit.code\n"
+        f"    loaded = sorted(m for m in {TRAINING_STACK!r} if m in sys.modules)\n"
+        "    print('LOADED', json.dumps([' '.join(argv[:2]), code, loaded]), file=sys.stderr)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True,
                             cwd=tmp_path)
-    assert result.stderr.strip().splitlines()[-1] == "0 []", result.stderr[-2000:]
+    seen = [json.loads(line[len("LOADED "):]) for line in result.stderr.splitlines() if line.startswith("LOADED ")]
+    assert seen == [[" ".join(argv[:2]), 0, []] for argv in commands], result.stderr[-3000:]
