@@ -10,6 +10,8 @@ logit soft-capping), on padded, padding-free and packed batches, for SFT losses 
 
 from __future__ import annotations
 
+from types import MethodType
+
 import datasets
 import pytest
 import torch
@@ -345,7 +347,6 @@ def test_a_forward_replaced_on_the_instance_keeps_every_position():
     """Liger's use_liger_kernel sets `model.forward` on the instance (found on a lent GPU: its forward indexed the
     hidden states with our 2-D mask and raised IndexError). Such a model gets no logits_to_keep, PEFT-wrapped too."""
     import peft  # noqa: PLC0415
-    from types import MethodType  # noqa: PLC0415
 
     model = tiny("llama")
     assert takes_logits_to_keep(model)
@@ -355,3 +356,23 @@ def test_a_forward_replaced_on_the_instance_keeps_every_position():
     assert takes_logits_to_keep(wrapped)
     wrapped.get_base_model().forward = MethodType(liger_style_forward, wrapped.get_base_model())
     assert not takes_logits_to_keep(wrapped)
+
+
+def test_accelerates_mixed_precision_wrapper_still_keeps_logits():
+    """Under bf16, accelerate's prepare_model wraps a full model's forward on the instance: autocast, then float32
+    outputs (its native-amp branch, rebuilt here from the same public pieces because the suite's AcceleratorState is
+    already fp32). Those wrappers name what they wrap, so the model keeps its logits_to_keep; a check that read the
+    instance's forward only would drop it for every bf16 full fine-tune."""
+    from accelerate.utils import convert_outputs_to_fp32  # noqa: PLC0415
+
+    def mixed_precision(model):
+        model.forward = MethodType(torch.autocast("cpu", dtype=torch.bfloat16)(model.forward.__func__), model)
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+        return model
+
+    model = mixed_precision(tiny("llama"))
+    assert model.forward.__func__.__module__ == "accelerate.utils.operations"  # the wrapper is there
+    assert takes_logits_to_keep(model)
+    model = tiny("llama")
+    model.forward = MethodType(liger_style_forward, model)
+    assert not takes_logits_to_keep(mixed_precision(model))  # Liger's forward under the same wrappers

@@ -346,9 +346,11 @@ def takes_logits_to_keep(model) -> bool:
     """Whether the model (PEFT-wrapped or not) is transformers' own code with a forward that takes
     `logits_to_keep`: those slice their last hidden states with a 2-D bool tensor before the output layer
     (`slice_logits_to_keep`). Remote code may slice it differently, so it keeps every position. The forward is
-    read from the instance: Liger (`use_liger_kernel`) replaces it there with one that takes only an int or a slice."""
+    read from the instance: Liger (`use_liger_kernel`) replaces it there with one that takes only an int or a slice.
+    Wrappers that name what they wrap (`__wrapped__`: accelerate's autocast and float32 outputs under bf16) are
+    looked through."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    forward = getattr(base.forward, "__func__", base.forward)
+    forward = inspect.unwrap(getattr(base.forward, "__func__", base.forward))
     native = type(base).__module__.startswith("transformers.") and forward.__module__.startswith("transformers.")
     return native and "logits_to_keep" in inspect.signature(forward).parameters
 
