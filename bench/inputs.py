@@ -16,6 +16,10 @@ What it writes (deterministic: the same files on every run and machine):
     model-smollm2/      a real pretrained model: SmolLM2-135M-Instruct (30 layers, tied vocabulary of 49,152),
                         its own tokenizer and chat template; a link to bench/.data/real/smollm2-hf, the plain HF
                         folder dequantized from the registry's GGUF (scripts/fetch_real.py; `--models smollm2`)
+    model-smollm2-thin/ SmolLM2's layout, tokenizer and template at its full depth (30 layers) and vocabulary but
+                        widths of 48-128 (random weights): a step costs little arithmetic and as many operator
+                        launches as SmolLM2's, so on a CPU it times the per-operator overhead a GPU step of the
+                        real model waits on (`--models smollm2-thin`)
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
@@ -171,6 +175,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
             real_model(model_dir, out / f"model-{name}", REAL[name])
         elif name == "smollm2":
             smollm2_model(out / "model-smollm2")
+        elif name == "smollm2-thin":
+            thin_model(out / "model-smollm2-thin")
 
     sft = sft_rows(sft_rows_n)
     long_rows = long_prompt_rows(long_rows_n)
@@ -255,6 +261,28 @@ def smollm2_model(link: Path) -> None:
         link.symlink_to(folder.resolve(), target_is_directory=True)
 
 
+# Every width of SmolLM2-135M cut to 48-128 (its depth, vocabulary, GQA ratio and tied head kept): a step's arithmetic is
+# a few percent of the real model's, its operator count the same.
+THIN = {"hidden_size": 48, "intermediate_size": 128, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16}
+
+
+def thin_model(out: Path) -> None:
+    """model-smollm2-thin: SmolLM2's config with THIN's widths, seeded random weights, its tokenizer and template."""
+    import torch  # noqa: PLC0415 (slow imports, only when building inputs)
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+
+    smollm2_model(out.parent / "model-smollm2")
+    source = (out.parent / "model-smollm2").resolve()
+    config = AutoConfig.from_pretrained(source)
+    for key, value in THIN.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+
+
 def real_model(tiny_dir: Path, out: Path, shape: dict) -> None:
     """A Qwen2ForCausalLM of `shape` with the tiny model's tokenizer and special-token ids, seeded random weights."""
     import torch  # noqa: PLC0415 (slow imports, only when building inputs)
@@ -294,7 +322,7 @@ def main() -> None:
     parser.add_argument("--pref-rows", type=int, default=2000)
     parser.add_argument("--docs", type=int, default=8000)
     parser.add_argument("--long-rows", type=int, default=400)
-    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real8, real24 (full depth) and smollm2 (real weights)")
+    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real8, real24 (full depth), smollm2 (real weights) and smollm2-thin")
     args = parser.parse_args()
     manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows,
                      models=tuple(args.models.split(",")))

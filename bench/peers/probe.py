@@ -47,6 +47,20 @@ functions the same way, through two more variables:
     $BENCH_STEP   "module:attr": each return is one optimizer step: {"event": "step", "step", "time"} with
                   zero token counts (a rollout's tokens come from BENCH_TIMED)
 
+$BENCH_COUNT_OPS (a step number k) profiles optimizer step k (on_step_begin to on_step_end: forward, backward,
+optimizer) with torch.profiler on the CPU side and reports what a launch-bound GPU step waits on:
+
+    {"event": "ops", "step", "step_ms", "operators", "all_operators", "syncs", "sync_ops", "top"}
+    and on a GPU also "kernels" and "device_busy_ms" (the kernels' summed time: far below step_ms, the step waits
+    on the host)
+        step_ms        the profiled step's wall time (profiler overhead included)
+        operators      aten operators called from outside any other aten operator (what Python dispatches)
+        all_operators  every aten operator, nested ones too (about one kernel launch each on a GPU)
+        syncs          calls of operators that make a GPU's host wait for the device (SYNC_OPS: a tensor read
+                       as a Python number, boolean indexing, a data-dependent size); .cpu() and .tolist() are
+                       no-ops on a CPU and so not seen here
+        sync_ops       {operator: calls} of those; top: the 12 most called outermost operators
+
 $BENCH_DUMP_BATCHES (a folder) saves every micro-batch a Trainer is given there, batch0000.pt, batch0001.pt, ...
 (torch.save of its tensors), so that the tools' batches can be scored offline by one common forward.
 """
@@ -64,6 +78,10 @@ from contextlib import contextmanager
 OUT_PATH = os.environ.get("BENCH_PROBE_OUT")
 PAD_ID = int(os.environ.get("BENCH_PAD_ID", "0"))
 DUMP_DIR = os.environ.get("BENCH_DUMP_BATCHES")
+COUNT_OPS_STEP = int(os.environ.get("BENCH_COUNT_OPS", "0"))
+# Operators whose CUDA implementation reads a device value on the host (so the host waits for the queue to drain).
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
+            "aten::unique_consecutive", "aten::bincount", "aten::repeat_interleave", "aten::equal", "aten::is_nonzero")
 
 
 def emit(event: str, **fields) -> None:
@@ -254,6 +272,33 @@ class HeldOut:
         return {"accuracy": correct / total, "loss": nll / total, "tokens": total}
 
 
+def operator_counts(profile) -> dict:
+    """The "ops" event's fields (module docstring) from a finished torch.profiler.profile."""
+    from collections import Counter  # noqa: PLC0415
+
+    from torch.autograd import DeviceType  # noqa: PLC0415
+
+    events = profile.events()
+    aten = [e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+    device = [e for e in events if e.device_type != DeviceType.CPU]
+
+    def outermost(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    top = Counter(e.name for e in aten if outermost(e))
+    syncs = Counter(e.name for e in aten if e.name in SYNC_OPS)
+    counts = {"operators": sum(top.values()), "all_operators": len(aten), "syncs": sum(syncs.values()),
+              "sync_ops": dict(syncs.most_common()), "top": top.most_common(12)}
+    if device:
+        counts.update(kernels=len(device), device_busy_ms=sum(e.time_range.elapsed_us() for e in device) / 1000)
+    return counts
+
+
 def install() -> None:
     import transformers  # noqa: PLC0415
 
@@ -262,11 +307,33 @@ def install() -> None:
             self.pending = [0, 0, 0, 0]
             self.batch_keys: list[str] | None = None  # of the first micro-batch, reported with step 1
             self.dumped = 0  # micro-batches saved to $BENCH_DUMP_BATCHES
+            self.profile = None  # torch.profiler of step $BENCH_COUNT_OPS while it runs
+            self.profile_start = 0.0
 
         def on_train_begin(self, args, state, control, **kwargs):
             emit("train_begin", time=time.time())
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            if COUNT_OPS_STEP and state.global_step + 1 == COUNT_OPS_STEP:
+                import torch  # noqa: PLC0415
+
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                    torch.cuda.synchronize()
+                self.profile = torch.profiler.profile(activities=activities)
+                self.profile.__enter__()
+                self.profile_start = time.perf_counter()
+
         def on_step_end(self, args, state, control, **kwargs):
+            if self.profile is not None:
+                torch = sys.modules["torch"]
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    torch.cuda.synchronize()
+                step_ms = (time.perf_counter() - self.profile_start) * 1000
+                self.profile.__exit__(None, None, None)
+                emit("ops", step=state.global_step, step_ms=step_ms, **operator_counts(self.profile))
+                self.profile = None
             tokens, supervised, positions, micro = self.pending
             extra = {"batch_keys": self.batch_keys} if state.global_step == 1 else {}
             torch = sys.modules.get("torch")
