@@ -11,7 +11,8 @@
 #                      tunelab computes its loss itself, so it gets Liger's other kernels and keeps its
 #                      own logits-at-labels-only loss)
 #
-# Then the real model, SmolLM2-135M-Instruct (sft/dpo against every peer, GRPO against TRL), and the Liger check: tunelab trains the embedded tiny model 20 steps in bf16 with LlamaFactory's key
+# Then the real model, SmolLM2-135M-Instruct (sft/dpo against every peer, GRPO against TRL; step 5, inside the
+# warm-up the timing drops, is profiled: kernels launched and the GPU's busy share of the step), and the Liger check: tunelab trains the embedded tiny model 20 steps in bf16 with LlamaFactory's key
 # `enable_liger_kernel: true` (transformers' use_liger_kernel) and without it: the two final training losses must
 # agree within 5% (Liger's kernels change rounding, not the maths).
 #
@@ -122,7 +123,7 @@ if has "$SECTIONS" smollm2; then
   for workload in sft_lora sft_lora_packed sft_full dpo_lora_mixed; do
     run "$PYTHON" "$HERE/run.py" --model smollm2 --device cuda --bf16 --peak-tflops "$PEAK" --steps "$STEPS" \
       --repeats "$REPEATS" --cutoff-len 1024 --batch-size "$BATCH" --workloads "$workload" --tools "$TOOLS" \
-      --no-second-launch --label "gpu $GPU smollm2"
+      --no-second-launch --count-ops 5 --label "gpu $GPU smollm2"
   done
 fi
 if has "$SECTIONS" grpo; then

@@ -143,6 +143,7 @@ class Settings:
     lora_alpha: int = 16
     tunelab_options: dict = field(default_factory=dict)  # --tunelab-set: extra keys of tunelab's config
     heldout_every: int = 0  # --heldout-every: the probe's held-out accuracy every N steps (SFT workloads)
+    sequential: bool = False  # --sequential: every tool takes the rows in file order (the same batches)
 
 
 # --- per-tool command lines ---------------------------------------------------------------------
@@ -157,7 +158,8 @@ def model_dir(s: Settings) -> Path:
 # tunelab's `model` and LlamaFactory's `smollm2`.
 _CHATML = {"tunelab": "chatml", "llamafactory": "chatml"}
 TEMPLATES = {"tiny": _CHATML, "small": _CHATML, "real": _CHATML, "real8": _CHATML, "real24": _CHATML,
-             "smollm2": {"tunelab": "model", "llamafactory": "smollm2"}}
+             "smollm2": {"tunelab": "model", "llamafactory": "smollm2"},
+             "smollm2-thin": {"tunelab": "model", "llamafactory": "smollm2"}}
 
 
 # With Workload.defaults these keys are left to the tool (trl_train.py / hf_train.py do the same from the spec).
@@ -183,6 +185,8 @@ def tunelab_command(w: Workload, s: Settings, steps: int, out: Path) -> tuple[li
         config["tail"] = "drop"
     if s.liger:
         config["use_liger_kernel"] = True
+    if s.sequential:
+        config["train_sampling_strategy"] = "sequential"
     if w.defaults:
         for key in DEFAULTS_UNPINNED:
             config.pop(key, None)
@@ -209,6 +213,8 @@ def llamafactory_command(w: Workload, s: Settings, steps: int, out: Path) -> tup
         config.update(lora_rank=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, lora_target="all")
     if w.stage == "dpo":
         config.update(pref_beta=0.1, pref_loss="sigmoid")
+    if s.sequential:
+        config["disable_shuffling"] = True
     if w.defaults:
         for key in (*DEFAULTS_UNPINNED, "disable_gradient_checkpointing", "neat_packing"):
             config.pop(key, None)
@@ -225,7 +231,7 @@ def _spec_file(w: Workload, s: Settings, steps: int, out: Path) -> Path:
         "cutoff_len": s.cutoff_len,
         "batch_size": s.batch_size, "max_steps": steps, "learning_rate": w.learning_rate, "seed": s.seed,
         "lora_rank": s.lora_rank, "lora_alpha": s.lora_alpha, "bf16": s.bf16, "beta": 0.1, "defaults": w.defaults,
-        "device": s.device, "attn": s.attn, "liger": s.liger,
+        "device": s.device, "attn": s.attn, "liger": s.liger, "sequential": s.sequential,
     }
     path = out / "spec.json"
     path.write_text(json.dumps(spec, indent=2))
@@ -362,6 +368,7 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
     heldout = [(e["since_launch"], e["accuracy"]) for e in evaluations]
     tok_s = tokens / seconds
     warm_steps = [e for e in (warm.events if warm else []) if e["event"] == "step"]
+    ops = next((e for e in cold.events if e["event"] == "ops"), {})
     return {
         "sup_tok_s": supervised / seconds,
         "tok_s": tok_s,
@@ -386,6 +393,12 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "steady_steps": len(window),
         "tokens_per_step": sum(e["tokens"] for e in steps) / len(steps),
         "wall_s": cold.seconds,
+        "operators": ops.get("operators"),  # --count-ops: aten operators and host syncs of one step (the probe's)
+        "syncs": ops.get("syncs"),
+        "kernels": ops.get("kernels"),  # on a GPU: kernels launched, and their summed time against the step's
+        "device_busy_share": ops["device_busy_ms"] / ops["step_ms"] if ops.get("device_busy_ms") else None,
+        "sync_ops": ops.get("sync_ops"),
+        "top_operators": ops.get("top"),
     }
 
 
@@ -472,8 +485,10 @@ COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
            ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("peak_gpu_mb", "GPU MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
            ("time_to_target_s", "t→loss", "{:.1f}s"), ("final_accuracy", "acc", "{:.1%}"),
-           ("time_to_accuracy_s", "t→acc", "{:.1f}s"), ("final_heldout_loss", "h-loss", "{:.4f}")]
-HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff"}
+           ("time_to_accuracy_s", "t→acc", "{:.1f}s"), ("final_heldout_loss", "h-loss", "{:.4f}"),
+           ("operators", "ops/step", "{:,.0f}"), ("syncs", "syncs", "{:,.0f}"), ("kernels", "kernels", "{:,.0f}"),
+           ("device_busy_share", "GPU busy", "{:.0%}")]
+HIGHER_IS_BETTER = {"sup_tok_s", "tok_s", "mfu", "pre_ex_s", "pack_eff", "device_busy_share"}
 
 
 def table(medians: dict, targets: dict, accuracy_targets: dict | None = None) -> str:
@@ -546,6 +561,10 @@ def main() -> None:
     parser.add_argument("--heldout-every", type=int, default=0, metavar="N",
                         help="SFT workloads: the probe's held-out token accuracy every N steps and at the last (t→acc)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (configs, logs, outputs)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="every tool takes the rows in file order, unshuffled: the same batches, so the losses compare")
+    parser.add_argument("--count-ops", type=int, default=0, metavar="STEP",
+                        help="count the aten operators and host-device syncs of optimizer step STEP (bench/peers/probe.py)")
     args = parser.parse_args()
     options = {}
     for item in args.tunelab_set:
@@ -556,7 +575,7 @@ def main() -> None:
     settings = Settings(args.steps, args.batch_size, args.cutoff_len, args.seed, args.bf16, args.threads, args.model,
                         device=args.device, attn=args.attn, liger=args.liger,
                         second_launch=not args.no_second_launch, tunelab_options=options,
-                        heldout_every=args.heldout_every)
+                        heldout_every=args.heldout_every, sequential=args.sequential)
     workloads = args.workloads.split(",")
     tools = args.tools.split(",")
     unknown = [w for w in workloads if w not in WORKLOADS] + [t for t in tools if t not in TOOLS]
@@ -581,6 +600,8 @@ def main() -> None:
            "DISABLE_VERSION_CHECK": "1", "PYTHONHASHSEED": "0", "BENCH_PAD_ID": str(pad_id(model_dir(settings))),
            # transformers >= 5.25 would fetch Hub kernels on a GPU (offline: it fails); tunelab sets use_kernels off
            "USE_HUB_KERNELS": "NO"}
+    if args.count_ops:
+        env["BENCH_COUNT_OPS"] = str(args.count_ops)
     env.pop("TOKENIZERS_PARALLELISM", None)
     if args.tokenizers_parallelism == "off":
         env["TOKENIZERS_PARALLELISM"] = "false"
@@ -625,12 +646,15 @@ def main() -> None:
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
                                        ("tool", "workload", "repeat", "returncode", "loss_curve",
-                                        "heldout_curve")}
+                                        "heldout_curve", "sync_ops", "top_operators")}
             else:
                 medians[name][tool] = {"error": "failed, see the JSON"}
         targets[name] = target
 
     print(table(medians, targets, accuracy_targets))
+    for record in (r for r in records if r.get("sync_ops") is not None and r["repeat"] == 0):
+        print(f"{record['workload']} {record['tool']} step {args.count_ops}: syncs {record['sync_ops']}; most called: "
+              + ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in record["top_operators"]))
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {

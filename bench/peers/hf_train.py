@@ -84,6 +84,7 @@ def main() -> None:
         bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=spec.get("device", "cpu") == "cpu",
         use_liger_kernel=spec.get("liger", False),
         remove_unused_columns=False, disable_tqdm=True,
+        train_sampling_strategy="sequential" if spec.get("sequential") else "random",
     )
     collator = default_data_collator if spec["stage"] == "pt" else DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100)
     Trainer(model=model, args=args, train_dataset=train, data_collator=collator).train()

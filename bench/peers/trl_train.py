@@ -53,6 +53,7 @@ def main() -> None:
         bf16=spec["bf16"], gradient_checkpointing=False, dataloader_num_workers=0, use_cpu=spec.get("device", "cpu") == "cpu",
         use_liger_kernel=spec.get("liger", False),
         disable_tqdm=True, max_length=spec["cutoff_len"],
+        train_sampling_strategy="sequential" if spec.get("sequential") else "random",
     )
     if spec.get("defaults"):  # the sft_lora_defaults workload: TRL's own choices, as a user would run it
         for key in ("bf16", "gradient_checkpointing", "dataloader_num_workers"):
