@@ -376,3 +376,81 @@ def test_accelerates_mixed_precision_wrapper_still_keeps_logits():
     model = tiny("llama")
     model.forward = MethodType(liger_style_forward, model)
     assert not takes_logits_to_keep(mixed_precision(model))  # Liger's forward under the same wrappers
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_dpo_log_probs_by_a_host_built_index_equal_the_plain_path(family, padding_free):
+    """A pair batch with a (rows, W) index as logits_to_keep and, padding-free, its sequence count: the same
+    log-probs, token counts and gradients as the plain path (logits come back (rows, W, vocab))."""
+    model, b = tiny(family), pairs_batch(padding_free)
+    index = losses.next_token_index(b["labels"], max_waste=10.0)
+    indexed = {**b, "logits_to_keep": index, **({"sequence_count": 8} if padding_free else {})}
+    weights = torch.linspace(-1.0, 1.0, 8)
+    shapes = []
+    model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
+
+    def kept(m, batch_):
+        logps, counts = batch_log_probs(m, batch_, keep_logits=True)
+        assert counts.tolist() == [len(s["input_ids"]) - s["labels"].count(-100) for s in samples()]
+        return (logps * weights).sum()
+
+    with torch.no_grad():
+        expected = plain_sequence_log_probs(model, b)
+        assert (batch_log_probs(model, indexed, keep_logits=True)[0] - expected).abs().max().item() < TOLERANCE
+    assert shapes[-1] == (b["labels"].shape[0], index.shape[1], VOCAB)
+    value_plain, grads_plain = loss_and_grads(model, lambda m, batch_: (plain_sequence_log_probs(m, batch_) * weights).sum(), b)
+    value_kept, grads_kept = loss_and_grads(model, kept, indexed)
+    assert abs(value_plain - value_kept) < TOLERANCE
+    assert max_diff(grads_plain, grads_kept) < TOLERANCE
+
+
+def test_a_dpo_step_on_a_host_batch_selects_by_no_data_dependent_shape(tmp_path):
+    """PreferenceTrainer builds the index and the sequence count on the host (as TunelabTrainer does for SFT), so
+    the DPO loss — policy and reference forwards, log-probs, per-sequence sums — makes no GPU count anything; the
+    loss and gradients equal the device-side path (keep by mask, count the sequences from sequence_ids)."""
+    import copy  # noqa: PLC0415
+
+    from tunelab.config.args import FinetuningArguments  # noqa: PLC0415
+    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
+    from tunelab.train.preference_trainer import PreferenceTrainer  # noqa: PLC0415
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, remove_unused_columns=False)
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for _ in range(4):  # chosen: 10 tokens, 4 answered; rejected: 5 tokens, 2 answered (two share a row of 10)
+        chosen, rejected = torch.randint(3, VOCAB, (10,), generator=g).tolist(), torch.randint(3, VOCAB, (5,), generator=g).tolist()
+        rows.append({"chosen_input_ids": chosen, "chosen_labels": [-100] * 6 + chosen[6:],
+                     "rejected_input_ids": rejected, "rejected_labels": [-100] * 3 + rejected[3:]})
+    host = PairedCollator(0, padding_free=PaddingFreeCollator(PackedCollator(0)))(rows)
+    assert host["labels"].shape == (6, 10) and (host["sequence_ids"] == -1).sum() == 0  # equal counts: no filling
+
+    def step(prepare: bool):
+        policy = tiny("llama")
+        trainer = PreferenceTrainer(stage="dpo", finetuning=FinetuningArguments(stage="dpo"), model=policy, args=args,
+                                    ref_model=copy.deepcopy(policy).eval(), data_collator=None)
+        batch = trainer._with_kept_logits(policy, host) if prepare else host
+        counter = CountOps()
+        with counter:
+            loss = trainer.compute_loss(policy, batch)
+        loss.backward()
+        return batch, counter.count, loss.item(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+    batch, count, loss, grads = step(prepare=True)
+    assert batch["logits_to_keep"].dtype == torch.long and batch["logits_to_keep"].shape[0] == host["labels"].shape[0]
+    assert batch["sequence_count"] == 8
+    assert count == 0
+    _, count_device, loss_device, grads_device = step(prepare=False)
+    assert count_device > 0  # the mask path: the model's slice and the owners each count on the device
+    assert abs(loss - loss_device) < TOLERANCE
+    assert max_diff(grads, grads_device) < TOLERANCE
+
+
+def test_a_gpu_takes_more_filling_rows_than_a_cpu_before_it_counts_on_the_device():
+    """Padding-free pair rows of unequal answer counts (the DPO bench's fill 0.5-1.6): a CPU keeps them by mask (the
+    filling would be arithmetic), a GPU by index (a count read back would stall its queue)."""
+    labels = torch.tensor([[-100] + [7] * 9, [-100] * 6 + [7] * 4])  # 9 and 4 kept positions: W = 9, 18 rows for 13
+    assert losses.max_index_waste(torch.device("cpu")) == losses.MAX_INDEX_WASTE == 0.25
+    assert losses.next_token_index(labels, losses.max_index_waste(torch.device("cpu"))) is None
+    index = losses.next_token_index(labels, losses.max_index_waste(torch.device("cuda")))
+    assert index.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 0, 1, 2, 3, 4]]

@@ -17,16 +17,18 @@ returns the (N, vocab) logits of the N kept positions, in row-major order, after
 logit processing such as Gemma-2's soft-capping). With a real vocabulary (Qwen2.5: 151,936) and long
 prompts this removes most of the output layer's compute and memory. Selecting with a bool mask on a GPU
 makes the host wait for the device to count the kept positions. So a batch still on the host instead gets a
-(batch, W) index of positions built there before it moves (`next_token_index`): each row's kept positions, then
+(batch, W) index of positions built there before it moves (`next_token_index`; TunelabTrainer for SFT and pt,
+PreferenceTrainer for pair batches): each row's kept positions, then
 positions whose targets are -100 up to the widest row's count W; the logits come back (batch, W, vocab) and their
 targets are picked per row by a stable sort, without reading a count back (`next_token_targets` with W). A
 padding-free batch is one row (W = N exactly), packed rows and pt windows keep about the same count each; where
-filling rows to W would add more than MAX_INDEX_WASTE of head rows (padded rows of unequal answers) the mask is
-used. All three shapes — (N, vocab), (batch, W, vocab) of the kept positions, or (batch, seq, vocab) of every
-position — go through
-`token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax
-exist for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the
-logits' own dtype.
+filling rows to W would add more than `max_index_waste` of head rows (padded rows of unequal answers, padding-free
+pair rows) the mask is used. That limit depends on the device: on a CPU each filling row is arithmetic the step
+pays for (MAX_INDEX_WASTE); on a GPU it costs microseconds while a count read back stalls the launch queue, so more
+filling is taken there (MAX_INDEX_WASTE_ACCELERATOR; the index never has more rows than every position).
+All three shapes — (N, vocab), (batch, W, vocab) of the kept positions, or (batch, seq, vocab) of every position —
+go through `token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax exist
+for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the logits' own dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ import torch
 from tunelab.data.encode import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 2**24  # float32 logits per chunk (64 MiB): ~110 rows of a 151,936-token vocabulary
-MAX_INDEX_WASTE = 0.25  # next_token_index: at most this share of extra head rows to avoid a device count
+MAX_INDEX_WASTE = 0.25  # next_token_index on a CPU: at most this share of extra head rows to avoid a device count
+MAX_INDEX_WASTE_ACCELERATOR = 2.0  # on a GPU: pair batches' rows of 1-9 sequences fill 0.5-1.6 (SmolLM2's DPO bench)
 
 
 def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,11 @@ def next_token_mask(labels: torch.Tensor) -> torch.Tensor:
     mask = torch.zeros(labels.shape, dtype=torch.bool, device=labels.device)
     mask[:, :-1] = labels[:, 1:] != IGNORE_INDEX
     return mask
+
+
+def max_index_waste(device: torch.device) -> float:
+    """The share of filling head rows next_token_index may add on `device` (module docstring)."""
+    return MAX_INDEX_WASTE if device.type == "cpu" else MAX_INDEX_WASTE_ACCELERATOR
 
 
 def next_token_index(labels: torch.Tensor, max_waste: float = MAX_INDEX_WASTE) -> torch.Tensor | None:
@@ -60,6 +68,12 @@ def next_token_index(labels: torch.Tensor, max_waste: float = MAX_INDEX_WASTE) -
     return torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :width]
 
 
+def next_token_order(labels: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, width) positions of labels[:, 1:] in next_token_index's order: each row's supervised positions first,
+    in order, then the others (a stable sort, so no boolean indexing and no count read back from a GPU)."""
+    return torch.argsort((labels[:, 1:] == IGNORE_INDEX).to(torch.uint8), dim=1, stable=True)[:, :width]
+
+
 def next_token_targets(labels: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """The labels the kept positions predict.
 
@@ -69,8 +83,7 @@ def next_token_targets(labels: torch.Tensor, width: int | None = None) -> torch.
     shifted = labels[:, 1:]
     if width is None:
         return shifted[shifted != IGNORE_INDEX]
-    order = torch.argsort((shifted == IGNORE_INDEX).to(torch.uint8), dim=1, stable=True)
-    return shifted.gather(1, order[:, :width])
+    return shifted.gather(1, next_token_order(labels, width))
 
 
 def kept_pairs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tunelab.data.encode import IGNORE_INDEX
-from tunelab.train.losses import kept_pairs, token_log_probs
+from tunelab.train.losses import kept_pairs, next_token_order, token_log_probs
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
 REFERENCE_FREE_LOSSES = ("orpo", "simpo")
@@ -28,28 +28,36 @@ AVERAGED_LOSSES = ("ipo", "orpo", "simpo")  # log-probs averaged over the answer
 
 
 def sequence_log_probs(
-    logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None
+    logits: torch.Tensor, labels: torch.Tensor, sequence_ids: torch.Tensor | None = None,
+    sequence_count: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of log-probs over supervised tokens, number of supervised tokens), one per sequence.
 
-    logits: (N, L, V) of every position, or (K, V) of the K positions that predict a label only (the
-    model ran with `logits_to_keep`, train/losses.py); labels: (N, L), -100 where nothing is supervised.
-    Token t's logits predict label t+1. Computed in float32 chunks (losses.token_log_probs), without a
-    log-softmax copy of the logits. A sequence is a row, or with `sequence_ids` ((N, L): the owner
-    0..S-1 of each position, -1 at padding; padding-free pair batches) every position with that id; a
-    sequence's first label is -100, so no prediction crosses from one sequence into the next.
+    logits: (N, L, V) of every position, or of the positions that predict a label only (the model ran with
+    `logits_to_keep`, train/losses.py): (K, V) for a bool mask, (N, W, V) for a host-built index. labels: (N, L),
+    -100 where nothing is supervised. Token t's logits predict label t+1. Computed in float32 chunks
+    (losses.token_log_probs), without a log-softmax copy of the logits. A sequence is a row, or with `sequence_ids`
+    ((N, L): the owner 0..S-1 of each position, -1 at padding; padding-free pair batches) every position with that
+    id; a sequence's first label is -100, so no prediction crosses from one sequence into the next. With an index
+    and `sequence_count` (S, counted on the host) nothing here makes a GPU report a value back: the owners follow
+    the index's order (losses.next_token_order) and both sums are scatter-adds.
     """
     labels = labels.to(logits.device)
-    supervised = labels[:, 1:] != IGNORE_INDEX
-    token_logps = token_log_probs(*kept_pairs(logits, labels))[0]
+    kept, targets = kept_pairs(logits, labels)
+    token_logps = token_log_probs(kept, targets)[0]
     if sequence_ids is None:
-        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(supervised)
-        owners, count = rows[supervised], labels.shape[0]
+        owner = torch.arange(labels.shape[0], device=labels.device)[:, None].expand(-1, labels.shape[1] - 1)
+        count = labels.shape[0]
     else:
-        sequence_ids = sequence_ids.to(labels.device)
-        owners, count = sequence_ids[:, 1:][supervised], int(sequence_ids.max()) + 1
+        owner = sequence_ids.to(labels.device)[:, 1:]
+        count = sequence_count if sequence_count is not None else int(sequence_ids.max()) + 1
+    if logits.dim() == 3 and logits.shape[:2] != labels.shape:  # an index: filling positions add 0 to any owner
+        owners = owner.gather(1, next_token_order(labels, logits.shape[1])).clamp(min=0).reshape(-1)
+    else:
+        owners = owner[labels[:, 1:] != IGNORE_INDEX]
+    supervised = (targets != IGNORE_INDEX).long()
     sums = token_logps.new_zeros(count).index_add(0, owners, token_logps)
-    return sums, torch.bincount(owners, minlength=count)
+    return sums, torch.zeros(count, dtype=torch.long, device=owners.device).index_add(0, owners, supervised)
 
 
 def bradley_terry_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch import nn
 
 from tunelab.config.args import FinetuningArguments
 from tunelab.train import preference_losses as losses
-from tunelab.train.losses import next_token_mask
+from tunelab.train.losses import max_index_waste, next_token_index, next_token_mask
 from tunelab.train.trainer import TunelabTrainer, takes_logits_to_keep
 
 PAIR_REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -72,12 +72,16 @@ def reference_view(model: nn.Module, ref_model: nn.Module | None):
 def batch_log_probs(model: nn.Module, batch: dict, keep_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob, supervised token count) of every sequence of a PairedCollator batch, padded
     (a row each) or padding-free (`sequence_ids`; the model gets the packed keys of PackedCollator).
-    With `keep_logits` (the model takes logits_to_keep) only positions that predict a label get logits."""
+    With `keep_logits` (the model takes logits_to_keep) only positions that predict a label get logits: by the
+    batch's `logits_to_keep` index when the trainer built one on the host (PreferenceTrainer._with_kept_logits),
+    else by the labels' mask."""
     inputs = {key: batch[key] for key in MODEL_INPUTS if key in batch}
     if keep_logits:
-        inputs["logits_to_keep"] = next_token_mask(batch["labels"])
+        index = batch.get("logits_to_keep")
+        inputs["logits_to_keep"] = index if index is not None else next_token_mask(batch["labels"])
     outputs = model(**inputs, use_cache=False)
-    return losses.sequence_log_probs(outputs.logits, batch["labels"], batch.get("sequence_ids"))
+    return losses.sequence_log_probs(outputs.logits, batch["labels"], batch.get("sequence_ids"),
+                                     batch.get("sequence_count"))
 
 
 @torch.no_grad()
@@ -112,8 +116,25 @@ class PreferenceTrainer(TunelabTrainer):
         super().__init__(*args, compute_loss_func=None, finetuning=finetuning, **kwargs)
         self.stage = stage
         self.ref_model = ref_model.to(self.args.device) if ref_model is not None else None
-        # mode ("train" / "eval") -> metric name -> [sum, count]
-        self._metric_sums: dict[str, dict[str, list[float]]] = defaultdict(dict)
+        # mode ("train" / "eval") -> metric name -> [sum (a device tensor once recorded), count]
+        self._metric_sums: dict[str, dict[str, list]] = defaultdict(dict)
+
+    def _with_kept_logits(self, model, inputs: dict) -> dict:
+        """A pair batch still on the host gets what lets its loss run without a GPU reporting back: the number of
+        sequences (`sequence_count`, of a padding-free batch's sequence_ids) and, when the policy takes
+        logits_to_keep, an index of the positions to keep (losses.next_token_index; None when filling rows to
+        equal widths would waste too many head rows, and then batch_log_probs keeps by mask)."""
+        labels = inputs.get("labels")
+        if self.stage == "rm" or labels is None or labels.device.type != "cpu" or "logits_to_keep" in inputs:
+            return inputs
+        extra = {}
+        if "sequence_ids" in inputs:
+            extra["sequence_count"] = int(inputs["sequence_ids"].max()) + 1
+        if self._keeps_logits(model):
+            index = next_token_index(labels, max_index_waste(self.args.device)) if labels.dim() == 2 else None
+            if index is not None:
+                extra["logits_to_keep"] = index
+        return {**inputs, **extra}
 
     # ---- losses --------------------------------------------------------------------------------------------
 
@@ -187,7 +208,7 @@ class PreferenceTrainer(TunelabTrainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """Evaluation: the loss only (metrics are recorded by compute_loss); no logits are gathered."""
-        inputs = self._prepare_inputs(inputs)
+        inputs = self._prepare_inputs(self._with_kept_logits(model, inputs))
         with torch.no_grad(), self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
@@ -195,9 +216,9 @@ class PreferenceTrainer(TunelabTrainer):
     def _record(self, mode: str, values: dict[str, torch.Tensor]) -> None:
         sums = self._metric_sums[mode]
         for name, tensor in values.items():
-            if tensor.numel():
+            if tensor.numel():  # summed on the device; read once, at the log line
                 total = sums.setdefault(name, [0.0, 0])
-                total[0] += float(tensor.detach().float().sum())
+                total[0] = total[0] + tensor.detach().float().sum()
                 total[1] += tensor.numel()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -209,5 +230,5 @@ class PreferenceTrainer(TunelabTrainer):
             loss_keys = [k for k in logs if k.endswith("_loss")]
             mode, prefix = "eval", (loss_keys[0][: -len("loss")] if loss_keys else "eval_")
         for name, (total, count) in self._metric_sums.pop(mode, {}).items():
-            logs[f"{prefix}{name}"] = total / count
+            logs[f"{prefix}{name}"] = float(total) / count
         super().log(logs, start_time)

@@ -45,6 +45,7 @@ from tunelab.train.losses import (
     CausalLMLoss,
     causal_lm_loss_func,
     kept_pairs,
+    max_index_waste,
     next_token_mask,
     next_token_index,
     token_log_probs,
@@ -299,7 +300,8 @@ class TunelabTrainer(transformers.Trainer):
             return inputs
         if not self._keeps_logits(model):
             return inputs
-        index = next_token_index(labels) if labels.dim() == 2 and labels.device.type == "cpu" else None
+        on_host = labels.dim() == 2 and labels.device.type == "cpu"
+        index = next_token_index(labels, max_index_waste(self.args.device)) if on_host else None
         return {**inputs, "logits_to_keep": index if index is not None else next_token_mask(labels)}
 
     def _keeps_logits(self, model) -> bool:
