@@ -56,6 +56,13 @@ def max_index_waste(device: torch.device) -> float:
     return MAX_INDEX_WASTE if device.type == "cpu" else MAX_INDEX_WASTE_ACCELERATOR
 
 
+def next_token_order(labels: torch.Tensor, width: int) -> torch.Tensor:
+    """(batch, width) positions of labels[:, 1:], each row's supervised ones first, in order, then the others: a
+    stable sort, so no boolean indexing and no count read back from a GPU. Position t predicts label t + 1, so this is
+    next_token_index's index and the order in which next_token_targets and sequence_log_probs pick per row."""
+    return torch.argsort((labels[:, 1:] == IGNORE_INDEX).to(torch.uint8), dim=1, stable=True)[:, :width]
+
+
 def next_token_index(labels: torch.Tensor, max_waste: float = MAX_INDEX_WASTE) -> torch.Tensor | None:
     """(batch, W) int64 `logits_to_keep` for labels on the host: per row its positions whose next-token label is
     supervised, in order, then unsupervised positions up to W, the largest count of a row. None when that filling
@@ -65,13 +72,7 @@ def next_token_index(labels: torch.Tensor, max_waste: float = MAX_INDEX_WASTE) -
     width, kept = int(counts.max()), int(counts.sum())
     if kept == 0 or labels.shape[0] * width > (1 + max_waste) * kept:
         return None
-    return torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :width]
-
-
-def next_token_order(labels: torch.Tensor, width: int) -> torch.Tensor:
-    """(batch, width) positions of labels[:, 1:] in next_token_index's order: each row's supervised positions first,
-    in order, then the others (a stable sort, so no boolean indexing and no count read back from a GPU)."""
-    return torch.argsort((labels[:, 1:] == IGNORE_INDEX).to(torch.uint8), dim=1, stable=True)[:, :width]
+    return next_token_order(labels, width)
 
 
 def next_token_targets(labels: torch.Tensor, width: int | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch import nn
 
 from tunelab.config.args import FinetuningArguments
 from tunelab.train import preference_losses as losses
-from tunelab.train.losses import max_index_waste, next_token_index, next_token_mask
+from tunelab.train.losses import next_token_mask
 from tunelab.train.trainer import TunelabTrainer, takes_logits_to_keep
 
 PAIR_REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -130,10 +130,9 @@ class PreferenceTrainer(TunelabTrainer):
         extra = {}
         if "sequence_ids" in inputs:
             extra["sequence_count"] = int(inputs["sequence_ids"].max()) + 1
-        if self._keeps_logits(model):
-            index = next_token_index(labels, max_index_waste(self.args.device)) if labels.dim() == 2 else None
-            if index is not None:
-                extra["logits_to_keep"] = index
+        index = self._host_index(labels) if self._keeps_logits(model) else None
+        if index is not None:
+            extra["logits_to_keep"] = index
         return {**inputs, **extra}
 
     # ---- losses --------------------------------------------------------------------------------------------

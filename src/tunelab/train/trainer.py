@@ -300,9 +300,14 @@ class TunelabTrainer(transformers.Trainer):
             return inputs
         if not self._keeps_logits(model):
             return inputs
-        on_host = labels.dim() == 2 and labels.device.type == "cpu"
-        index = next_token_index(labels, max_index_waste(self.args.device)) if on_host else None
+        index = self._host_index(labels)
         return {**inputs, "logits_to_keep": index if index is not None else next_token_mask(labels)}
+
+    def _host_index(self, labels: torch.Tensor) -> torch.Tensor | None:
+        """next_token_index of labels still on the host, with the waste the training device allows; else None."""
+        if labels.dim() != 2 or labels.device.type != "cpu":
+            return None
+        return next_token_index(labels, max_index_waste(self.args.device))
 
     def _keeps_logits(self, model) -> bool:
         """takes_logits_to_keep of the trained model, looked up once (at its first batch)."""
