@@ -175,10 +175,19 @@ def plain_sequence_log_probs(model, b: dict) -> torch.Tensor:
     return torch.zeros(8).index_add(0, owners[mask], token[mask])
 
 
+@pytest.mark.parametrize("keep", ["mask", "index"])
 @pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_dpo_log_probs_and_gradients_equal_the_plain_path(family, padding_free):
+def test_dpo_log_probs_and_gradients_equal_the_plain_path(family, padding_free, keep):
+    """Kept by the labels' mask, or by a (rows, W) index built on the host (with, padding-free, the sequence count)
+    whose logits come back (rows, W, vocab): the plain path's log-probs, token counts and gradients."""
     model, b = tiny(family), pairs_batch(padding_free)
+    plain_batch = b
+    if keep == "index":
+        index = losses.next_token_index(b["labels"], max_waste=10.0)
+        b = {**b, "logits_to_keep": index, **({"sequence_count": 8} if padding_free else {})}
+        shapes = []
+        model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
     weights = torch.linspace(-1.0, 1.0, 8)  # a different gradient for every sequence, as DPO's are
 
     def plain(m, batch_):
@@ -190,11 +199,13 @@ def test_dpo_log_probs_and_gradients_equal_the_plain_path(family, padding_free):
         return (logps * weights).sum()
 
     with torch.no_grad():
-        expected = plain_sequence_log_probs(model, b)
+        expected = plain_sequence_log_probs(model, plain_batch)
         assert (batch_log_probs(model, b, keep_logits=True)[0] - expected).abs().max().item() < TOLERANCE
-        every = model(**model_inputs(b)).logits
+        if keep == "index":
+            assert shapes[-1] == (b["labels"].shape[0], index.shape[1], VOCAB)
+        every = model(**model_inputs(plain_batch)).logits
         assert (sequence_log_probs(every, b["labels"], b.get("sequence_ids"))[0] - expected).abs().max().item() < TOLERANCE
-    value_plain, grads_plain = loss_and_grads(model, plain, b)
+    value_plain, grads_plain = loss_and_grads(model, plain, plain_batch)
     value_kept, grads_kept = loss_and_grads(model, kept, b)
     assert abs(value_plain - value_kept) < TOLERANCE
     assert max_diff(grads_plain, grads_kept) < TOLERANCE
@@ -376,33 +387,6 @@ def test_accelerates_mixed_precision_wrapper_still_keeps_logits():
     model = tiny("llama")
     model.forward = MethodType(liger_style_forward, model)
     assert not takes_logits_to_keep(mixed_precision(model))  # Liger's forward under the same wrappers
-
-
-@pytest.mark.parametrize("padding_free", [False, True])
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_dpo_log_probs_by_a_host_built_index_equal_the_plain_path(family, padding_free):
-    """A pair batch with a (rows, W) index as logits_to_keep and, padding-free, its sequence count: the same
-    log-probs, token counts and gradients as the plain path (logits come back (rows, W, vocab))."""
-    model, b = tiny(family), pairs_batch(padding_free)
-    index = losses.next_token_index(b["labels"], max_waste=10.0)
-    indexed = {**b, "logits_to_keep": index, **({"sequence_count": 8} if padding_free else {})}
-    weights = torch.linspace(-1.0, 1.0, 8)
-    shapes = []
-    model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
-
-    def kept(m, batch_):
-        logps, counts = batch_log_probs(m, batch_, keep_logits=True)
-        assert counts.tolist() == [len(s["input_ids"]) - s["labels"].count(-100) for s in samples()]
-        return (logps * weights).sum()
-
-    with torch.no_grad():
-        expected = plain_sequence_log_probs(model, b)
-        assert (batch_log_probs(model, indexed, keep_logits=True)[0] - expected).abs().max().item() < TOLERANCE
-    assert shapes[-1] == (b["labels"].shape[0], index.shape[1], VOCAB)
-    value_plain, grads_plain = loss_and_grads(model, lambda m, batch_: (plain_sequence_log_probs(m, batch_) * weights).sum(), b)
-    value_kept, grads_kept = loss_and_grads(model, kept, indexed)
-    assert abs(value_plain - value_kept) < TOLERANCE
-    assert max_diff(grads_plain, grads_kept) < TOLERANCE
 
 
 def test_a_dpo_step_on_a_host_batch_selects_by_no_data_dependent_shape(tmp_path):
