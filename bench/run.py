@@ -51,6 +51,10 @@ Workloads (a tool without the mode is listed as n/a):
                      checkpointing on; TRL: checkpointing on, bf16; plain HF: as matched)
 
     loss           the mean training loss of the last 10 steps
+    Σ loss         the training loss summed over every supervised token of the run (each step's mean loss ×
+                   its supervised tokens): with --sequential the same rows in every tool, so it compares
+                   the training where the step means cannot (the peers also train the newline after each
+                   end-of-turn token; tunelab does not, so its short steps average fewer, harder tokens)
     t→loss         seconds from launch (preprocessing and start-up included) to the first step where
                    the 10-step mean loss reaches the workload's target: the highest final mean loss
                    of the tools, so every tool reaches it
@@ -313,6 +317,18 @@ def launch(argv: list[str], env: dict, workdir: Path, timeout: float) -> Launch:
 LOSS_WINDOW = 10  # training loss figures are means over this many steps: one step's loss is one batch's
 
 
+def summed_loss(events: list[dict]) -> float | None:
+    """Σ over the steps of the step's mean loss × its supervised tokens: the loss summed over every trained token.
+    On the same rows (--sequential) it compares tools that count the targets differently (the peers also train
+    the newline after each end-of-turn token, tunelab does not: a step of 30 answer tokens then has 34, and the
+    mean of such a step is 13% lower with the same summed loss). None unless every step logged its loss."""
+    supervised = {e["step"]: e["supervised"] for e in events if e["event"] == "step"}
+    losses = {e["step"]: e["logs"]["loss"] for e in events if e["event"] == "log" and "loss" in e["logs"]}
+    if not supervised or losses.keys() != supervised.keys():
+        return None
+    return sum(losses[step] * supervised[step] for step in supervised)
+
+
 def time_to_loss(curve: list[tuple[float, float]], target: float) -> float | None:
     """Seconds from launch to the first step where the mean loss of the last LOSS_WINDOW steps is <= target."""
     for i in range(LOSS_WINDOW, len(curve) + 1):
@@ -385,6 +401,7 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "peak_gpu_mb": max((e["gpu_mb"] for e in steps if "gpu_mb" in e), default=None),
         "final_loss": statistics.fmean(losses[-LOSS_WINDOW:]) if losses else None,
         "loss_curve": curve,
+        "loss_sum": summed_loss(cold.events),
         "final_accuracy": heldout[-1][1] if heldout else None,
         "final_heldout_loss": evaluations[-1]["loss"] if evaluations else None,
         "heldout_curve": heldout,
@@ -484,6 +501,7 @@ COLUMNS = [("sup_tok_s", "sup tok/s", "{:,.0f}"), ("tok_s", "tok/s", "{:,.0f}"),
            ("pre_ex_s", "pre ex/s", "{:,.0f}"), ("ttfs_first_s", "ttfs 1st", "{:.1f}s"),
            ("ttfs_second_s", "ttfs 2nd", "{:.1f}s"), ("pack_eff", "pack eff", "{:.1%}"),
            ("peak_rss_mb", "RSS MB", "{:,.0f}"), ("peak_gpu_mb", "GPU MB", "{:,.0f}"), ("final_loss", "loss", "{:.4f}"),
+           ("loss_sum", "Σ loss", "{:,.1f}"),
            ("time_to_target_s", "t→loss", "{:.1f}s"), ("final_accuracy", "acc", "{:.1%}"),
            ("time_to_accuracy_s", "t→acc", "{:.1f}s"), ("final_heldout_loss", "h-loss", "{:.4f}"),
            ("operators", "ops/step", "{:,.0f}"), ("syncs", "syncs", "{:,.0f}"), ("kernels", "kernels", "{:,.0f}"),
@@ -514,7 +532,7 @@ def table(medians: dict, targets: dict, accuracy_targets: dict | None = None) ->
             cells = []
             for key, _, _ in COLUMNS:
                 a, b = ours.get(key), m.get(key)
-                if key in ("final_loss", "final_heldout_loss") and a is not None and b:
+                if key in ("final_loss", "loss_sum", "final_heldout_loss") and a is not None and b:
                     cells.append(f"{(a - b) / b:+.1%}")
                     continue
                 if key == "final_accuracy" and a is not None and b is not None:
