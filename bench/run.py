@@ -415,6 +415,7 @@ def figures(cold: Launch, warm: Launch | None, rows: int, params: int, peak_gflo
         "kernels": ops.get("kernels"),  # on a GPU: kernels launched, and their summed time against the step's
         "device_busy_share": ops["device_busy_ms"] / ops["step_ms"] if ops.get("device_busy_ms") else None,
         "sync_ops": ops.get("sync_ops"),
+        "sync_sites": ops.get("sync_sites"),  # with BENCH_OPS_STACKS=1 in the environment
         "top_operators": ops.get("top"),
     }
 
@@ -664,7 +665,7 @@ def main() -> None:
             if good:
                 medians[name][tool] = {key: median_of(good, key) for key in good[0] if key not in
                                        ("tool", "workload", "repeat", "returncode", "loss_curve",
-                                        "heldout_curve", "sync_ops", "top_operators")}
+                                        "heldout_curve", "sync_ops", "sync_sites", "top_operators")}
             else:
                 medians[name][tool] = {"error": "failed, see the JSON"}
         targets[name] = target
@@ -673,6 +674,8 @@ def main() -> None:
     for record in (r for r in records if r.get("sync_ops") is not None and r["repeat"] == 0):
         print(f"{record['workload']} {record['tool']} step {args.count_ops}: syncs {record['sync_ops']}; most called: "
               + ", ".join(f"{name.removeprefix('aten::')} {n}" for name, n in record["top_operators"]))
+        for site, calls in (record.get("sync_sites") or {}).items():
+            print(f"    {calls:>5} × {site}")
     RESULTS.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     result = {

@@ -80,3 +80,22 @@ def test_heldout_scores_each_answer_from_logits_over_the_answer_only(tmp_path):
     assert result["accuracy"] == correct / total
     assert result["loss"] == pytest.approx(nll / total, rel=1e-5)
     assert model.training is False  # the model came in eval mode and is left so
+
+
+def outer_sum(x):
+    return float(x[x > 2].sum())
+
+
+def test_with_stacks_each_sync_is_traced_to_the_python_line_that_made_it():
+    probe = load_probe()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as profile:
+        outer_sum(torch.arange(6.0))
+    sites = probe.operator_counts(profile, with_stack=True)["sync_sites"]
+    assert sorted(sites.values()) == [1, 1]
+    assert {site.split(" @ ")[0] for site in sites} == {"aten::nonzero", "aten::_local_scalar_dense"}
+    assert all(" @ " in site and "test_bench_probe.py" in site.split(" @ ")[1].split(" < ")[0] for site in sites)
+    assert all("outer_sum" in site for site in sites)
+    # and none without stacks
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as plain:
+        outer_sum(torch.arange(6.0))
+    assert "sync_sites" not in probe.operator_counts(plain)

@@ -60,6 +60,8 @@ optimizer) with torch.profiler on the CPU side and reports what a launch-bound G
                        as a Python number, boolean indexing, a data-dependent size); .cpu() and .tolist() are
                        no-ops on a CPU and so not seen here
         sync_ops       {operator: calls} of those; top: the 12 most called outermost operators
+        sync_sites     with $BENCH_OPS_STACKS=1 (Python stacks recorded, the step slower): {"op @ the three
+                       innermost frames outside torch": calls}, where each sync comes from
 
 $BENCH_DUMP_BATCHES (a folder) saves every micro-batch a Trainer is given there, batch0000.pt, batch0001.pt, ...
 (torch.save of its tensors), so that the tools' batches can be scored offline by one common forward.
@@ -79,6 +81,7 @@ OUT_PATH = os.environ.get("BENCH_PROBE_OUT")
 PAD_ID = int(os.environ.get("BENCH_PAD_ID", "0"))
 DUMP_DIR = os.environ.get("BENCH_DUMP_BATCHES")
 COUNT_OPS_STEP = int(os.environ.get("BENCH_COUNT_OPS", "0"))
+OPS_STACKS = os.environ.get("BENCH_OPS_STACKS") == "1"
 # Operators whose CUDA implementation reads a device value on the host (so the host waits for the queue to drain).
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2", "aten::unique_dim",
             "aten::unique_consecutive", "aten::bincount", "aten::repeat_interleave", "aten::equal", "aten::is_nonzero")
@@ -264,7 +267,7 @@ class HeldOut:
         return {"accuracy": correct / total, "loss": nll / total, "tokens": total}
 
 
-def operator_counts(profile) -> dict:
+def operator_counts(profile, with_stack: bool = False) -> dict:
     """The "ops" event's fields (module docstring) from a finished torch.profiler.profile."""
     from collections import Counter  # noqa: PLC0415
 
@@ -288,6 +291,19 @@ def operator_counts(profile) -> dict:
               "sync_ops": dict(syncs.most_common()), "top": top.most_common(12)}
     if device:
         counts.update(kernels=len(device), device_busy_ms=sum(e.time_range.elapsed_us() for e in device) / 1000)
+    if with_stack:
+
+        def frames(event) -> list[str]:  # the Python frames the profiler recorded as the event's parents
+            out, parent = [], event.cpu_parent
+            while parent is not None:
+                name = parent.name
+                if not (name.startswith(("aten::", "torch/", "<built-in")) or "/torch/" in name):
+                    out.append(name)
+                parent = parent.cpu_parent
+            return out
+
+        sites = Counter(f"{e.name} @ " + " < ".join(frames(e)[:3]) for e in aten if e.name in SYNC_OPS)
+        counts["sync_sites"] = dict(sites.most_common())
     return counts
 
 
@@ -313,7 +329,7 @@ def install() -> None:
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                     torch.cuda.synchronize()
-                self.profile = torch.profiler.profile(activities=activities)
+                self.profile = torch.profiler.profile(activities=activities, with_stack=OPS_STACKS)
                 self.profile.__enter__()
                 self.profile_start = time.perf_counter()
 
@@ -324,7 +340,7 @@ def install() -> None:
                     torch.cuda.synchronize()
                 step_ms = (time.perf_counter() - self.profile_start) * 1000
                 self.profile.__exit__(None, None, None)
-                emit("ops", step=state.global_step, step_ms=step_ms, **operator_counts(self.profile))
+                emit("ops", step=state.global_step, step_ms=step_ms, **operator_counts(self.profile, OPS_STACKS))
                 self.profile = None
             tokens, supervised, positions, micro = self.pending
             extra = {"batch_keys": self.batch_keys} if state.global_step == 1 else {}
@@ -365,6 +381,7 @@ def install() -> None:
         if DUMP_DIR and not isinstance(inputs, (list, tuple)):
             import torch  # noqa: PLC0415
 
+            os.makedirs(DUMP_DIR, exist_ok=True)
             torch.save({k: v.detach().cpu() for k, v in inputs.items() if isinstance(v, torch.Tensor)},
                        os.path.join(DUMP_DIR, f"batch{probe.dumped:04d}.pt"))
             probe.dumped += 1

@@ -20,10 +20,10 @@ makes the host wait for the device to count the kept positions. So a batch still
 (batch, W) index of positions built there before it moves (`next_token_index`; TunelabTrainer for SFT and pt,
 PreferenceTrainer for pair batches): each row's kept positions, then
 positions whose targets are -100 up to the widest row's count W; the logits come back (batch, W, vocab) and their
-targets are picked per row by a stable sort, without reading a count back (`next_token_targets` with W). A
-padding-free batch is one row (W = N exactly), packed rows and pt windows keep about the same count each; where
-filling rows to W would add more than `max_index_waste` of head rows (padded rows of unequal answers, padding-free
-pair rows) the mask is used. That limit depends on the device: on a CPU each filling row is arithmetic the step
+targets are picked per row by a stable sort, without reading a count back (`next_token_targets` with W). Packed
+rows and pt windows keep about the same count each; padding-free rows (best-fit, data/collate.py) and padded rows
+hold unequal answers (SmolLM2's SFT rows: filling 0-1.0 of the kept count), and so do padding-free pair rows. Where
+filling rows to W would add more than `max_index_waste` of head rows the mask is used. That limit depends on the device: on a CPU each filling row is arithmetic the step
 pays for (MAX_INDEX_WASTE); on a GPU it costs microseconds while a count read back stalls the launch queue, so more
 filling is taken there (MAX_INDEX_WASTE_ACCELERATOR; the index never has more rows than every position).
 All three shapes — (N, vocab), (batch, W, vocab) of the kept positions, or (batch, seq, vocab) of every position —
