@@ -127,7 +127,8 @@ if has "$SECTIONS" smollm2; then
   done
 fi
 if has "$SECTIONS" grpo; then
-  run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds "$SEEDS"
+  # tunelab-unmerged: the same run sampling through the adapter, to see what merged sampling saves on a GPU
+  run "$PYTHON" "$HERE/grpo_vs_trl.py" --device cuda --steps 8 --seeds "$SEEDS" --tools tunelab,tunelab-unmerged,trl
 fi
 if has "$SECTIONS" liger; then
   LIGER_OUT="$HERE/.results/liger-check"

@@ -61,7 +61,11 @@ def write_prompts(folder: Path, rows: int) -> Path:
     return path
 
 
-def tunelab_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, rows: int) -> list[str]:
+# tunelab as configured by default, and with its rollouts sampled through the unmerged adapter (what merging saves)
+TUNELAB_VARIANTS = {"tunelab": {}, "tunelab-unmerged": {"rollout_merge_adapter": False}}
+
+
+def tunelab_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, rows: int, extra: dict) -> list[str]:
     s = SETTINGS
     config = {
         "model_name_or_path": str(model), "template": "model", "stage": "grpo", "finetuning_type": "lora",
@@ -72,6 +76,7 @@ def tunelab_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, rows
         "learning_rate": s["learning_rate"], "lr_scheduler_type": "constant", "max_steps": steps, "logging_steps": 1,
         "max_new_tokens": s["max_new_tokens"], "temperature": 1.0, "seed": seed, "bf16": bf16, "flash_attn": "sdpa",
         "output_dir": str(out / "output"), "overwrite_output_dir": True, "plot_loss": False, "report_to": "none",
+        **extra,
     }
     (out / "tunelab.yaml").write_text(yaml.safe_dump(config))
     return [str(peers.TUNELAB_PYTHON), str(peers.PEERS / "probe.py"), "tunelab", "train", str(out / "tunelab.yaml")]
@@ -86,7 +91,7 @@ def trl_argv(model: Path, out: Path, seed: int, steps: int, bf16: bool, data_fil
 
 
 def rewards_of(tool: str, launched: peers.Launch, out: Path) -> list[float]:
-    if tool == "trl":
+    if tool not in TUNELAB_VARIANTS:
         return [e["logs"]["reward"] for e in launched.events if e["event"] == "log" and "reward" in e["logs"]]
     lines = (out / "output" / "trainer_log.jsonl").read_text().splitlines()
     return [record["reward"] for record in map(json.loads, lines) if "reward" in record]
@@ -130,7 +135,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--tools", default="tunelab,trl")
+    parser.add_argument("--tools", default="tunelab,trl",
+                        help="of tunelab, tunelab-unmerged (rollout_merge_adapter: false), trl")
     parser.add_argument("--fp32", action="store_true", help="fp32 for both (default: bf16 autocast)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
     parser.add_argument("--timeout", type=float, default=3600)
@@ -153,9 +159,9 @@ def main() -> None:
         for tool in args.tools.split(","):  # interleaved: each seed runs every tool before the next seed
             out = root / tool / f"seed{seed}"
             out.mkdir(parents=True)
-            argv = tunelab_argv(model, out, seed, args.steps, bf16, rows) if tool == "tunelab" else \
-                trl_argv(model, out, seed, args.steps, bf16, data_file, args.device)
-            timed, step = TIMED[tool]
+            argv = tunelab_argv(model, out, seed, args.steps, bf16, rows, TUNELAB_VARIANTS[tool]) \
+                if tool in TUNELAB_VARIANTS else trl_argv(model, out, seed, args.steps, bf16, data_file, args.device)
+            timed, step = TIMED["tunelab" if tool in TUNELAB_VARIANTS else tool]
             launched = peers.launch(argv, {**env, "BENCH_TIMED": timed, "BENCH_STEP": step,
                                            "TUNELAB_CACHE": str(out / "cache")}, out, args.timeout)
             if launched.returncode != 0:
@@ -174,10 +180,12 @@ def main() -> None:
         cells = [fmt.format(m[key]) if m.get(key) is not None else "-" for key, _, fmt in COLUMNS]
         spread = "[{:.3f}, {:.3f}]".format(*m["reward_spread"]) if m.get("reward_spread") else "-"
         print(f"{tool:<10}" + "".join(f"{c:>12}" for c in cells) + f"   {spread}")
-    if "tunelab" in medians and "trl" in medians and medians["tunelab"].get("step_s"):
-        ours, theirs = medians["tunelab"], medians["trl"]
-        print(f"tunelab step time / TRL's: {ours['step_s'] / theirs['step_s']:.2f} "
-              f"(rollout {ours['rollout_s'] / theirs['rollout_s']:.2f}, update {ours['update_s'] / theirs['update_s']:.2f})")
+    for theirs_name in ("trl", "tunelab-unmerged"):
+        if "tunelab" in medians and theirs_name in medians and medians["tunelab"].get("step_s"):
+            ours, theirs = medians["tunelab"], medians[theirs_name]
+            print(f"tunelab step time / {theirs_name}'s: {ours['step_s'] / theirs['step_s']:.2f} (rollout "
+                  f"{ours['rollout_s'] / theirs['rollout_s']:.2f}, generate {ours['generate_s'] / theirs['generate_s']:.2f}, "
+                  f"update {ours['update_s'] / theirs['update_s']:.2f})")
     peers.RESULTS.mkdir(exist_ok=True)
     path = peers.RESULTS / f"grpo-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"command": " ".join(sys.argv), "settings": SETTINGS, "steps": args.steps,

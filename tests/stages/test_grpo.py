@@ -63,7 +63,8 @@ def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bo
     finetuning = SimpleNamespace(
         num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="none",
         epsilon_high=None, importance_sampling_level="token", mask_truncated_completions=False,
-        dynamic_sampling=dynamic_sampling, top_entropy_quantile=1.0,
+        dynamic_sampling=dynamic_sampling, top_entropy_quantile=1.0, finetuning_type="full",
+        rollout_merge_adapter=True,
     )
     config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=4))
     accelerator = SimpleNamespace(num_processes=processes, is_main_process=True, unwrap_model=lambda model: model)

@@ -350,6 +350,13 @@ class FinetuningArguments:
         "grpo / ppo: optimizer steps on each batch of rollouts (mu); >1 reuses samples with the clipped ratio.",
         default=1, applies=RL,
     )
+    rollout_merge_adapter: bool = _help(
+        "grpo / ppo with LoRA: sample rollouts from a copy of the adapted weights with the adapter merged in (one "
+        "matmul per layer instead of three; the original weights are put back unchanged; train/rl/merged_sampling.py). "
+        "false samples through the adapter, as it trains. Plain LoRA in one process or DDP; the run's log says "
+        "what its rollouts sample from.",
+        default=True, applies=(RL, LORA_ONLY),
+    )
     # GRPO variants, by TRL's GRPOConfig names and meanings (train/rl/losses.py, docs/config.md).
     loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = _help(
         "grpo: how the per-token losses are averaged. grpo: over each completion's tokens, then over completions "

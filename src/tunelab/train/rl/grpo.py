@@ -21,12 +21,12 @@ dynamic_sampling (DAPO) takes such groups out of the batch, counted as `dropped_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 
+from tunelab.train.rl import merged_sampling
 from tunelab.train.rl.losses import grpo_loss, group_advantages, high_entropy_mask, zero_spread_groups
 from tunelab.train.rl.rewards import RewardFunction, score_completions
 from tunelab.train.rl.rollout import (
@@ -61,6 +61,7 @@ class GRPO:
         self.dynamic_sampling, self.top_entropy_quantile = ft.dynamic_sampling, ft.top_entropy_quantile
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
         self.zero_spread_rounds, self.warned_zero_spread = 0, False
+        self.merge_for_sampling = merged_sampling.sampling_plan(self.policy, loop.accelerator, config)
 
     @property
     def policy(self):
@@ -70,10 +71,11 @@ class GRPO:
     @torch.no_grad()
     def rollout(self, rows: list[dict]) -> GRPOBatch:
         group = [row for row in rows for _ in range(self.group_size)]
-        rollout = generate_rollout(
-            self.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
-            self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id, group_size=self.group_size,
-        )
+        with merged_sampling.sampling_weights(self.policy, self.merge_for_sampling):
+            rollout = generate_rollout(
+                self.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
+                self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id, group_size=self.group_size,
+            )
         totals, per_function = score_completions(
             self.rewards, [row["prompt"] for row in group], rollout.completions,
             [row["reference"] for row in group], rollout.finished,

@@ -25,6 +25,7 @@ from torch import nn
 from tunelab.data.encode import _parse_tools
 from tunelab.model.reward import sequence_rewards
 from tunelab.model.text_config import text_config
+from tunelab.train.rl import merged_sampling
 from tunelab.train.rl.losses import clipped_policy_loss, clipped_value_loss, gae, masked_mean, masked_whiten
 from tunelab.train.rl.rollout import Rollout, completion_log_probs, generate_rollout, reference_log_probs
 
@@ -109,6 +110,7 @@ class PPO:
         self.kl_coef, self.epsilon, self.vf_coef = ft.kl_coef, ft.epsilon, ft.ppo_vf_coef
         self.gamma, self.lam = ft.ppo_gamma, ft.ppo_lam
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
+        self.merge_for_sampling = merged_sampling.sampling_plan(self.unwrapped.policy, loop.accelerator, config)
 
     @property
     def unwrapped(self) -> PolicyWithValueHead:
@@ -117,10 +119,11 @@ class PPO:
     @torch.no_grad()
     def rollout(self, rows: list[dict]) -> PPOBatch:
         policy = self.unwrapped.policy
-        rollout = generate_rollout(
-            policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
-            self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id,
-        )
+        with merged_sampling.sampling_weights(policy, self.merge_for_sampling):
+            rollout = generate_rollout(
+                policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
+                self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id,
+            )
         mask = rollout.completion_mask
         log_probs, values = self.loop.model(rollout, self.temperature)
         if self.kl_coef:
