@@ -67,7 +67,7 @@ def test_bad_yaml_names_line(tmp_path):
          "quantization_bit: 4 needs finetuning_type: lora (QLoRA), got 'full'"),
         ({"quantization_bit": 3}, "quantization_bit must be 4 or 8, got 3"),
         ({"finetuning_type": "freeze", "lora_rank": 16},
-         "lora_rank only apply to finetuning_type: lora (got 'freeze'): remove them or set finetuning_type: lora"),
+         "lora_rank only applies to finetuning_type: lora (got 'freeze'): remove it or set finetuning_type: lora"),
         ({"finetuning_type": "full", "use_dora": True, "lora_target": "q_proj"},
          "lora_target, use_dora only apply to finetuning_type: lora (got 'full'): remove them or set finetuning_type: lora"),
         ({"cutoff_len": 1}, "cutoff_len must be at least 2, got 1"),
@@ -171,7 +171,8 @@ def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix()
     assert declared["simpo_gamma"] == (("stage", ("dpo",)), ("pref_loss", ("simpo",)))
     assert declared["kl_coef"] == (("stage", ("grpo", "ppo")),)
     assert declared["loss_type"] == (("stage", ("grpo",)),)
-    assert len(declared) == 73  # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 17 grpo / ppo, 24 optimizers
+    assert declared["rollout_merge_adapter"] == (("stage", ("grpo", "ppo")), ("finetuning_type", ("lora",)))
+    assert len(declared) == 74  # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 18 grpo / ppo, 24 optimizers
     with pytest.raises(ConfigError) as caught:
         load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
                            "output_dir": "unused"})

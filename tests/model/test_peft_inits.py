@@ -256,7 +256,7 @@ def test_loftq_starts_closer_to_the_full_precision_weights_than_plain_qlora(tiny
 
 REFUSALS = [  # (options, the key the error names, its one line)
     ({"pissa_init": True, "finetuning_type": "full"}, "pissa_init",
-     "pissa_init only apply to finetuning_type: lora (got 'full'): remove them or set finetuning_type: lora"),
+     "pissa_init only applies to finetuning_type: lora (got 'full'): remove it or set finetuning_type: lora"),
     ({"pissa_iter": -1}, "pissa_iter", "pissa_iter only applies with pissa_init: true: set it or remove pissa_iter"),
     ({"pissa_init": True, "pissa_convert": False}, "pissa_convert", (
         "pissa_convert: false saves the adapter as trained, which peft decomposes the base again to load; the "
@@ -287,7 +287,7 @@ REFUSALS = [  # (options, the key the error names, its one line)
         "oft_rank and oft_block_size: set exactly one of them above 0 (blocks x block size = the layer's width), got "
         "oft_rank: 4, oft_block_size: 32")),
     ({"vera_rank": 16}, "vera_rank",
-     "vera_rank only apply to finetuning_type: vera (got 'lora'): remove them or set finetuning_type: vera"),
+     "vera_rank only applies to finetuning_type: vera (got 'lora'): remove it or set finetuning_type: vera"),
     ({"finetuning_type": "vera", "add_special_tokens": ["<x>"]}, "add_special_tokens", (
         "add_special_tokens: the new tokens' rows train as peft trainable tokens, which only a LoRA adapter holds; "
         "finetuning_type vera cannot train them: use finetuning_type: lora (or full)")),

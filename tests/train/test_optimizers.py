@@ -240,11 +240,11 @@ BASE = {"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_rev
 @pytest.mark.parametrize(("options", "message"), [
     ({"use_galore": True, "use_muon": True}, "use_galore and use_muon each choose the optimizer: keep one"),
     ({"use_galore": True, "finetuning_type": "lora"},
-     "use_galore only apply to finetuning_type: full / freeze (got 'lora'): remove them or set finetuning_type: "
+     "use_galore only applies to finetuning_type: full / freeze (got 'lora'): remove it or set finetuning_type: "
      "full / freeze"),
     ({"use_badam": True, "finetuning_type": "freeze"},
-     "use_badam only apply to finetuning_type: full (got 'freeze'): remove them or set finetuning_type: full"),
-    ({"loraplus_lr_ratio": 16}, "loraplus_lr_ratio only apply to finetuning_type: lora (got 'full'): remove them or "
+     "use_badam only applies to finetuning_type: full (got 'freeze'): remove it or set finetuning_type: full"),
+    ({"loraplus_lr_ratio": 16}, "loraplus_lr_ratio only applies to finetuning_type: lora (got 'full'): remove it or "
      "set finetuning_type: lora"),
     ({"galore_rank": 8}, "galore_rank only applies with use_galore: true: set use_galore: true or remove galore_rank"),
     ({"use_galore": True, "galore_rank": 0}, "galore_rank must be at least 1, got 0"),

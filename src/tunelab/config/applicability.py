@@ -21,14 +21,15 @@ class Applies:
     grouped: bool = False
 
     def message(self, names: list[str], actual: str) -> str:
+        apply, them = ("apply", "them") if len(names) > 1 else ("applies", "it")
         if self.key == "finetuning_type":
             wanted = " / ".join(self.values)
-            return (f"{', '.join(names)} only apply to finetuning_type: {wanted} (got '{actual}'): remove them or set "
-                    f"finetuning_type: {wanted}")
+            return (f"{', '.join(names)} only {apply} to finetuning_type: {wanted} (got '{actual}'): remove {them} or "
+                    f"set finetuning_type: {wanted}")
         if self.key != "stage":  # an option of an option: dpo_label_smoothing acts under pref_loss sigmoid
             return f"{names[0]} only applies to {self.key}: {' / '.join(self.values)} (got {actual}): remove it"
         if self.grouped:
-            return f"{', '.join(names)} only apply to stage {' / '.join(self.values)} (got stage: {actual}): remove them"
+            return f"{', '.join(names)} only {apply} to stage {' / '.join(self.values)} (got stage: {actual}): remove {them}"
         return f"{names[0]} only applies to stage {' / '.join(self.values)} (got stage: {actual}): remove it"
 
 
