@@ -11,15 +11,20 @@ import pytest
 import torch
 import yaml
 from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
-from tunelab.run_folder import read_log
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import stop_token_ids
+from tunelab.run_folder import read_log
 from tunelab.train.rl.merged_sampling import mergeable_layers, merged_lora, plan, sampling_weights
 from tunelab.train.rl.rollout import generate_rollout
+
+
+# Rewards that differ between completions of one prompt, so every group has a spread and the adapter moves.
+REWARDS = "def spread(prompts, completions, references):\n    return [sum(map(ord, c)) % 7 / 7 for c in completions]\n"
 
 
 def lora_policy(dtype=torch.float32, **lora) -> torch.nn.Module:
@@ -144,8 +149,7 @@ def test_a_tied_adapted_weight_is_not_merged():
 def test_a_lora_grpo_run_says_what_it_samples_from(tmp_path, caplog, precision):
     """Through the CLI: one log line each way, and in fp32 the same rollouts and losses merged as through the adapter
     (step 2 samples from an adapter the first step moved)."""
-    (tmp_path / "rewards.py").write_text(
-        "def length(prompts, completions, references):\n    return [0.1 * len(c) for c in completions]\n")
+    (tmp_path / "rewards.py").write_text(REWARDS)
     records, lines = {}, {}
     for merge in (True, False):
         out = tmp_path / f"merge-{merge}"
@@ -153,9 +157,10 @@ def test_a_lora_grpo_run_says_what_it_samples_from(tmp_path, caplog, precision):
         config.write_text(yaml.safe_dump({
             "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "lora", "template": "chatml",
             "dataset": "demo_sort", "max_samples": 4, "cutoff_len": 64, "max_new_tokens": 8,
-            "reward_funcs": "rewards.py:length", "num_generations": 2, "per_device_train_batch_size": 2,
-            "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2, "seed": 0, "disable_tqdm": True,
-            "plot_loss": False, "output_dir": str(out), "rollout_merge_adapter": merge,
+            "reward_funcs": "rewards.py:spread", "temperature": 5.0, "num_generations": 2,
+            "per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2,
+            "lr_scheduler_type": "constant", "seed": 0, "disable_tqdm": True, "plot_loss": False,
+            "output_dir": str(out), "rollout_merge_adapter": merge,
         }))
         caplog.clear()
         caplog.set_level(logging.INFO, logger="tunelab.train.rl.merged_sampling")
@@ -167,7 +172,33 @@ def test_a_lora_grpo_run_says_what_it_samples_from(tmp_path, caplog, precision):
         r"\(rollout_merge_adapter: false samples through the adapter\)", lines[True][0])
     assert lines[False] == ["rollouts sample through the LoRA adapter (rollout_merge_adapter: false)"]
     assert [r["step"] for r in records[True]] == [1, 2]
+    assert records[True][0]["grad_norm"] > 0  # step 2 samples from an adapter that moved
     if precision == "fp32":
         fields = ("reward", "completion_length", "loss", "kl")
         assert [[r[f] for f in fields] for r in records[True]] == [
             pytest.approx([r[f] for f in fields], rel=1e-4, abs=1e-6) for r in records[False]]
+
+
+@pytest.mark.slow
+def test_two_processes_sample_from_merged_weights(tmp_path, capfd):
+    """DDP (gloo, nproc_per_node=2): each process holds whole weights, so each samples from its merged copies while
+    the adapter's gradients are still all-reduced by DDP."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    out = tmp_path / "out"
+    config = tmp_path / "grpo.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "lora", "template": "chatml",
+        "dataset": "demo_sort", "max_samples": 8, "cutoff_len": 64, "max_new_tokens": 6,
+        "reward_funcs": "rewards.py:spread", "temperature": 5.0, "num_generations": 2,
+        "per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant", "seed": 0, "disable_tqdm": True, "plot_loss": False, "output_dir": str(out),
+    }))
+    assert main(["train", str(config), "nproc_per_node=2"]) == 0
+    err = capfd.readouterr().err
+    assert "-m torch.distributed.run --nproc_per_node=2" in err
+    assert err.count("rollouts sample from merged LoRA weights") >= 1
+    assert "rollouts sample through" not in err
+    log = read_log(out)
+    assert [r["step"] for r in log] == [1, 2] and log[0]["grad_norm"] > 0
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # trained through DDP
