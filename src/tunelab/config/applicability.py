@@ -29,7 +29,8 @@ class Applies:
         if self.key != "stage":  # an option of an option: dpo_label_smoothing acts under pref_loss sigmoid
             return f"{names[0]} only applies to {self.key}: {' / '.join(self.values)} (got {actual}): remove it"
         if self.grouped:
-            return f"{', '.join(names)} only {apply} to stage {' / '.join(self.values)} (got stage: {actual}): remove {them}"
+            stages = " / ".join(self.values)
+            return f"{', '.join(names)} only {apply} to stage {stages} (got stage: {actual}): remove {them}"
         return f"{names[0]} only applies to stage {' / '.join(self.values)} (got stage: {actual}): remove it"
 
 

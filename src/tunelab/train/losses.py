@@ -23,9 +23,10 @@ positions whose targets are -100 up to the widest row's count W; the logits come
 targets are picked per row by a stable sort, without reading a count back (`next_token_targets` with W). Packed
 rows and pt windows keep about the same count each; padding-free rows (best-fit, data/collate.py) and padded rows
 hold unequal answers (SmolLM2's SFT rows: filling 0-1.0 of the kept count), and so do padding-free pair rows. Where
-filling rows to W would add more than `max_index_waste` of head rows the mask is used. That limit depends on the device: on a CPU each filling row is arithmetic the step
-pays for (MAX_INDEX_WASTE); on a GPU it costs microseconds while a count read back stalls the launch queue, so more
-filling is taken there (MAX_INDEX_WASTE_ACCELERATOR; the index never has more rows than every position).
+filling rows to W would add more than `max_index_waste` of head rows the mask is used. That limit depends on the
+device: on a CPU each filling row is arithmetic the step pays for (MAX_INDEX_WASTE); on a GPU it costs microseconds
+while a count read back stalls the launch queue, so more filling is taken there (MAX_INDEX_WASTE_ACCELERATOR; the
+index never has more rows than every position).
 All three shapes — (N, vocab), (batch, W, vocab) of the kept positions, or (batch, seq, vocab) of every position —
 go through `token_log_probs`, which works in chunks of rows: the float32 copy of the logits and their softmax exist
 for CHUNK_ELEMENTS at a time, never for the whole batch, and the gradient is written in the logits' own dtype.
