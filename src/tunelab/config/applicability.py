@@ -28,10 +28,8 @@ class Applies:
                     f"set finetuning_type: {wanted}")
         if self.key != "stage":  # an option of an option: dpo_label_smoothing acts under pref_loss sigmoid
             return f"{names[0]} only applies to {self.key}: {' / '.join(self.values)} (got {actual}): remove it"
-        if self.grouped:
-            stages = " / ".join(self.values)
-            return f"{', '.join(names)} only {apply} to stage {stages} (got stage: {actual}): remove {them}"
-        return f"{names[0]} only applies to stage {' / '.join(self.values)} (got stage: {actual}): remove it"
+        stages = " / ".join(self.values)  # a rule that is not grouped is given its first option alone
+        return f"{', '.join(names)} only {apply} to stage {stages} (got stage: {actual}): remove {them}"
 
 
 PT_ONLY = Applies("stage", ("pt",), grouped=True)
