@@ -27,6 +27,20 @@ from tunelab.train.rl.rollout import generate_rollout
 REWARDS = "def spread(prompts, completions, references):\n    return [sum(map(ord, c)) % 7 / 7 for c in completions]\n"
 
 
+def grpo_config(path, out, **options):
+    """A 2-step LoRA GRPO run on the tiny model with REWARDS beside it; temperature 5 so the confident model's two
+    completions of a prompt differ and step 1 moves the adapter."""
+    (path.parent / "rewards.py").write_text(REWARDS)
+    path.write_text(yaml.safe_dump({
+        "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "lora", "template": "chatml",
+        "dataset": "demo_sort", "cutoff_len": 64, "reward_funcs": "rewards.py:spread", "temperature": 5.0,
+        "num_generations": 2, "per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1,
+        "learning_rate": 1e-2, "lr_scheduler_type": "constant", "seed": 0, "disable_tqdm": True, "plot_loss": False,
+        "output_dir": str(out), **options,
+    }))
+    return path
+
+
 def lora_policy(dtype=torch.float32, **lora) -> torch.nn.Module:
     """The tiny Llama with LoRA on every linear layer, B set away from zero so the adapter changes the output."""
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=dtype)
@@ -149,19 +163,11 @@ def test_a_tied_adapted_weight_is_not_merged():
 def test_a_lora_grpo_run_says_what_it_samples_from(tmp_path, caplog, precision):
     """Through the CLI: one log line each way, and in fp32 the same rollouts and losses merged as through the adapter
     (step 2 samples from an adapter the first step moved)."""
-    (tmp_path / "rewards.py").write_text(REWARDS)
     records, lines = {}, {}
     for merge in (True, False):
         out = tmp_path / f"merge-{merge}"
-        config = tmp_path / f"grpo-{merge}.yaml"
-        config.write_text(yaml.safe_dump({
-            "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "lora", "template": "chatml",
-            "dataset": "demo_sort", "max_samples": 4, "cutoff_len": 64, "max_new_tokens": 8,
-            "reward_funcs": "rewards.py:spread", "temperature": 5.0, "num_generations": 2,
-            "per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2,
-            "lr_scheduler_type": "constant", "seed": 0, "disable_tqdm": True, "plot_loss": False,
-            "output_dir": str(out), "rollout_merge_adapter": merge,
-        }))
+        config = grpo_config(tmp_path / f"grpo-{merge}.yaml", out, max_samples=4, max_new_tokens=8,
+                             rollout_merge_adapter=merge)
         caplog.clear()
         caplog.set_level(logging.INFO, logger="tunelab.train.rl.merged_sampling")
         assert main(["train", str(config)]) == 0
@@ -183,16 +189,8 @@ def test_a_lora_grpo_run_says_what_it_samples_from(tmp_path, caplog, precision):
 def test_two_processes_sample_from_merged_weights(tmp_path, capfd):
     """DDP (gloo, nproc_per_node=2): each process holds whole weights, so each samples from its merged copies while
     the adapter's gradients are still all-reduced by DDP."""
-    (tmp_path / "rewards.py").write_text(REWARDS)
     out = tmp_path / "out"
-    config = tmp_path / "grpo.yaml"
-    config.write_text(yaml.safe_dump({
-        "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "lora", "template": "chatml",
-        "dataset": "demo_sort", "max_samples": 8, "cutoff_len": 64, "max_new_tokens": 6,
-        "reward_funcs": "rewards.py:spread", "temperature": 5.0, "num_generations": 2,
-        "per_device_train_batch_size": 2, "max_steps": 2, "logging_steps": 1, "learning_rate": 1e-2,
-        "lr_scheduler_type": "constant", "seed": 0, "disable_tqdm": True, "plot_loss": False, "output_dir": str(out),
-    }))
+    config = grpo_config(tmp_path / "grpo.yaml", out, max_samples=8, max_new_tokens=6)
     assert main(["train", str(config), "nproc_per_node=2"]) == 0
     err = capfd.readouterr().err
     assert "-m torch.distributed.run --nproc_per_node=2" in err
