@@ -18,10 +18,13 @@ as `<image>`, a text part as its text, so both `"content": "<image>What..."` and
 list form give the same string.
 
 Reproducible output: every random source is seeded, torch runs single-threaded with deterministic
-algorithms and the same CPU kernels on every x86-64 machine (AVX2: torch's own kernels, MKL and oneDNN
-are told not to pick their AVX-512 paths, whose float sums round differently; the committed files
-were built that way), and JSON files are written with sorted keys, so two runs give byte-identical
-files on the same library versions, whatever the CPU. Check with:
+algorithms and AVX2 kernels (torch's own kernels, MKL and oneDNN are told not to pick their AVX-512
+paths, whose float sums round differently; the committed files were built that way), and JSON files are
+written with sorted keys, so two runs on one machine give byte-identical files on the same library
+versions. Across CPUs the weights may still differ: an AMX Xeon rounds some sums differently under the
+same AVX2 caps (MKL's own CNR mode, MKL_CBWR=AVX2, did not change that), and 300 steps amplify it;
+there the trained model scores the same caption loss to about 1% (`--caption-loss FOLDER`), and the
+other files are byte-identical. Check with:
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/a
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/b
     diff /tmp/a /tmp/b && echo identical
@@ -177,13 +180,29 @@ def caption_scenes(num_samples: int, seed: int) -> list[tuple[Image.Image, str]]
     return out
 
 
+def caption_loss_of(model, processor, chunk: list[tuple[Image.Image, str]]) -> torch.Tensor:
+    """The mean loss on the captions of `chunk` (`<image>` + caption + eos, the image tokens and padding unscored)."""
+    texts = [IMAGE_TOKEN + text + processor.tokenizer.eos_token for _, text in chunk]
+    batch = processor(images=[image for image, _ in chunk], text=texts, padding=True, return_tensors="pt")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels = labels.masked_fill(labels == model.config.image_token_id, -100)
+    return model(**batch, labels=labels).loss
+
+
+@torch.no_grad()
+def scored_caption_loss(folder: Path) -> float:
+    """A built folder's caption loss on 64 scenes the recipe does not train on (another seed, train split)."""
+    model = LlavaForConditionalGeneration.from_pretrained(folder).eval()
+    processor = LlavaProcessor.from_pretrained(folder)
+    return caption_loss_of(model, processor, caption_scenes(64, SEED + 2)).item()
+
+
 def pretrain_captions(model: LlavaForConditionalGeneration, processor: LlavaProcessor, seed: int, steps: int) -> None:
     """Plain captioning (`<image>` + caption + eos, loss on the caption), fixed data order, all weights training."""
     if steps <= 0:
         return
     cfg = PRETRAIN
     scenes = caption_scenes(steps * cfg["batch_size"], seed + 1)
-    tokenizer = processor.tokenizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg["warmup"]) * max(0.0, 1 - s / steps)
@@ -191,11 +210,7 @@ def pretrain_captions(model: LlavaForConditionalGeneration, processor: LlavaProc
     model.train()
     for step in range(steps):
         chunk = scenes[step * cfg["batch_size"] : (step + 1) * cfg["batch_size"]]
-        texts = [IMAGE_TOKEN + text + tokenizer.eos_token for _, text in chunk]
-        batch = processor(images=[image for image, _ in chunk], text=texts, padding=True, return_tensors="pt")
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        labels = labels.masked_fill(labels == model.config.image_token_id, -100)
-        loss = model(**batch, labels=labels).loss
+        loss = caption_loss_of(model, processor, chunk)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -233,10 +248,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN["steps"])
+    parser.add_argument("--caption-loss", type=Path, metavar="FOLDER",
+                        help="print FOLDER's caption loss on 64 unseen scenes instead of building")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if args.caption_loss:
+        print(f"caption loss {scored_caption_loss(args.caption_loss):.6f}")
+        return
     start = time.time()
     tokenizer = build_tokenizer()
     processor = build_processor(tokenizer)
