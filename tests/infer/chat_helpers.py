@@ -35,7 +35,7 @@ from tunelab.data.collate import SupervisedCollator
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import stop_token_ids
-from tunelab.train.losses import causal_lm_loss
+from tunelab.train.losses import causal_lm_loss, kept_pairs
 
 CONVERSATIONS = [
     (None, [("Say hi", "Hi! 你好 🙂")]),
@@ -148,10 +148,8 @@ def _check_memorised(model, batch, least_margin: float = 2.0) -> None:
     """Every answer token must beat the runner-up by a wide logit margin: the serving tests compare exact texts,
     and a near tie flips with the CPU's kernels (at lr 5e-3 the least margin was -0.7 with an AMX Xeon's AVX-512
     kernels and 4.9 with its AVX2 ones)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    targets = batch["labels"][:, 1:]
-    kept = targets != -100
-    logits, targets = logits[kept], targets[kept]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logits, targets = kept_pairs(logits, batch["labels"])
     target_logits = logits.gather(1, targets[:, None])[:, 0]
     runner_up = logits.scatter(1, targets[:, None], float("-inf")).amax(dim=1)
     margin = (target_logits - runner_up).min().item()
