@@ -23,7 +23,7 @@ paths, whose float sums round differently; the committed files were built that w
 written with sorted keys, so two runs on one machine give byte-identical files on the same library
 versions. Across CPUs the weights may still differ: an AMX Xeon rounds some sums differently under the
 same AVX2 caps (MKL's own CNR mode, MKL_CBWR=AVX2, did not change that), and 300 steps amplify it;
-there the trained model scores the same caption loss to about 1% (`--caption-loss FOLDER`), and the
+there the trained model scores the same caption loss to about 1% (`--caption-loss FOLDER...`), and the
 other files are byte-identical. Check with:
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/a
     python scripts/build_vision_asset.py && (cd src/tunelab/assets/tiny-llava && sha256sum *) > /tmp/b
@@ -248,14 +248,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT_DIR)
     parser.add_argument("--pretrain-steps", type=int, default=PRETRAIN["steps"])
-    parser.add_argument("--caption-loss", type=Path, metavar="FOLDER",
-                        help="print FOLDER's caption loss on 64 unseen scenes instead of building")
+    parser.add_argument("--caption-loss", type=Path, nargs="+", metavar="FOLDER",
+                        help="print each FOLDER's caption loss on 64 unseen scenes instead of building")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     if args.caption_loss:
-        print(f"caption loss {scored_caption_loss(args.caption_loss):.6f}")
+        for folder in args.caption_loss:
+            print(f"caption loss {scored_caption_loss(folder):.6f}")
         return
     start = time.time()
     tokenizer = build_tokenizer()
