@@ -3,9 +3,9 @@ the whole vocabulary) against tunelab's `causal_lm_loss` (log-probs in chunks), 
 
     python bench/loss_head.py                      # SmolLM2 (bench/inputs.py --models smollm2), bf16, 4 x 512
 
-Same model, same random tokens, every variant run in turn; the median of the middle two of 4 timed rounds after one
-warm-up round. The weights are bf16 here (no float32 master copy, no autocast), so this isolates the head and loss,
-not a whole training step.
+Same model, same random tokens, every variant run in turn; the median of 4 timed rounds (the mean of the middle
+two) after one warm-up round. The weights are bf16 here (no float32 master copy, no autocast), so this isolates
+the head and loss, not a whole training step.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -59,8 +60,7 @@ def main() -> None:
             rounds[variant].append(timed_step(model, ids, variant))
     totals = {}
     for variant, steps in rounds.items():
-        forward = sum(sorted(s[0] for s in steps)[1:3]) / 2
-        backward = sum(sorted(s[1] for s in steps)[1:3]) / 2
+        forward, backward = median(s[0] for s in steps), median(s[1] for s in steps)
         totals[variant] = forward + backward
         print(f"{variant:8s} forward {forward:.3f} s  backward {backward:.3f} s  total {totals[variant]:.3f} s  "
               f"loss {steps[0][2]:.4f}")
