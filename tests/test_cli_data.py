@@ -12,7 +12,7 @@ from tunelab.cli import main
 from tunelab.data.run_data import RunData, batch_order
 from tunelab.preflight import load_config, plan_run
 from tunelab.train.recipe import recipe_for
-from tunelab.train.stages.sft import SupervisedRecipe
+from tunelab.train.stages.sft import SFTRecipe
 from tunelab.data.pairwise import pair_sides
 from tunelab.data.collate import SupervisedCollator
 from tunelab.errors import ConfigError
@@ -158,7 +158,7 @@ class ShiftingCollator(SupervisedCollator):
 
 
 def test_verify_fails_with_one_line_and_exit_1(demo: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(SupervisedRecipe, "inspection_collator", lambda recipe: ShiftingCollator(recipe.tokenizer.pad_token_id))
+    monkeypatch.setattr(SFTRecipe, "inspection_collator", lambda recipe: ShiftingCollator(recipe.tokenizer.pad_token_id))
     code, lines, err = run(capsys, "verify", str(demo))
     assert (code, lines) == (1, [])
     assert re.fullmatch(

@@ -45,6 +45,7 @@ from typing import Any
 
 from tunelab.config.args import RunConfig
 from tunelab.config.loader import Purpose, build_config, read_values
+from tunelab.config.stages import stage_row
 from tunelab.data import dedup
 from tunelab.data.registry import check_datasets
 from tunelab.data.templates.choice import check_template
@@ -128,9 +129,10 @@ def _config_dir(config: RunConfig) -> Path | None:
 def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
     """grpo: the reward functions, imported (a missing file or function fails now); ppo: the reward model folder."""
     ft, stage = config.finetuning, config.finetuning.stage
-    if stage == "ppo":
+    scorer = stage_row(stage).scorer
+    if scorer == "reward_model":
         ft.reward_model = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
-    if stage != "grpo":
+    if scorer != "reward_functions":
         return ()
     return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
 

@@ -71,7 +71,7 @@ def test_bad_yaml_names_line(tmp_path):
         ({"finetuning_type": "full", "use_dora": True, "lora_target": "q_proj"},
          "lora_target, use_dora only apply to finetuning_type: lora (got 'full'): remove them or set finetuning_type: lora"),
         ({"cutoff_len": 1}, "cutoff_len must be at least 2, got 1"),
-        ({"stage": "foo"}, "stage: 'foo' is not one of pt, sft, rm, dpo, kto, ppo, grpo"),
+        ({"stage": "foo"}, "stage: 'foo' is not one of pt, sft, rm, dpo, kto, grpo, ppo"),
         ({"train_on_prompt": True, "mask_history": True},
          "train_on_prompt and mask_history contradict each other: keep one"),
         ({"eval_strategy": "steps"}, "eval_strategy needs an eval set: set eval_dataset or val_size"),

@@ -26,7 +26,7 @@ def test_stages_beyond_the_trainer_path_are_refused(stage):
     with pytest.raises(ConfigError) as error:
         check_cpu_fsdp(args(), 2, stage)
     assert str(error.value) == (
-        f"fsdp on CPU runs stages sft and pt only; stage {stage} with fsdp needs GPUs (accelerate's FSDP), or drop "
+        f"fsdp on CPU runs stages pt and sft only; stage {stage} with fsdp needs GPUs (accelerate's FSDP), or drop "
         "fsdp (nproc_per_node alone trains data-parallel on CPU)")
 
 

@@ -32,7 +32,6 @@ class Applies:
         return f"{', '.join(names)} only {apply} to stage {stages} (got stage: {actual}): remove {them}"
 
 
-PT_ONLY = Applies("stage", ("pt",), grouped=True)
 LORA_ONLY = Applies("finetuning_type", ("lora",), grouped=True)
 
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from tunelab.assets import EMBEDDED_MODELS
-from tunelab.config.applicability import LORA_ONLY, PT_ONLY, Applies
+from tunelab.config.applicability import LORA_ONLY, Applies
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
+from tunelab.config.stages import DEFAULT_STAGE, STAGE_NAMES, applies_where
 from tunelab.config.training_options import _help
 from tunelab.config.training_values import TrainingValues
 
@@ -20,9 +21,14 @@ if TYPE_CHECKING:
     from tunelab.config.training_args import TrainingArguments
 
 
-# Where the stage options act (checked by config/applicability.py).
-DPO, KTO, DPO_KTO = Applies("stage", ("dpo",)), Applies("stage", ("kto",)), Applies("stage", ("dpo", "kto"))
-GRPO, PPO, RL = Applies("stage", ("grpo",)), Applies("stage", ("ppo",)), Applies("stage", ("grpo", "ppo"))
+# Where the stage options act (checked by config/applicability.py), asked of the stage table (config/stages.py).
+PT_ONLY = applies_where(lambda row: row.reads == "text", grouped=True)  # the raw-text window options
+DPO = applies_where(lambda row: row.reference == "pref_loss")  # the preference losses and their options
+KTO = applies_where(lambda row: row.reads == "unpaired")
+DPO_KTO = applies_where(lambda row: row.reference in ("pref_loss", "always"))  # preference against a reference
+GRPO = applies_where(lambda row: row.scorer == "reward_functions")
+PPO = applies_where(lambda row: row.scorer == "reward_model")
+RL = applies_where(lambda row: row.rl)
 # The peft methods other than LoRA (model/adapters.py); modules trained in full beside an adapter act under each.
 OFT_ONLY, VERA_ONLY = Applies("finetuning_type", ("oft",), grouped=True), Applies("finetuning_type", ("vera",), grouped=True)
 ADAPTER_TYPES = Applies("finetuning_type", ("lora", "oft", "vera"), grouped=True)
@@ -202,7 +208,7 @@ class DataArguments:
 
 @dataclass
 class FinetuningArguments:
-    stage: Literal["pt", "sft", "rm", "dpo", "kto", "ppo", "grpo"] = _help("Training stage.", default="sft")
+    stage: Literal[STAGE_NAMES] = _help("Training stage.", default=DEFAULT_STAGE)
     finetuning_type: Literal["lora", "oft", "vera", "freeze", "full"] = _help(
         "Which parameters train: lora (low-rank adapters, peft), oft (orthogonal rotations of the adapted layers, "
         "peft OFT), vera (two scaling vectors per layer over frozen random projections shared by all layers, peft "

@@ -21,10 +21,9 @@ from tunelab.config.args import NONZERO_LORA_INITS, DataArguments, RunConfig
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, check_gguf_type
 from tunelab.config.metric_names import eval_metric_names
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, check_scheme
+from tunelab.config.stages import REFERENCE_FREE_LOSSES, stage_row, uses_reference
 from tunelab.errors import ConfigError
 
-RL_STAGES = ("grpo", "ppo")
-PREFERENCE_STAGES = ("rm", "dpo", "kto")
 # Training keys that only act under one value of a strategy key: key -> (strategy key, the value it needs).
 STRATEGY_KEYS = {
     "save_steps": ("save_strategy", "steps"),
@@ -138,7 +137,7 @@ def _check_applicability(config: RunConfig, purpose: str) -> None:
 
 
 def _check_template_options(config: RunConfig) -> None:
-    if config.finetuning.stage == "pt" and config.data.template_kwargs:
+    if stage_row(config.finetuning.stage).reads == "text" and config.data.template_kwargs:
         raise ConfigError("template_kwargs: stage pt trains on raw text without a chat template; remove it")
 
 
@@ -149,7 +148,7 @@ def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
     for key, (strategy_key, needed) in STRATEGY_KEYS.items():
         if key not in given:
             continue
-        if stage in RL_STAGES and strategy_key == "save_strategy":
+        if stage_row(stage).rl and strategy_key == "save_strategy":
             logger.warning("%s has no effect: stage %s saves only the final model, no checkpoints; remove %s",
                            key, stage, key)
             continue
@@ -163,14 +162,14 @@ def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
         chose = f" ({config.precision})" if config.precision else ""
         logger.warning("pure_bf16 has no effect: this run does not train in bf16%s; remove pure_bf16 or set bf16: true",
                        chose)
-    if stage in RL_STAGES and "save_strategy" in given and "save_steps" not in given:
+    if stage_row(stage).rl and "save_strategy" in given and "save_steps" not in given:
         logger.warning("save_strategy has no effect: stage %s saves only the final model, no checkpoints; "
                        "remove save_strategy", stage)
 
 
 def _check_predict(config: RunConfig, what: str) -> None:
     """Generation-based evaluation (infer/predict.py) needs conversations with answers to compare against."""
-    if config.finetuning.stage == "pt":
+    if stage_row(config.finetuning.stage).reads == "text":
         raise ConfigError(f"{what}: stage pt has no answers to generate and compare; use a conversation dataset and stage sft")
     if not config.data.eval_dataset and config.data.val_size <= 0:
         raise ConfigError(f"{what} needs an eval set: set eval_dataset (or val_size to use the training split's val part)")
@@ -270,10 +269,9 @@ def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
     if ft.use_dora:
         raise ConfigError(f"{name} with use_dora: the adapter is saved as its change from the start, which DoRA's "
                           "magnitude vector has no form for: remove use_dora", key=key)
-    reference = ft.stage == "kto" or (ft.stage == "dpo" and ft.pref_loss not in ("orpo", "simpo")) or (
-        ft.stage in RL_STAGES and ft.kl_coef)
-    if reference:
-        without = {"dpo": " (or set pref_loss: orpo or simpo)", "kto": ""}.get(ft.stage, " (or set kl_coef: 0)")
+    if uses_reference(ft):
+        rule = stage_row(ft.stage).reference
+        without = {"pref_loss": " (or set pref_loss: orpo or simpo)", "kl_coef": " (or set kl_coef: 0)"}.get(rule, "")
         raise ConfigError(
             f"{name}: stage {ft.stage} takes the model with its adapter disabled as the reference, which is not the "
             f"model training starts from when the adapter starts away from zero: remove {key}{without}", key=key)
@@ -346,7 +344,7 @@ def _check_qat(config: RunConfig) -> None:
             "fake-quantizes full-precision weights; remove quantization_bit (qat with finetuning_type: lora trains "
             "LoRA on a fake-quantized base)"
         )
-    if config.finetuning.stage not in ("pt", "sft"):
+    if not stage_row(config.finetuning.stage).token_loss:
         raise ConfigError(f"qat applies to stages pt and sft (got stage: {config.finetuning.stage}): remove qat")
     if ft.qat_start_step < 0:
         raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
@@ -389,8 +387,8 @@ def _check_data(config: RunConfig) -> None:
 
 def _check_stage_data(config: RunConfig) -> None:
     """pt's window options (which datasets suit the stage is data/registry.py's check_datasets)."""
-    data, stage = config.data, config.finetuning.stage
-    if stage != "pt":
+    data = config.data
+    if stage_row(config.finetuning.stage).reads != "text":
         return
     if data.stride is not None and not 1 <= data.stride <= data.cutoff_len:
         raise ConfigError(
@@ -413,26 +411,27 @@ def _check_stage_data(config: RunConfig) -> None:
 def _check_preference(config: RunConfig) -> None:
     """Stages rm / dpo / kto: unpacked pairs and their own options (ranking data: data/registry.py)."""
     ft, data, stage = config.finetuning, config.data, config.finetuning.stage
-    if stage not in PREFERENCE_STAGES:
+    row = stage_row(stage)
+    if not row.pairs:
         return
     if data.packing:
-        layout = "pairs are padded" if stage == "rm" else "each step's pairs are laid out padding-free instead"
+        layout = "pairs are padded" if row.head == "reward" else "each step's pairs are laid out padding-free instead"
         raise ConfigError(f"packing: true is not supported with stage {stage} ({layout}); set packing: false")
-    if data.padding_free and stage == "rm":
+    if data.padding_free and row.head == "reward":
         raise ConfigError("padding_free: true does not apply to stage rm (a reward is read at each padded row's end); remove it")
     if data.streaming:
         raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
     if data.train_on_prompt:
         raise ConfigError(f"train_on_prompt does not apply to stage {stage} (only the final answer is scored): remove it")
-    if stage == "rm" and config.generation.eval_generation:
+    if row.head == "reward" and config.generation.eval_generation:
         raise ConfigError("eval_generation: a reward model does not generate; remove it (eval reports reward accuracy)")
     if ft.pref_beta <= 0:
         raise ConfigError(f"pref_beta must be > 0, got {ft.pref_beta}")
-    if stage == "kto" and min(ft.kto_desirable_weight, ft.kto_undesirable_weight) < 0:
+    if row.reads == "unpaired" and min(ft.kto_desirable_weight, ft.kto_undesirable_weight) < 0:
         raise ConfigError("kto_desirable_weight and kto_undesirable_weight must be >= 0")
-    if stage != "dpo":
+    if row.reference != "pref_loss":
         return
-    if ft.precompute_ref_log_probs and ft.pref_loss in ("orpo", "simpo"):
+    if ft.precompute_ref_log_probs and ft.pref_loss in REFERENCE_FREE_LOSSES:
         raise ConfigError(
             f"precompute_ref_log_probs: pref_loss {ft.pref_loss} uses no reference model; remove precompute_ref_log_probs"
         )
@@ -449,9 +448,10 @@ def _check_rl(config: RunConfig) -> None:
     ft, stage = config.finetuning, config.finetuning.stage
     if config.generation.temperature <= 0:
         raise ConfigError(f"temperature must be > 0 (rollouts are sampled), got {config.generation.temperature}")
-    if stage not in RL_STAGES:
+    row = stage_row(stage)
+    if not row.rl:
         return
-    if stage == "grpo":
+    if row.scorer == "reward_functions":
         if not ft.reward_funcs:
             raise ConfigError(
                 "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format "
@@ -470,7 +470,7 @@ def _check_rl(config: RunConfig) -> None:
             raise ConfigError(
                 f"top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {ft.top_entropy_quantile}"
             )
-    if stage == "ppo":
+    if row.scorer == "reward_model":
         if not ft.reward_model:
             raise ConfigError(
                 "reward_model: stage ppo needs a reward model; train one with stage: rm and set reward_model to its "
@@ -541,7 +541,7 @@ def _check_dedup(config: RunConfig) -> None:
         raise ConfigError(f"dedup_threshold only applies to dedup: near (got dedup: {data.dedup}): remove it")
     if data.dedup == "none":
         return
-    if config.finetuning.stage == "pt":
+    if stage_row(config.finetuning.stage).reads == "text":
         raise ConfigError("dedup: stage pt does not deduplicate documents yet; remove dedup")
     if not 0.0 < data.dedup_threshold <= 1.0:
         raise ConfigError(f"dedup_threshold must be in (0, 1], got {data.dedup_threshold}")
@@ -576,7 +576,7 @@ def _check_nan_policy(config: RunConfig) -> None:
 
 def _check_skip_bad_rows(config: RunConfig) -> None:
     data = config.data
-    if data.skip_bad_rows and (data.streaming or config.finetuning.stage == "pt"):
+    if data.skip_bad_rows and (data.streaming or stage_row(config.finetuning.stage).reads == "text"):
         raise ConfigError(
             "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"
         )
@@ -587,24 +587,15 @@ def _check_label_smoothing(config: RunConfig) -> None:
     factor, stage = config.training.label_smoothing_factor, config.finetuning.stage
     if not factor:
         return
-    if stage not in ("sft", "pt"):
-        hint = " (dpo_label_smoothing smooths the preference labels)" if stage == "dpo" else ""
+    if not stage_row(stage).token_loss:
+        preference = stage_row(stage).reference == "pref_loss"
+        hint = " (dpo_label_smoothing smooths the preference labels)" if preference else ""
         raise ConfigError(
             f"label_smoothing_factor smooths the token cross-entropy of stages sft and pt; stage {stage} does not "
             f"train on it: remove it{hint}"
         )
     if not 0.0 <= factor < 1.0:
         raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {factor}")
-
-
-# Why NEFTune's noisy embeddings do not act, or do not belong, in the stages other than sft and pt.
-NEFTUNE_ELSEWHERE = {
-    "rm": "trains a reward head, not generation",
-    "dpo": "would noise its reference pass too (LoRA: the reference is the policy with the adapter off)",
-    "kto": "would noise its reference pass too (LoRA: the reference is the policy with the adapter off)",
-    "grpo": "trains in its own loop, which adds no noise",
-    "ppo": "trains in its own loop, which adds no noise",
-}
 
 
 def _check_neftune(config: RunConfig) -> None:
@@ -616,16 +607,17 @@ def _check_neftune(config: RunConfig) -> None:
     if not (_finite(alpha) and alpha > 0):
         raise ConfigError(f"neftune_noise_alpha must be > 0 (the noise scale; NEFTune's paper uses 5 to 15), got "
                           f"{alpha}; remove it to train without noise", key="neftune_noise_alpha")
-    if stage in NEFTUNE_ELSEWHERE:
-        raise ConfigError(f"neftune_noise_alpha applies to stages sft and pt; stage {stage} "
-                          f"{NEFTUNE_ELSEWHERE[stage]}: remove it", key="neftune_noise_alpha")
+    why = stage_row(stage).neftune  # why the noise does not act, or does not belong, in this stage
+    if why:
+        raise ConfigError(f"neftune_noise_alpha applies to stages sft and pt; stage {stage} {why}: remove it",
+                          key="neftune_noise_alpha")
 
 
 def _check_liger_kernel(config: RunConfig) -> None:
     """use_liger_kernel (LlamaFactory's enable_liger_kernel): transformers applies Liger's kernels when its Trainer
     trains; the GPU itself is checked when the config is read (config/loader.py), the package by tunelab/preflight.py."""
     stage = config.finetuning.stage
-    if config.training.use_liger_kernel and stage in RL_STAGES:
+    if config.training.use_liger_kernel and stage_row(stage).rl:
         raise ConfigError(f"use_liger_kernel: stage {stage} trains in its own loop, where transformers does not apply "
                           "Liger's kernels: remove it", key="use_liger_kernel")
 
@@ -698,7 +690,7 @@ def _check_callbacks(config: RunConfig) -> None:
         raise ConfigError("callback_kwargs is set but callbacks is not: name the callback classes in callbacks")
     if not args.callbacks:
         return
-    if stage in RL_STAGES:
+    if stage_row(stage).rl:
         raise ConfigError(
             f"callbacks: stage {stage} trains in its own loop, where the Trainer's callback events do not fire; "
             "remove callbacks (trainer_log.jsonl still records every logged step)"
@@ -716,7 +708,7 @@ def _check_early_stopping(config: RunConfig) -> None:
         raise ConfigError(f"early_stopping_patience must be at least 1 (evaluations without improvement), got {patience}")
     if args.early_stopping_threshold < 0:
         raise ConfigError(f"early_stopping_threshold must be >= 0, got {args.early_stopping_threshold}")
-    if stage in RL_STAGES:
+    if stage_row(stage).rl:
         raise ConfigError(f"early_stopping_patience: stage {stage} has no evaluations to stop on; remove it")
     if not config.data.eval_dataset and config.data.val_size <= 0:
         raise ConfigError("early_stopping_patience needs an eval set to watch: set eval_dataset or val_size")
@@ -744,7 +736,7 @@ def _check_metric_for_best_model(config: RunConfig, why: str) -> None:
 
 
 def _check_load_best_model(config: RunConfig) -> None:
-    if config.training.load_best_model_at_end and config.finetuning.stage not in RL_STAGES:
+    if config.training.load_best_model_at_end and not stage_row(config.finetuning.stage).rl:
         _check_metric_for_best_model(config, "load_best_model_at_end")
 
 
@@ -752,7 +744,7 @@ def _check_generate_at_eval(config: RunConfig) -> None:
     if not config.generation.generate_at_eval:
         return
     stage = config.finetuning.stage
-    if stage != "sft":
+    if stage_row(stage).reads != "supervised":
         raise ConfigError(
             f"generate_at_eval applies to stage sft (answers to generate and compare), got stage {stage}; remove it"
         )
@@ -854,7 +846,7 @@ def _check_badam(ft, args, optim: str) -> None:
                           "block only, set badam_switch_mode: fixed)", key="badam_switch_interval")
     if ft.badam_start_block is not None and ft.badam_start_block < 0:
         raise ConfigError(f"badam_start_block must be >= 0 (a decoder layer's index), got {ft.badam_start_block}")
-    if ft.stage in ("rm", "ppo"):
+    if stage_row(ft.stage).head:
         raise ConfigError(f"use_badam trains the decoder layers only, so stage {ft.stage}'s value head would never "
                           "learn: remove use_badam", key="use_badam")
     if any(word in optim for word in SELF_GROUPING_OPTIMS):

@@ -7,29 +7,21 @@ evaluation and plots log under these names.
 from __future__ import annotations
 
 from tunelab.config.args import RunConfig
+from tunelab.config.stages import stage_row
 
 VAL_SPLIT_NAME = "val"  # the eval set that val_size holds out of the training data
 # The scores of generated answers a training run logs per eval set (generate_at_eval) and plots.
 GENERATION_METRIC_NAMES = ("exact_match", "bleu", "rouge_l")
 
-# Eval metric names (after the eval[_<name>] prefix) each stage logs, for checking metric_for_best_model.
-STAGE_EVAL_METRICS = {
-    "sft": ("loss", "perplexity"), "pt": ("loss", "perplexity"),
-    "rm": ("loss", "accuracy", "margin", "rewards/chosen", "rewards/rejected"),
-    "dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
-            "logps/chosen", "logps/rejected", "logps/accuracies"),
-    "kto": ("loss", "rewards/chosen", "rewards/rejected", "kl"),
-}
-
 
 def eval_metric_names(config: RunConfig) -> list[str]:
     """Every eval metric the run will log (`eval_loss`, `eval_<name>_rouge_l`...), for metric_for_best_model."""
-    data, stage = config.data, config.finetuning.stage
+    data, row = config.data, stage_row(config.finetuning.stage)
     sets = ([VAL_SPLIT_NAME] if data.val_size > 0 else []) + list(data.eval_dataset or [])
     prefixes = ["eval"] if len(sets) <= 1 else [f"eval_{name}" for name in sets]
-    names = list(STAGE_EVAL_METRICS.get(stage, ("loss",)))
-    if stage in ("sft", "pt") and config.training.compute_token_accuracy:
+    names = list(row.eval_metrics)
+    if row.token_loss and config.training.compute_token_accuracy:
         names.append("token_accuracy")
-    if stage == "sft" and config.generation.generate_at_eval:
+    if row.reads == "supervised" and config.generation.generate_at_eval:
         names.extend(GENERATION_METRIC_NAMES)
     return [f"{prefix}_{name}" for prefix in prefixes for name in names]

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import numpy as np
 
+from tunelab.config.stages import stage_row
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.run_data import RunData, flat_column
 
@@ -82,7 +83,7 @@ def id_coverage(ids: np.ndarray, vocab_size: int | None, unk_id: int | None) -> 
 def _texts(data: RunData) -> Iterable[str]:
     """The text of the training samples (pairs: of both sequences), each token once (pt windows from their
     first target: no overlap)."""
-    pt = data.config.finetuning.stage == "pt"
+    pt = stage_row(data.config.finetuning.stage).reads == "text"
     for side in data.sides or ("",):
         for sample in data.train.select_columns([f"{side}input_ids", f"{side}labels"]):  # row by row: lazy
             ids, labels = sample[f"{side}input_ids"], sample[f"{side}labels"]

@@ -29,6 +29,7 @@ from typing import Any
 
 import datasets
 
+from tunelab.config.stages import stage_row
 from tunelab.data.cache import cached_bundle
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import IMAGES_FEATURE, is_ranking_row
@@ -42,7 +43,7 @@ KTO_COLUMNS = ("input_ids", "labels", "kl_input_ids", "kl_labels", "kto_tag")
 
 def pair_sides(stage: str) -> tuple[str, str]:
     """The column prefixes of a pair stage's two sequences per row, in PairedCollator's order."""
-    return ("", "kl_") if stage == "kto" else ("chosen_", "rejected_")
+    return ("", "kl_") if stage_row(stage).reads == "unpaired" else ("chosen_", "rejected_")
 
 
 def _assistant(content: str) -> dict[str, str]:
@@ -227,7 +228,7 @@ def preference_encoder(stage: str, tokenizer, template, data_args, vision=None) 
     if vision is not None:
 
         inner = VisionEncoder(inner, *vision)
-    return KTOEncoder(inner) if stage == "kto" else PairwiseEncoder(inner)
+    return KTOEncoder(inner) if stage_row(stage).reads == "unpaired" else PairwiseEncoder(inner)
 
 
 def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_main_process: bool = True,
@@ -236,8 +237,9 @@ def preference_bundle(data_args, tokenizer, template, stage: str, seed: int, is_
     their entries: the same pairs), with the val split and eval sets as for sft."""
 
     encoder = preference_encoder(stage, tokenizer, template, data_args, vision)
+    kind = stage if stage_row(stage).reads == "unpaired" else "pairwise"  # (kto's entries: its own name)
     return cached_bundle(
-        data_args, tokenizer, template.jinja + vision_fingerprint(vision), "kto" if stage == "kto" else "pairwise", seed,
+        data_args, tokenizer, template.jinja + vision_fingerprint(vision), kind, seed,
         build=lambda: build_datasets(data_args, tokenizer, template, seed, encoder=encoder, images=vision is not None),
         is_main_process=is_main_process,
     )

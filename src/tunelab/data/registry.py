@@ -29,7 +29,7 @@ from typing import Any
 import datasets
 
 from tunelab import hub
-from tunelab.config.checks import PREFERENCE_STAGES
+from tunelab.config.stages import stage_row
 from tunelab.errors import ConfigError, DataError
 
 BUILTIN_REGISTRY = Path(__file__).resolve().parent / "dataset_info.json"
@@ -555,6 +555,7 @@ def check_datasets(config) -> Registry:
     exists; stage pt reads raw documents and every other stage conversations; sft no ranking sets; rm, dpo and kto
     ranking sets (kto: or a kto_tag column). ConfigError naming the key and the dataset."""
     data, stage = config.data, config.finetuning.stage
+    row = stage_row(stage)
     registry = load_registry(data.dataset_dir)
     named = [(key, name) for key in ("dataset", "eval_dataset") for name in getattr(data, key) or []]
     for key, name in named:
@@ -565,26 +566,27 @@ def check_datasets(config) -> Registry:
             raise ConfigError(f"{key}: '{name}' is not in {where}; {hint}add it to dataset_info.json")
     for key, name in named:
         spec = registry[name]
-        if stage == "pt" and not spec.reads_documents:
+        if row.reads == "text" and not spec.reads_documents:
             raise ConfigError(
                 f"{key}: '{name}' has formatting: {spec.formatting}, but stage pt trains on raw documents; "
                 "use a dataset with formatting: text (e.g. demo_corpus) or another stage"
             )
-        if stage != "pt" and spec.formatting == "text":
+        if row.reads != "text" and spec.formatting == "text":
             raise ConfigError(
                 f"{key}: '{name}' is a raw text corpus (formatting: text) for stage pt; "
                 f"stage {stage} needs an alpaca, sharegpt or openai dataset"
             )
-        if stage == "sft" and spec.ranking:  # its rows hold no answer turn: every one would drop
+        if row.reads == "supervised" and spec.ranking:  # its rows hold no answer turn: every one would drop
             raise ConfigError(
                 f"{key}: '{name}' is a ranking dataset (chosen/rejected answers) for stages rm, dpo, kto, grpo "
                 "and ppo; stage sft trains on conversations: use a dataset without ranking: true"
             )
-    if stage in PREFERENCE_STAGES:
+    if row.pairs:
         for key, name in named:
             spec = registry[name]
-            if not spec.ranking and not (stage == "kto" and "kto_tag" in spec.columns):
-                fix = "or map a kto_tag column (columns.kto_tag) " if stage == "kto" else ""
+            unpaired = row.reads == "unpaired"
+            if not spec.ranking and not (unpaired and "kto_tag" in spec.columns):
+                fix = "or map a kto_tag column (columns.kto_tag) " if unpaired else ""
                 raise ConfigError(
                     f"{key}: '{name}' is not a ranking dataset, but stage {stage} trains on preference pairs; "
                     f"set ranking: true with chosen/rejected columns in dataset_info.json {fix}(e.g. demo_preference)"

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.compute as pc
 
 from tunelab.config.args import RunConfig
+from tunelab.config.stages import stage_row
 from tunelab.data.collate import (
     padding_free_layout,
 )
@@ -178,7 +179,7 @@ def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
     """What the pipeline dropped or cut, and why, from its report."""
     data = config.data
     lines = []
-    if config.finetuning.stage == "pt":
+    if stage_row(config.finetuning.stage).reads == "text":
         for source in report.get("sources", []):
             lines.append(
                 f"documents ({source['name']}): {source['documents']} read, {source['kept']} kept; dropped "
@@ -229,12 +230,13 @@ def stats_report(data: RunData, out_dir: Path | None) -> list[str]:
     order_text = "in stored order" if strategy == "sequential" else f"shuffled, seed {args.seed}"
 
     stage = config.finetuning.stage
-    title = f"stage {stage}" + ("" if stage == "pt" else f", template {config.data.template}")
+    reads = stage_row(stage).reads
+    title = f"stage {stage}" + ("" if reads == "text" else f", template {config.data.template}")
     what = "sample" if data.sides is None else "sequence"
     if data.sides is None:
         count, batches = f"{stats.count} samples", f"batches of {batch_size}"
     else:
-        unit = "examples" if stage == "kto" else "pairs"  # kto: each example with its KL example
+        unit = "examples" if reads == "unpaired" else "pairs"  # kto: each example with its KL example
         count = f"{len(data.train)} {unit}, {stats.count} sequences"
         batches = f"batches of {batch_size} {unit} ({per_batch} sequences)"
     lines = [

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from tunelab.config.args import RunConfig
-from tunelab.config.checks import PREFERENCE_STAGES
+from tunelab.config.stages import stage_row
 from tunelab.data.collate import (
     PackedCollator,
     PaddingFreeCollator,
@@ -324,7 +324,8 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
         if isinstance(collator, PackedCollator):
             unit = f"{counts.rows} packed rows"
         elif isinstance(collator, PairedCollator):
-            unit = f"{counts.rows} {'examples' if config.finetuning.stage == 'kto' else 'pairs'} ({counts.samples} sequences)"
+            rows = "examples" if stage_row(config.finetuning.stage).reads == "unpaired" else "pairs"
+            unit = f"{counts.rows} {rows} ({counts.samples} sequences)"
         else:
             unit = f"{counts.rows} samples"
         of = "" if counts.rows == len(dataset) else f" (of {len(dataset)})"
@@ -346,7 +347,7 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             f"  {counts.padding} padding positions: pad id {tokenizer.pad_token_id}, label -100"
             + ("" if attention else ", attention_mask 0 (1 on every real token)")
         )
-    if config.finetuning.stage != "pt":
+    if stage_row(config.finetuning.stage).reads != "text":
         problem, encoding_lines = verify_encoding(config, tokenizer, max_batches * args.per_device_train_batch_size,
                                                   images=data.vision is not None)
         if problem:
@@ -367,7 +368,7 @@ def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = 
     after their exact inference prompts, ending with the end-of-turn token, truncation keeping the last answer."""
 
     data_args = config.data
-    pairs = config.finetuning.stage in PREFERENCE_STAGES
+    pairs = stage_row(config.finetuning.stage).pairs
     encoder = SupervisedEncoder(
         tokenizer=tokenizer, template=get_template(data_args.template, tokenizer), cutoff_len=data_args.cutoff_len,
         train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history or pairs,

@@ -57,6 +57,7 @@ from transformers.utils.hub import convert_file_size_to_int
 from tunelab import run_folder
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
+from tunelab.config.stages import stage_row
 from tunelab.data.templates import Template
 from tunelab.errors import ConfigError, ExportError, ModelError, first_line
 from tunelab.export import parity
@@ -159,7 +160,7 @@ def export_model(config: RunConfig) -> Exported:
     check_only = config.export.export_check_only
     tokenizer = load_inference_tokenizer(config.model)
     template, template_vars = None, None
-    if config.finetuning.stage != "pt" and (config.data.template or tokenizer.chat_template):
+    if stage_row(config.finetuning.stage).reads != "text" and (config.data.template or tokenizer.chat_template):
         template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
         template_vars = inference_template_kwargs(config.data.template_kwargs, trained_folder(config.model), template)
     if template is not None:

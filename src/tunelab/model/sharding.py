@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tunelab.config.stages import names_where, stage_row
 from tunelab.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the config checks call check_cpu_fsdp without importing peft
@@ -46,16 +47,16 @@ CPU_FSDP_CONFIG = {
 }
 
 
-# The stages whose Trainer runs a model sharded at load (verified: sft, tests/train/test_fsdp.py; pt trains with the
-# same Trainer). The preference stages hold a second, unsharded reference model, and grpo / ppo run their own loop
-# on accelerate, which would wrap the sharded model in DDP.
-CPU_FSDP_STAGES = ("sft", "pt")
+# The stages whose Trainer runs a model sharded at load, the table's cpu_fsdp (verified: sft, tests/train/test_fsdp.py;
+# pt trains with the same Trainer). The preference stages hold a second, unsharded reference model, and grpo / ppo
+# run their own loop on accelerate, which would wrap the sharded model in DDP.
+CPU_FSDP_STAGES = names_where(lambda row: row.cpu_fsdp)
 
 
 def check_cpu_fsdp(args: TrainingArguments, processes: int, stage: str) -> None:
     """What FSDP on CPU cannot do, as one line; `processes` is the run's process count (nproc_per_node × nnodes)."""
 
-    if stage not in CPU_FSDP_STAGES:
+    if not stage_row(stage).cpu_fsdp:
         raise ConfigError(
             f"fsdp on CPU runs stages {' and '.join(CPU_FSDP_STAGES)} only; stage {stage} with fsdp needs GPUs "
             "(accelerate's FSDP), or drop fsdp (nproc_per_node alone trains data-parallel on CPU)"

@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from tunelab.config.args import RunConfig
+from tunelab.config.stages import stage_row
 from tunelab.data.collate import build_collator
 from tunelab.data.run_data import supervised_counts, token_lengths
 from tunelab.errors import DataError, TemplateError
@@ -333,7 +334,7 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     total = sum(p.numel() for p in model.parameters())
     on_gpu = config.training.device.type == "cuda"
     result = Estimate(memory, total, trainable, shape.batch_size, lengths, baseline, on_gpu, notes=[note] if note else [])
-    if config.finetuning.stage not in ("sft", "pt"):
+    if not stage_row(config.finetuning.stage).token_loss:
         result.notes.append(
             f"stage {config.finetuning.stage}: counted (and probed) as single sequences; pair stages run two per "
             "row, and a reference or reward model adds its own weights"
@@ -350,7 +351,7 @@ def import_training_stack(config: RunConfig) -> None:
     """Import what `tunelab train` imports for this stage, so the measured baseline holds the same libraries."""
     import importlib  # noqa: PLC0415
 
-    importlib.import_module(f"tunelab.train.stages.{config.finetuning.stage}")
+    importlib.import_module(stage_row(config.finetuning.stage).recipe_module)
 
 
 def cutoff_lengths(config: RunConfig, why: str) -> RowLengths:
@@ -362,7 +363,7 @@ def row_lengths(config: RunConfig):
     the tokenized cache as `tunelab train` reads them, so a later run finds the same cache entry."""
 
     stage = config.finetuning.stage
-    if stage not in ("sft", "pt"):
+    if not stage_row(stage).token_loss:
         return cutoff_lengths(config, f"stage {stage}: its rows are not read"), None
     if config.data.streaming:
         return cutoff_lengths(config, "streaming: the data is not read ahead"), None

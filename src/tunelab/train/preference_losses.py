@@ -23,7 +23,6 @@ from tunelab.data.encode import IGNORE_INDEX
 from tunelab.train.losses import kept_pairs, next_token_order, token_log_probs
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "orpo", "simpo")
-REFERENCE_FREE_LOSSES = ("orpo", "simpo")
 AVERAGED_LOSSES = ("ipo", "orpo", "simpo")  # log-probs averaged over the answer's tokens
 
 

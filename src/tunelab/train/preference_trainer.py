@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from tunelab.config.args import FinetuningArguments
+from tunelab.config.stages import stage_row
 from tunelab.train import preference_losses as losses
 from tunelab.train.losses import next_token_mask
 from tunelab.train.trainer import TunelabTrainer, takes_logits_to_keep
@@ -49,10 +50,6 @@ MODEL_INPUTS = (
     "pixel_values", "image_sizes", "image_grid_thw", "pixel_attention_mask", "token_type_ids", "mm_token_type_ids",
     "image_attention_mask",
 )
-
-
-def needs_reference(stage: str, finetuning: FinetuningArguments) -> bool:
-    return stage == "kto" or (stage == "dpo" and finetuning.pref_loss not in losses.REFERENCE_FREE_LOSSES)
 
 
 @contextlib.contextmanager
@@ -108,13 +105,13 @@ def precompute_reference_log_probs(
 
 
 class PreferenceTrainer(TunelabTrainer):
-    """stage: "rm" | "dpo" | "kto"; `ref_model` only for reference-based losses without LoRA or precompute."""
+    """stage: a pair stage (rm, dpo, kto); `ref_model` only for reference-based losses without LoRA or precompute."""
 
     loss_is_scaled_for_ga = False  # our losses are per-micro-batch means; the Trainer divides by accumulation
 
     def __init__(self, *args, stage: str, finetuning: FinetuningArguments, ref_model: nn.Module | None = None, **kwargs):
         super().__init__(*args, compute_loss_func=None, finetuning=finetuning, **kwargs)
-        self.stage = stage
+        self.stage, self.row = stage, stage_row(stage)
         self.ref_model = ref_model.to(self.args.device) if ref_model is not None else None
         # mode ("train" / "eval") -> metric name -> [sum (a device tensor once recorded), count]
         self._metric_sums: dict[str, dict[str, list]] = defaultdict(dict)
@@ -125,7 +122,7 @@ class PreferenceTrainer(TunelabTrainer):
         logits_to_keep, an index of the positions to keep (losses.next_token_index; None when filling rows to
         equal widths would waste too many head rows, and then batch_log_probs keeps by mask)."""
         labels = inputs.get("labels")
-        if self.stage == "rm" or labels is None or labels.device.type != "cpu" or "logits_to_keep" in inputs:
+        if self.row.head == "reward" or labels is None or labels.device.type != "cpu" or "logits_to_keep" in inputs:
             return inputs
         extra = {}
         if "sequence_ids" in inputs:
@@ -139,7 +136,9 @@ class PreferenceTrainer(TunelabTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if model.training else "eval"
-        loss_fn = {"rm": self._reward_loss, "dpo": self._dpo_loss, "kto": self._kto_loss}[self.stage]
+        row = self.row  # a reward head's Bradley–Terry loss, KTO on unpaired examples, else the DPO family
+        loss_fn = (self._reward_loss if row.head == "reward" else self._kto_loss if row.reads == "unpaired"
+                   else self._dpo_loss)
         loss = loss_fn(model, inputs, mode)
         return (loss, None) if return_outputs else loss
 

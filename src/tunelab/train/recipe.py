@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
+from tunelab.config.stages import stage_row
 from tunelab.data.collate import PackedCollator, PaddingFreeCollator, SupervisedCollator, build_collator
 from tunelab.data.pipeline import DatasetBundle
 from tunelab.data.run_data import RunData, pack_rows
@@ -38,15 +39,13 @@ from tunelab.train.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
-STAGE_MODULES = {"sft": "sft", "pt": "pt", "rm": "rm", "dpo": "dpo", "kto": "dpo", "grpo": "grpo", "ppo": "ppo"}
 
 
 def recipe_for(plan: RunPlan) -> Recipe:
-    """The recipe of the plan's stage (its module imported now: the stages import the Trainer, which `tunelab data`
-    reaches only through this call)."""
-    stage = plan.config.finetuning.stage
-    module = importlib.import_module(f"tunelab.train.stages.{STAGE_MODULES[stage]}")
-    return module.RECIPES[stage](plan)
+    """The recipe of the plan's stage, as the stage table names it (its module imported now: the stages import the
+    Trainer, which `tunelab data` reaches only through this call)."""
+    row = stage_row(plan.config.finetuning.stage)
+    return getattr(importlib.import_module(row.recipe_module), row.recipe_class)(plan)
 
 
 class Recipe:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 
+from tunelab.config.stages import stage_row
 from tunelab.errors import ConfigError
 from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
@@ -51,7 +52,7 @@ def run(plan: RunPlan) -> dict:
     keep_trackers_local(config.training.report_to, config.training.output_dir)
     launch.start_deepspeed_comm(config.training)
     stage = config.finetuning.stage
-    if stage not in ("sft", "dpo") and is_vision_model_folder(config.model.model_name_or_path):
+    if not stage_row(stage).vision and is_vision_model_folder(config.model.model_name_or_path):
         raise ConfigError(
             f"stage: {stage} is not supported for vision-language models yet (model_name_or_path "
             f"{config.model.model_name_or_path} is one); train it with stage: sft or dpo"

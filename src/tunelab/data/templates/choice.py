@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 
 from tunelab.config.args import RunConfig
+from tunelab.config.stages import stage_row
 from tunelab.config.template_names import LLAMAFACTORY_TEMPLATES, TEMPLATE_ALIASES
 from tunelab.data.templates.builtin import BUILTIN_NAMES, builtin_source
 from tunelab.data.templates.model_folder import tokenizer_chat_template
@@ -16,7 +17,7 @@ from tunelab.errors import ConfigError, TemplateError
 def check_template(config: RunConfig) -> None:
     """The template names a built-in (or LlamaFactory alias) or the model folder has a chat_template, and
     template_kwargs names only variables it reads; ConfigError otherwise. Stage pt trains without one."""
-    if config.finetuning.stage == "pt":
+    if stage_row(config.finetuning.stage).reads == "text":
         return
     name = config.data.template
     if name is None or name == "model":

@@ -3,7 +3,7 @@
 tokenizer + template → pairs (data/pairwise.py) → policy (+ adapters) → reference: a frozen copy
 (full / freeze), the policy with its adapter disabled (LoRA), or none (orpo, simpo) →
 [precompute reference log-probs] → [preference accuracy and exact match before] → train → save →
-[after] → metrics. Stage kto (KTORecipe) runs the same workflow on unpaired examples.
+[after] → metrics. Stage kto (stages/kto.py) runs the same workflow on unpaired examples.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from tunelab import run_folder
+from tunelab.config.stages import uses_reference
 from tunelab.data.collate import PaddingFreeCollator, PairedCollator, build_paired_collator
 from tunelab.data.vision import save_processor_files, token_type_key, vision_collator
 from tunelab.infer.generate import held_out_exact_match, held_out_rows
@@ -22,7 +23,7 @@ from tunelab.train.stages.rm import PairRecipe
 logger = logging.getLogger(__name__)
 
 
-class PreferenceRecipe(PairRecipe):
+class DPORecipe(PairRecipe):
     """Stage dpo (and its relatives), and kto with `stage = "kto"`."""
 
     stage = "dpo"
@@ -48,7 +49,7 @@ class PreferenceRecipe(PairRecipe):
         from tunelab.model.load import load_model  # noqa: PLC0415
         from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
         from tunelab.train.preference_trainer import (  # noqa: PLC0415
-            KTO_REFERENCE_COLUMNS, PAIR_REFERENCE_COLUMNS, PreferenceTrainer, needs_reference, precompute_reference_log_probs,
+            KTO_REFERENCE_COLUMNS, PAIR_REFERENCE_COLUMNS, PreferenceTrainer, precompute_reference_log_probs,
         )
         config, stage = self.config, self.stage
         args, ft = config.training, config.finetuning
@@ -63,12 +64,12 @@ class PreferenceRecipe(PairRecipe):
         # when precomputing, where the policy before training is the reference.
         ref_model = None
         uses_lora = ft.finetuning_type == "lora" or is_quantized(model)
-        if needs_reference(stage, ft) and not uses_lora and not ft.precompute_ref_log_probs:
+        if uses_reference(ft) and not uses_lora and not ft.precompute_ref_log_probs:
             # In the policy's dtype (float32 master weights under bf16): the two start equal, rewards at exactly 0.
             ref_model = load_model(config.model, ft, args, tokenizer, is_trainable=False,
                                    dtype=resolve_dtype(config.model, args, ft))
         train_set, evals = data.train, dict(data.eval)
-        if needs_reference(stage, ft) and ft.precompute_ref_log_probs:
+        if uses_reference(ft) and ft.precompute_ref_log_probs:
             columns = KTO_REFERENCE_COLUMNS if stage == "kto" else PAIR_REFERENCE_COLUMNS
             model.to(args.device)
 
@@ -118,9 +119,3 @@ class PreferenceRecipe(PairRecipe):
         outputs.finish(trainer, metrics, config)
         return metrics
 
-
-class KTORecipe(PreferenceRecipe):
-    stage = "kto"
-
-
-RECIPES = {"dpo": PreferenceRecipe, "kto": KTORecipe}

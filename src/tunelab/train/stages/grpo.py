@@ -3,10 +3,10 @@ and rl/grpo.py as the step."""
 
 from __future__ import annotations
 
-from tunelab.train.stages.sft import SupervisedRecipe
+from tunelab.train.stages.sft import SFTRecipe
 
 
-class GenerationRecipe(SupervisedRecipe):
+class GenerationRecipe(SFTRecipe):
     """What the generating stages (grpo, ppo) share. `tunelab data` reads their rows as sft does (each prompt with
     its reference answer, which held-out exact match compares with); training reads the prompts and samples the
     answers (rl/workflow.py)."""
@@ -25,5 +25,3 @@ class GRPORecipe(GenerationRecipe):
         reward_functions = self.plan.reward_functions  # imported once, by tunelab/preflight.py
         return workflow.run_stage(self.config, GRPO, lambda device, tokenizer, template: list(reward_functions))
 
-
-RECIPES = {"grpo": GRPORecipe}

@@ -33,5 +33,3 @@ class PPORecipe(GenerationRecipe):
 
         return workflow.run_stage(config, PPO, reward_model, policy=PolicyWithValueHead, after_save=save_value_head)
 
-
-RECIPES = {"ppo": PPORecipe}

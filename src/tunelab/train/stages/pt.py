@@ -71,8 +71,6 @@ class PretrainRecipe(Recipe):
         return metrics
 
 
-RECIPES = {"pt": PretrainRecipe}
-
 
 def with_perplexity(eval_metrics: dict) -> dict:
     """Add `<prefix>_perplexity` = exp(loss) beside every `<prefix>_loss`."""

@@ -88,5 +88,3 @@ class RewardModelRecipe(PairRecipe):
         outputs.finish(trainer, metrics, config)
         return metrics
 
-
-RECIPES = {"rm": RewardModelRecipe}

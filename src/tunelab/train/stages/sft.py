@@ -1,6 +1,6 @@
 """Supervised fine-tuning: the workflow, top to bottom.
 
-SupervisedRecipe (train/recipe.py): tokenizer + template → datasets → model (+ adapters) → [exact match before] →
+SFTRecipe (train/recipe.py): tokenizer + template → datasets → model (+ adapters) → [exact match before] →
 train (evaluations with generate_at_eval: + exact match, BLEU, ROUGE-L; early stopping; the user's callbacks) → save
 → [exact match after] → [do_predict: predictions.jsonl, BLEU/ROUGE-L] → metrics. Everything written lands in
 output_dir.
@@ -25,7 +25,7 @@ from tunelab.train.recipe import Recipe
 logger = logging.getLogger(__name__)
 
 
-class SupervisedRecipe(Recipe):
+class SFTRecipe(Recipe):
     stage = "sft"
     inspection_packs = True
 
@@ -94,8 +94,6 @@ class SupervisedRecipe(Recipe):
         outputs.finish(trainer, metrics, config)
         return metrics
 
-
-RECIPES = {"sft": SupervisedRecipe}
 
 
 def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list:
