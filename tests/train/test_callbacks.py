@@ -204,7 +204,9 @@ def test_final_eval_metrics_are_the_final_models_evaluation(tmp_path):
     line of it; with load_best_model_at_end the best checkpoint's step. Driven with the Trainer's own state."""
     from types import SimpleNamespace
 
-    from tunelab.train.stages.sft import _final_eval_metrics
+    from tunelab.train.recipe import SupervisedRecipe
+
+    _final_eval_metrics = SupervisedRecipe.final_eval_metrics
 
     state = transformers.TrainerState()
     state.log_history = [

@@ -1,84 +1,20 @@
-"""The grpo and ppo workflow, top to bottom, and what it is made of.
-
-tokenizer + template → prompts (the shared pipeline, rendered with the generation prompt) → the
-stage's scorer (reward functions, or stage rm's model) → policy (+ adapters) and reference → [exact
-match before] → the loop (rl/loop.py with the stage's algorithm) → save → [exact match after] →
-metrics. Everything written lands in output_dir.
-"""
+"""What the generating stages' workflow (train/recipe.py's RLRecipe: grpo, ppo) is made of besides the loop: the
+reference model, saving the policy, the run's closing metrics. Everything written lands in output_dir."""
 
 from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable
-from typing import Any
 
-import transformers
 from peft import PeftModel
 from torch import nn
 
-from tunelab.config.args import RunConfig
-from tunelab.data.prompts import build_prompt_datasets
-from tunelab.data.templates import get_template
-from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_token_ids
-from tunelab.model.adapters import is_quantized
-from tunelab.model.load import count_parameters, load_model
-from tunelab.model.tokenizer import load_tokenizer
 from tunelab import run_folder
+from tunelab.config.args import RunConfig
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
-from tunelab.train.rl.loop import RLLoop, build_accelerator
 
 logger = logging.getLogger(__name__)
-
-
-def run_stage(
-    config: RunConfig,
-    algorithm: Callable[..., Any],
-    load_scorer: Callable[[Any, Any, Any], Any],
-    policy: Callable[[nn.Module], nn.Module] = lambda model: model,
-    after_save: Callable[[RLLoop], None] | None = None,
-) -> dict:
-    """One generating stage. `load_scorer(device, tokenizer, template)` gives what scores the samples,
-    `algorithm(loop, reference, tokenizer, stop_ids, scorer, config)` the step (rl/grpo.py, rl/ppo.py),
-    `policy(model)` the module the loop trains, `after_save(loop)` what the stage saves beside the model."""
-    args, ft = config.training, config.finetuning
-    transformers.set_seed(args.seed)
-    accelerator = build_accelerator(config)
-    tokenizer = load_tokenizer(config.model)
-    template = get_template(config.data.template, tokenizer)
-    prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed)
-    run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
-    scorer = load_scorer(accelerator.device, tokenizer, template)
-
-    model = load_model(config.model, config.finetuning, args, tokenizer, is_trainable=True)
-    if not is_quantized(model):  # bitsandbytes places quantized weights itself and refuses .to()
-        model = model.to(accelerator.device)
-    trainable, total = count_parameters(model)
-    logger.info("trainable parameters: %d of %d (%.2f%%)", trainable, total, 100 * trainable / max(total, 1))
-    reference = build_reference(model, ft.kl_coef, accelerator.device)
-    metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
-
-    rows = held_out_rows(prompts.eval_rows, config)
-    if rows is not None:
-        metrics["exact_match_before"] = held_out_exact_match(model, tokenizer, template, rows, config)
-
-    loop = RLLoop(config, accelerator, policy(model), prompts.train, ft.num_iterations)
-    step = algorithm(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
-    metrics.update(loop.train(step))
-    metrics.update(loop.final_metrics(("reward", "kl")))
-    trained = save_policy(loop, tokenizer, template, config)
-    if after_save is not None:
-        after_save(loop)
-
-    if rows is not None:
-        metrics["exact_match_after"] = held_out_exact_match(trained, tokenizer, template, rows, config)
-        logger.info(
-            "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
-            len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
-        )
-    finish(loop, metrics, config)
-    return metrics
 
 
 def build_reference(model: nn.Module, kl_coef: float, device) -> nn.Module | None:

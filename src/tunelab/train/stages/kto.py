@@ -1,10 +1,10 @@
-"""KTO on unpaired examples, each with a mismatched KL example (data/pairwise.py): dpo's workflow (stages/dpo.py)
-with KTO's loss (train/preference_losses.py) and a reference model always."""
+"""KTO on unpaired examples, each with a mismatched KL example (data/pairwise.py), against a reference model:
+train/recipe.py's PairRecipe workflow with KTO's loss (train/preference_losses.py)."""
 
 from __future__ import annotations
 
-from tunelab.train.stages.dpo import DPORecipe
+from tunelab.train.recipe import PairRecipe
 
 
-class KTORecipe(DPORecipe):
+class KTORecipe(PairRecipe):
     stage = "kto"

@@ -17,13 +17,12 @@ from tunelab.data.pipeline import DatasetBundle
 from tunelab.data.pretrain import build_pretrain_datasets
 from tunelab.data.streaming import build_streaming_pretrain
 from tunelab.train import outputs
-from tunelab.train.recipe import Recipe
-from tunelab.train.stages.sft import _final_eval_metrics
+from tunelab.train.recipe import SupervisedRecipe
 
 logger = logging.getLogger(__name__)
 
 
-class PretrainRecipe(Recipe):
+class PretrainRecipe(SupervisedRecipe):
     stage = "pt"
 
     @property
@@ -66,7 +65,7 @@ class PretrainRecipe(Recipe):
         metrics.update(result.metrics)
         outputs.save_model(trainer, self.tokenizer, None, config)
         if data.eval:
-            metrics.update(with_perplexity(_final_eval_metrics(trainer)))
+            metrics.update(with_perplexity(self.final_eval_metrics(trainer)))
         outputs.finish(trainer, metrics, config)
         return metrics
 
