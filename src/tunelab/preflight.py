@@ -74,9 +74,11 @@ def plan_run(
     config = dataclasses.replace(config, model=dataclasses.replace(
         config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder, gguf_file=None,
     ))  # a GGUF given as folder / Hub id + gguf_file is its file's path from here on
-    rope.resolve_rope_scaling(config)
+    config = dataclasses.replace(config, model=rope.resolve_rope_scaling(config))
     if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
-        config.finetuning.qat_group_size = qat.check_quantized_layers(config)
+        group_size = qat.check_quantized_layers(config)
+        config = dataclasses.replace(config, finetuning=dataclasses.replace(config.finetuning,
+                                                                            qat_group_size=group_size))
     reads_data = purpose not in ("export", "serve")
     if reads_data:
         check_template(config)
@@ -87,7 +89,8 @@ def plan_run(
         optimizers.check_optimizer_package(config.finetuning)
     reward_functions: tuple[RewardFunction, ...] = ()
     if purpose != "serve":
-        reward_functions = _rl_resources(config)
+        config = _with_reward_model_folder(config)
+        reward_functions = _reward_functions(config)
     if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
@@ -96,6 +99,7 @@ def plan_run(
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
+        # TrainingArguments are set in place: dataclasses.replace would run transformers' __post_init__ again.
         config.training.report_to = check_trackers(config.training.report_to)
         _check_liger_package(config)
         outputs.check_output_dir(config)
@@ -126,13 +130,19 @@ def _config_dir(config: RunConfig) -> Path | None:
     return Path(config.source).parent if config.source else None
 
 
-def _rl_resources(config: RunConfig) -> tuple[RewardFunction, ...]:
-    """grpo: the reward functions, imported (a missing file or function fails now); ppo: the reward model folder."""
-    ft, stage = config.finetuning, config.finetuning.stage
-    scorer = stage_row(stage).scorer
-    if scorer == "reward_model":
-        ft.reward_model = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
-    if scorer != "reward_functions":
+def _with_reward_model_folder(config: RunConfig) -> RunConfig:
+    """A stage scored by a reward model (ppo): the config with reward_model resolved to its folder (checked now)."""
+    ft = config.finetuning
+    if stage_row(ft.stage).scorer != "reward_model":
+        return config
+    folder = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
+    return dataclasses.replace(config, finetuning=dataclasses.replace(ft, reward_model=folder))
+
+
+def _reward_functions(config: RunConfig) -> tuple[RewardFunction, ...]:
+    """A stage scored by reward functions (grpo): them, imported (a missing file or function fails now)."""
+    ft = config.finetuning
+    if stage_row(ft.stage).scorer != "reward_functions":
         return ()
     return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
 

@@ -19,8 +19,9 @@ from transformers import AutoModelForCausalLM
 from tests.config.configs import error_of
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
+from tunelab.config.loader import build_config, read_values
 from tunelab.infer.engine import load_engine
-from tunelab.model import rope
+from tunelab.model import device, rope
 from tunelab.model.load import load_model
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.preflight import load_config, plan_run
@@ -63,6 +64,14 @@ def test_linear_scaling_divides_the_positions_by_the_factor(tmp_path):
     plain_cos, plain_sin = rotary(plain, positions / 2)  # what the unscaled model gives at half the position
     assert torch.allclose(scaled_cos, plain_cos, atol=1e-6) and torch.allclose(scaled_sin, plain_sin, atol=1e-6)
     assert not torch.allclose(scaled_cos, rotary(plain, positions)[0], atol=1e-2)
+
+
+def test_preflight_resolves_the_factor_into_new_values_leaving_the_read_config_as_read(tmp_path):
+    read = read_values(config_file(tmp_path, rope_scaling="linear", cutoff_len=1024), None, "train", device.machine())
+    config = build_config(read, False)
+    resolved = rope.resolve_rope_scaling(config)
+    assert (resolved.rope_scaling, resolved.rope_factor) == ("linear", 2.0)
+    assert config.model.rope_factor is None  # the config it was given is as it was read
 
 
 @pytest.mark.parametrize(("kind", "parameters", "positions", "attention_scaling"), [

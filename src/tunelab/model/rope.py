@@ -21,6 +21,7 @@ adapter apply to the base (`recorded_rope`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -97,24 +98,26 @@ def recorded_rope(folder: str | Path | None) -> RopeScaling | None:
     return RopeScaling(kind, float(factor)) if isinstance(kind, str) and isinstance(factor, (int, float)) else None
 
 
-def resolve_rope_scaling(config: RunConfig) -> None:
-    """Preflight: rope_scaling checked against the model and its factor resolved into config.model.rope_factor (so
-    the run records it). Without rope_scaling, an adapter trained with one brings it (its tunelab_config.yaml)."""
+def resolve_rope_scaling(config: RunConfig) -> ModelArguments:
+    """Preflight: rope_scaling checked against the model; the model options with its factor resolved into rope_factor
+    (so the run records it). Without rope_scaling, an adapter trained with one brings it (its tunelab_config.yaml)."""
     model = config.model
     recorded = recorded_rope(model.adapter_name_or_path)
     if model.rope_scaling is None and recorded is not None:
-        model.rope_scaling, model.rope_factor = recorded.kind, recorded.factor
+        model = dataclasses.replace(model, rope_scaling=recorded.kind, rope_factor=recorded.factor)
         logger.info("rope_scaling: %s, factor %g (what the adapter %s trained with)", recorded.kind, recorded.factor,
                     model.adapter_name_or_path)
     if model.rope_scaling is None:
-        return
+        return model
     base = gguf.load_config(model.model_name_or_path, trust_remote_code=model.trust_remote_code)
     where = f"model_name_or_path {model.model_name_or_path}"
-    model.rope_factor = check_rope_scaling(base, model.rope_scaling, model.rope_factor, config.data.cutoff_len, where)
+    factor = check_rope_scaling(base, model.rope_scaling, model.rope_factor, config.data.cutoff_len, where)
+    model = dataclasses.replace(model, rope_factor=factor)
     if recorded is not None and (recorded.kind, recorded.factor) != (model.rope_scaling, model.rope_factor):
         logger.warning("rope_scaling: %s, factor %g differs from what the adapter %s trained with (%s, factor %g)",
                        model.rope_scaling, model.rope_factor, model.adapter_name_or_path, recorded.kind,
                        recorded.factor)
+    return model
 
 
 def rope_parameters(rope: dict[str, Any], scaling: RopeScaling, positions: int) -> tuple[dict[str, Any], int]:
