@@ -64,14 +64,7 @@ def test_estimate_and_train_help_run_for_every_stage(stage, reward_model_dir, tm
     assert "usage: tunelab train" in capsys.readouterr().out
 
 
-# grpo's example holds out a ranking set (demo_preference_test, its chosen answer the reference): training reads it
-# as prompts, but `tunelab data` reads the generating stages' rows as sft does, where a ranking row has no answer
-# turn, and refuses the set ("every example was dropped").
-DATA_XFAIL = pytest.mark.xfail(strict=True, reason="tunelab data reads a ranking eval set of grpo as sft rows")
-
-
-@pytest.mark.parametrize("stage", [pytest.param(s, marks=DATA_XFAIL) if s == "grpo" else s
-                                   for s in STAGE_NAMES])
+@pytest.mark.parametrize("stage", STAGE_NAMES)
 def test_data_commands_run_for_every_stage(stage, reward_model_dir, tmp_path, capsys):
     config, overrides = str(example_of(stage)), options(stage, tmp_path, reward_model_dir)
     for command in ("stats", "verify", "coverage"):

@@ -55,6 +55,25 @@ def with_answer(row: dict, answer: dict) -> dict:
     return {**row, "messages": [*row["messages"], answer]}
 
 
+class ReferenceAnswerEncoder:
+    """The generating stages' rows (grpo, ppo) as `tunelab data` encodes them: a ranking row with its chosen answer
+    as its last turn, the reference training compares with (data/formats.py prompt_and_reference); others as read."""
+
+    def __init__(self, encoder: SupervisedEncoder):
+        self.encoder, self.cutoff_len = encoder, encoder.cutoff_len
+
+    @staticmethod
+    def _answered(rows: list[dict]) -> list[dict]:
+        return [with_answer(row, _assistant(row["chosen"])) if is_ranking_row(row) else row for row in rows]
+
+    def encode_rows(self, rows: list[dict]) -> list[list[dict[str, Any]]]:
+        return self.encoder.encode_rows(self._answered(rows))
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        rows = self._answered(_rows(batch))
+        return self.encoder({key: [row[key] for row in rows] for key in batch})
+
+
 def _rows(batch: dict[str, list]) -> list[dict]:
     return [dict(zip(batch, values)) for values in zip(*batch.values())]
 

@@ -39,7 +39,8 @@ from tunelab.config.stages import stage_row, uses_reference
 from tunelab.data.collate import (
     PackedCollator, PaddingFreeCollator, PairedCollator, SupervisedCollator, build_collator, build_paired_collator,
 )
-from tunelab.data.pairwise import pair_sides, preference_bundle, preference_encoder
+from tunelab.data.encode import SupervisedEncoder
+from tunelab.data.pairwise import ReferenceAnswerEncoder, pair_sides, preference_bundle, preference_encoder
 from tunelab.data.pipeline import DatasetBundle, build_datasets
 from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.run_data import RunData, pack_rows
@@ -359,6 +360,15 @@ class RLRecipe(Recipe):
     policy (+ adapters) and reference → [exact match before] → the loop (rl/loop.py with the stage's algorithm) →
     save → [exact match after] → metrics. `tunelab data` reads their rows as sft does (each prompt with its
     reference answer, which held-out exact match compares with)."""
+
+    def encode(self, data_args) -> DatasetBundle:
+        # A ranking set's rows (an eval set, say) hold their reference as the chosen answer: it is their last turn.
+        encoder = ReferenceAnswerEncoder(SupervisedEncoder(
+            tokenizer=self.tokenizer, template=self.template, cutoff_len=data_args.cutoff_len,
+            train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history,
+            template_vars=data_args.template_kwargs or {},
+        ))
+        return build_datasets(data_args, self.tokenizer, self.template, self.config.training.seed, encoder=encoder)
 
     def algorithm(self):
         """The step: `algorithm(loop, reference, tokenizer, stop_ids, scorer, config)` (rl/grpo.py, rl/ppo.py)."""
