@@ -79,10 +79,17 @@ def _load_canonical(
         source = {
             **describe(spec), "rows": len(rows), "empty_answers": conversion.empty_answers,
             "rows_with_reasoning": conversion.with_reasoning, "numbers_as_text": conversion.numbers_as_text,
+            "null_arguments_dropped": conversion.null_arguments,
         }
         if conversion.numbers_as_text:
             logger.warning("dataset %s: %d values of text fields are numbers; they train as their text (42 → \"42\")",
                            name, conversion.numbers_as_text)
+        if conversion.null_arguments:
+            logger.warning(
+                "dataset %s: dropped %d null-valued keys from tool-call arguments given as objects (a parquet or arrow "
+                "file gives every call the keys of all calls, as null); to train a null, write those arguments as "
+                "JSON text", name, conversion.null_arguments,
+            )
         if spec.ranking:
             source["dropped_identical_pairs"] = identical
         if skipped is not None:
