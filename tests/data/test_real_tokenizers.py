@@ -676,3 +676,16 @@ def test_deepseek_v3_trains_a_call_turn_with_empty_content_as_with_null(content:
     assert TrainableRow(encoder("deepseek_v3/model"))(row) is None
     examples = encoder("deepseek_v3/model").encode_rows([row])[0]
     assert [e["input_ids"] for e in examples] == official_ids("deepseek_v3/model", clock_messages(None), False)
+
+
+def test_a_conversation_encoded_per_answer_counts_as_one_shortened_row(caplog) -> None:
+    # Qwen3 encodes the conversation one example per answer; at 96 tokens the last two are shortened (their history
+    # dropped). The log and data stats count the row once, as they count its lost answers, and name the examples.
+    from tunelab.data.pipeline import encode_dataset  # noqa: PLC0415
+
+    rows = datasets.Dataset.from_list([canonical("truncation")])
+    with caplog.at_level("WARNING", logger="tunelab.data.pipeline"):
+        encoded, stats = encode_dataset(rows, encoder("qwen3/model", cutoff_len=96), "train", num_proc=None)
+    assert (len(encoded), stats.truncated, stats.rows_shortened, stats.answers_dropped) == (4, 2, 1, 0)
+    assert ("train: 1 rows shortened to fit cutoff_len=96 as 2 examples, one per answer (earliest turns dropped "
+            "first), losing 0 trained answers") in caplog.text

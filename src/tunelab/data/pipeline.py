@@ -30,6 +30,7 @@ from tunelab.data.encode import (
     IMAGE_COUNTERS,
     EncodeStats,
     SupervisedEncoder,
+    as_examples,
 )
 from tunelab.data.formats import IDENTICAL_PAIR, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
@@ -184,6 +185,8 @@ def encode_dataset(
     stats = EncodeStats(
         examples=len(encoded),
         truncated=_sum(table["truncated"]),
+        # pairwise encoders (data/pairwise.py) count a pair's truncation once already
+        rows_shortened=_sum(table["rows_shortened"]) if "rows_shortened" in present else _sum(table["truncated"]),
         answers_dropped=_sum(table["answers_dropped"]) if "answers_dropped" in present else 0,
         dropped_no_supervised=len(canonical) + _sum(added) - len(encoded) - images_dont_fit,
         images_dont_fit=images_dont_fit,
@@ -205,8 +208,9 @@ def log_encode_stats(name: str, stats: EncodeStats, cutoff_len: int) -> None:
     """Warn about everything encoding changed: examples shortened, answers lost, examples dropped."""
     if stats.truncated or stats.answers_dropped:
         logger.warning(
-            "%s: %d examples shortened to fit cutoff_len=%d (earliest turns dropped first), losing %d trained answers",
-            name, stats.truncated, cutoff_len, stats.answers_dropped,
+            "%s: %d rows shortened to fit cutoff_len=%d%s (earliest turns dropped first), losing %d trained answers",
+            name, stats.rows_shortened, cutoff_len, as_examples(stats.rows_shortened, stats.truncated),
+            stats.answers_dropped,
         )
     if stats.dropped_no_supervised:
         logger.warning(
