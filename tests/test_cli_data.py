@@ -54,7 +54,7 @@ def test_stats_prints_the_numbers_and_saves_the_histogram(demo: Path, capsys) ->
         "token utilisation: 86.2% in batches of 16 padded to their longest, 86.2% padding-free (shuffled, seed 42); "
         "22.2% if padded to cutoff_len 128",
         "rows (demo_reverse): 64 read, 0 with an empty answer (trains the end-of-turn), 0 with reasoning",
-        "encoding: 0 shortened to fit cutoff_len 128 (earliest turns dropped first; 0 trained answers lost), 0 "
+        "encoding: 0 rows shortened to fit cutoff_len 128 (earliest turns dropped first; 0 trained answers lost), 0 "
         "dropped with no supervised token left",
     ]
     assert lines[6] == "length histogram (tokens, samples):"

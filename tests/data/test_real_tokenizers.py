@@ -44,7 +44,7 @@ from tests.data.real_conversations import CONVERSATIONS, TRUNCATION, WEATHER_TOO
 from tests.fixture_paths import CHAT_TEMPLATE_FIXTURES
 from tests.real_assets import real
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder, encoded_row_problem, supervised_runs
-from tunelab.data.formats import message_conventions, template_messages, to_canonical
+from tunelab.data.formats import message_conventions, template_messages, template_shapes, to_canonical
 from tunelab.data.registry import DatasetSpec
 from tunelab.data.templates import get_template
 from tunelab.data.templates.builtin import builtin_source
@@ -506,6 +506,10 @@ FAULT_MESSAGES = {
         "with '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n', which its reasoning does not follow (it would "
         "train after a prompt the model is never given); remove the reasoning (reasoning_content or the <think> block) "
         "from that answer, or set the template variables that let the model reason (template_kwargs)",
+    ("deepseek_v3/model", "tool_call_with_text"):
+        "answer 1 calls 'get_weather' beside text, but chat template 'model' writes tool calls only in an answer "
+        "without text (content null or \"\"), so what the answer trains would hold the text 'Let me check.' alone; "
+        "remove the text beside the calls",
     ("llama3_1/model", "tool_call_with_text"):
         "answer 1 has text beside its tool calls, but chat template 'model' writes only the calls of such a turn (the "
         "text 'Let me check.' would be dropped); remove the text from that answer or use a template that writes both",
@@ -607,3 +611,81 @@ def test_gptoss_without_a_chat_template_and_with_foreign_markers_is_refused() ->
         "model could never stop on it; use the tokenizer's own template (template: model) or the one of the model's "
         "family, or add the marker as a token (add_special_tokens: <|im_end|>)"
     )
+
+
+# --- tool-call arguments as JSON text, and "" beside calls (issue 53) --------------------------------------------
+
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time of a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+}}
+OSLO = '{"tz":"Europe/Oslo"}'  # JSON text as an API sends it, without the space a template's tojson writes
+
+
+def clock_messages(content: str | None, arguments: Any = OSLO) -> list[dict[str, Any]]:
+    """A call turn and its answer, as a chat API holds them (and as the dataset row writes them)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": arguments}}
+    return [{"role": "user", "content": "What time is it in Oslo?"},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+            {"role": "assistant", "content": "It is noon in Oslo."}]
+
+
+def clock_row(content: str | None) -> dict[str, Any]:
+    source = {"messages": clock_messages(content), "tools": json.dumps([TIME_TOOL])}
+    converted, stats = to_canonical(datasets.Dataset.from_list([source]), DatasetSpec(name="d", formatting="openai"))
+    assert stats.total_dropped == 0
+    return converted[0]
+
+
+def official_ids(case_name: str, messages: list[dict[str, Any]], per_answer: bool) -> list[list[int]]:
+    """transformers' render of the official template on `messages` as given: the whole conversation, or (per answer)
+    the conversation up to each answer."""
+    tok = tokenizer(CASES[case_name].tokenizer)
+    cuts = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"] if per_answer else [len(messages)]
+    texts = [reference_text(case_name, messages[:cut], [TIME_TOOL]) for cut in cuts]
+    return [tok(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+@pytest.mark.parametrize("case_name", ["qwen3/model", "qwen3/qwen3"])
+def test_qwen3_trains_json_text_arguments_as_written_as_its_official_template_does(case_name: str) -> None:
+    # Qwen3's template writes text arguments as they are: the ids are the official render of the very messages.
+    examples = encoder(case_name).encode_rows([clock_row("")])[0]
+    assert [e["input_ids"] for e in examples] == official_ids(case_name, clock_messages(""), len(examples) > 1)
+    assert OSLO in tokenizer("qwen3").decode(examples[0]["input_ids"])
+    # tunelab api and chat give call turns the same shapes: the prompt of the answer is the official one.
+    template, tok = encoder(case_name).template, tokenizer("qwen3")
+    sent = clock_messages(None)[:3]  # OpenAI's shape: content null beside the calls
+    prompt = template.prompt(template_shapes(sent, template), [TIME_TOOL], **dict(CASES[case_name].kwargs))
+    assert prompt == reference_text(case_name, clock_messages("")[:3], [TIME_TOOL], add_generation_prompt=True)
+
+
+def test_llama3_1_trains_json_text_arguments_as_the_object_its_template_needs() -> None:
+    # Llama 3.1's template JSON-encodes a text argument again ("parameters": "{\"tz\":...}"): text is parsed into
+    # the object it holds, as llama.cpp does for this template, and the ids are the official render of that object.
+    examples = encoder("llama3_1/model").encode_rows([clock_row("")])[0]
+    as_object = clock_messages("", json.loads(OSLO))
+    assert [e["input_ids"] for e in examples] == official_ids("llama3_1/model", as_object, len(examples) > 1)
+    assert '"parameters": "{\\"tz\\"' in reference_text("llama3_1/model", clock_messages(""), [TIME_TOOL])
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_deepseek_v3_trains_a_call_turn_with_empty_content_as_with_null(content: str | None) -> None:
+    # DeepSeek-V3 writes the calls only for content null; "" beside calls is no text (as OpenAI's API reads it).
+    row = clock_row(content)
+    assert TrainableRow(encoder("deepseek_v3/model"))(row) is None
+    examples = encoder("deepseek_v3/model").encode_rows([row])[0]
+    assert [e["input_ids"] for e in examples] == official_ids("deepseek_v3/model", clock_messages(None), False)
+
+
+def test_a_conversation_encoded_per_answer_counts_as_one_shortened_row(caplog) -> None:
+    # Qwen3 encodes the conversation one example per answer; at 96 tokens the last two are shortened (their history
+    # dropped). The log and data stats count the row once, as they count its lost answers, and name the examples.
+    from tunelab.data.pipeline import encode_dataset  # noqa: PLC0415
+
+    rows = datasets.Dataset.from_list([canonical("truncation")])
+    with caplog.at_level("WARNING", logger="tunelab.data.pipeline"):
+        encoded, stats = encode_dataset(rows, encoder("qwen3/model", cutoff_len=96), "train", num_proc=None)
+    assert (len(encoded), stats.truncated, stats.rows_shortened, stats.answers_dropped) == (4, 2, 1, 0)
+    assert ("train: 1 rows shortened to fit cutoff_len=96 as 2 examples, one per answer (earliest turns dropped "
+            "first), losing 0 trained answers") in caplog.text

@@ -51,6 +51,7 @@ OPENAI_ROW = {
 }
 # What the official templates are given: the tool conversation as a chat API would hold it.
 CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+CALL_AS_TEXT = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
 OFFICIAL_MESSAGES = [
     {"role": "user", "content": QUESTION},
     {"role": "assistant", "content": "", "tool_calls": [CALL]},
@@ -95,13 +96,13 @@ def test_sharegpt_parallel_calls_and_string_arguments() -> None:
     ]
     (row,) = canonical([{"conversations": conversation}])
     rome = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
-    assert json.loads(row["messages"][1]["tool_calls"]) == [CALL, rome]
+    assert json.loads(row["messages"][1]["tool_calls"]) == [CALL_AS_TEXT, rome]  # JSON text stays as written
     assert row["tools"] == ""
 
 
 def test_openai_tool_calls_and_parallel_tool_messages() -> None:
     rows = canonical([OPENAI_ROW], "openai")
-    with_id = {**CALL, "id": "call12345"}
+    with_id = {**CALL_AS_TEXT, "id": "call12345"}
     assert rows[0]["messages"] == [
         msg("user", QUESTION), msg("assistant", None, [with_id]), msg("tool", RESULT, tool_call_id="call12345"),
         msg("assistant", ANSWER),
@@ -245,3 +246,65 @@ def test_deepseek_r1_encoder_trains_the_calls(tiny_tokenizer) -> None:
     out = encoder({key: [value] for key, value in row.items()})
     runs = [supervised_runs(tiny_tokenizer, ids, labels) for ids, labels in zip(out["input_ids"], out["labels"])]
     assert runs == [[R1_CALL, ANSWER + R1_TOKENS["eos_token"]]]
+
+
+# --- arguments: null keys Arrow adds, and JSON text as written --------------------------------------------
+
+
+def _weather_and_exchange_rows(exchange_arguments: Any) -> list[dict[str, Any]]:
+    """Two openai rows whose calls have other argument keys: a parquet file types them as one struct of all keys."""
+    def row(question: str, name: str, arguments: Any) -> dict[str, Any]:
+        return {"messages": [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"},
+            {"role": "assistant", "content": "Done."},
+        ]}
+
+    return [row("Weather in Kyoto?", "get_weather", {"city": "Kyoto"}),
+            row("5 EUR in JPY?", "convert", exchange_arguments)]
+
+
+def _train_ids(tmp_path, caplog, name: str, rows: list[dict[str, Any]], suffix: str) -> list[list[int]]:
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    from tunelab.config.args import DataArguments  # noqa: PLC0415
+    from tunelab.data.pipeline import build_datasets  # noqa: PLC0415
+
+    path = tmp_path / f"{name}.{suffix}"
+    if suffix == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    info = tmp_path / "dataset_info.json"
+    registry = json.loads(info.read_text()) if info.exists() else {}
+    info.write_text(json.dumps({**registry, name: {"file_name": path.name, "formatting": "openai"}}))
+    tokenizer = family_tokenizer("qwen2_5")
+    args = DataArguments(template="qwen2_5", cutoff_len=512, dataset=[name], dataset_dir=str(tmp_path))
+    caplog.clear()
+    bundle = build_datasets(args, tokenizer, get_template("qwen2_5", tokenizer), seed=0)
+    return [row["input_ids"] for row in bundle.train]
+
+
+def test_parquet_and_json_lines_of_the_same_rows_train_the_same_ids(tmp_path, caplog) -> None:
+    rows = _weather_and_exchange_rows({"amount": 5, "source": "EUR", "target": "JPY"})
+    json_lines = _train_ids(tmp_path, caplog, "as_jsonl", rows, "jsonl")
+    assert "null-valued" not in caplog.text
+    parquet = _train_ids(tmp_path, caplog, "as_parquet", rows, "parquet")
+    # The file holds {"city": "Kyoto", "amount": null, "source": null, "target": null}: 1 + 3 keys are Arrow's.
+    assert "dataset as_parquet: dropped 4 null-valued keys from tool-call arguments given as objects" in caplog.text
+    assert parquet == json_lines
+    tokenizer = family_tokenizer("qwen2_5")
+    assert '"arguments": {"city": "Kyoto"}}' in tokenizer.decode(parquet[0])
+
+
+def test_a_null_written_as_json_text_trains(tmp_path, caplog) -> None:
+    rows = _weather_and_exchange_rows('{"amount": 5, "source": null, "target": "JPY"}')
+    first_call = rows[0]["messages"][1]["tool_calls"][0]["function"]
+    first_call["arguments"] = json.dumps(first_call["arguments"])  # a parquet column holds text or objects, not both
+    (_, exchange) = _train_ids(tmp_path, caplog, "as_text", rows, "parquet")
+    written = family_tokenizer("qwen2_5").decode(exchange)
+    assert '"arguments": {"amount": 5, "source": null, "target": "JPY"}}' in written
+    assert "null-valued" not in caplog.text

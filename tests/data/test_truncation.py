@@ -167,7 +167,7 @@ def test_the_pipeline_reports_truncations_and_lost_answers(tiny_tokenizer, caplo
     with caplog.at_level("WARNING", logger="tunelab.data.pipeline"):
         _, stats = encode_dataset(rows, encoder(tiny_tokenizer, len(two["input_ids"])), "train", num_proc=None)
     assert (stats.examples, stats.truncated, stats.answers_dropped, stats.dropped_no_supervised) == (3, 2, 2, 0)
-    assert f"train: 2 examples shortened to fit cutoff_len={len(two['input_ids'])} (earliest turns dropped " \
+    assert f"train: 2 rows shortened to fit cutoff_len={len(two['input_ids'])} (earliest turns dropped " \
            "first), losing 2 trained answers" in caplog.text
 
 

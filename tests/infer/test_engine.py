@@ -160,6 +160,27 @@ def test_tools_are_rendered_into_the_prompt(engine):
     assert engine.tool_syntax is None and engine_with_tools.tool_syntax.family == "hermes"
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_5", "deepseek_r1_distill"])
+def test_a_call_sent_back_is_rendered_as_training_rendered_it(engine, name):
+    # What an OpenAI client sends back: content null and the arguments as JSON text (without tojson's spaces).
+    # Qwen3 trains that text as written, Qwen2.5 the object it holds, DeepSeek-R1 text with content null.
+    import datasets  # noqa: PLC0415
+
+    from tunelab.data.formats import template_messages, to_canonical  # noqa: PLC0415
+    from tunelab.data.registry import DatasetSpec  # noqa: PLC0415
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz":"Europe/Oslo"}'}}
+    chat = [{"role": "user", "content": "Time in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    rows = datasets.Dataset.from_list([{"messages": [*chat, {"role": "assistant", "content": "Noon."}]}])
+    (row,), _ = to_canonical(rows, DatasetSpec(name="d", formatting="openai"))
+    template = get_template(name)
+    trained = template.prompt(template_messages(row, template)[:3], None, bos_token="<s>", eos_token="</s>")
+    served = ChatEngine(engine.model, engine.tokenizer, template, name).prompt_ids(chat)
+    assert served == engine.tokenizer(trained, add_special_tokens=False)["input_ids"]
+    assert ('{"tz":"Europe/Oslo"}' in trained) == (name != "qwen2_5")
+
+
 def test_incremental_decoder_never_splits_a_character(engine):
     text = "naïve 中文 🙂 ok"
     ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -74,9 +74,16 @@ _WORD_START = re.compile(r"(?<=\S) (?=\S)")
 Message = dict[str, Any]
 Span = tuple[int, int]
 # Columns an encoded example carries besides input_ids/labels, for the pipeline to sum and remove.
-COUNTER_COLUMNS = ("truncated", "num_supervised", "expanded", "answers_dropped", "split_at_seams", "texts_cut")
+COUNTER_COLUMNS = (
+    "truncated", "num_supervised", "expanded", "answers_dropped", "split_at_seams", "texts_cut", "rows_shortened",
+)
 # ... and those of examples with images (data/vision.py).
 IMAGE_COUNTERS = ("num_images", "num_image_tokens", "images_dont_fit")
+
+
+def as_examples(rows_shortened: int, truncated: int) -> str:
+    """The examples the shortened rows make, where they are more than the rows (rows encoded one per answer)."""
+    return f" as {truncated} examples, one per answer" if truncated != rows_shortened else ""
 
 
 @dataclass
@@ -85,6 +92,7 @@ class EncodeStats:
 
     examples: int = 0
     truncated: int = 0  # examples shortened to fit cutoff_len (history dropped, prompt cut or answer cut)
+    rows_shortened: int = 0  # ... the rows they come from: a conversation encoded per answer counts once
     answers_dropped: int = 0  # trained answers removed with the earliest turns (or cut off whole) to fit
     dropped_no_supervised: int = 0
     tokens: int = 0
@@ -212,7 +220,8 @@ class SupervisedEncoder:
     Output columns besides input_ids/labels, for the pipeline to sum and remove (COUNTER_COLUMNS):
     ``truncated``, ``num_supervised``, ``answers_dropped``, and on the first kept example of a conversation
     encoded per answer ``expanded`` (how many examples it added, so dropped examples count exactly) and
-    ``split_at_seams`` (1 when the split was for a seam).
+    ``split_at_seams`` (1 when the split was for a seam); ``rows_shortened`` is 1 on the first kept example of a
+    conversation any of whose kept examples is ``truncated``.
     """
 
     tokenizer: Any
@@ -359,7 +368,8 @@ class SupervisedEncoder:
         return {
             "input_ids": result.ids, "labels": labels, "truncated": unit.truncated or unit.texts_cut > 0,
             "num_supervised": len(labels) - 1 - labels[1:].count(IGNORE_INDEX),
-            "answers_dropped": unit.answers_dropped, "texts_cut": unit.texts_cut, "_messages": unit.messages,
+            "answers_dropped": unit.answers_dropped, "texts_cut": unit.texts_cut, "rows_shortened": 0,
+            "_messages": unit.messages,
             "_split": unit.split,
         }
 
@@ -480,6 +490,7 @@ class SupervisedEncoder:
             if kept:
                 kept[0]["expanded"] = len(examples) - 1
                 kept[0]["split_at_seams"] = int(any(e["_split"] for e in examples))
+                kept[0]["rows_shortened"] = int(any(e["truncated"] for e in kept))
                 for e in kept[1:]:
                     e["expanded"] = e["split_at_seams"] = e["texts_cut"] = 0  # a conversation's cuts count once
                 if len(examples) > 1:  # each per-answer example carries what its conversation lost once

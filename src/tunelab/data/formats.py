@@ -9,8 +9,9 @@ Canonical row (what templates and encoders read):
               content: str, or None for an assistant turn that only calls tools and whose source wrote no
               content (openai `content: null`, every sharegpt function_call turn): DeepSeek-R1's template
               writes the calls only for None. An empty answer ("") is kept: it trains the end-of-turn.
-              tool_calls: "" or a JSON list of {"type": "function", "function": {"name", "arguments": {...}},
-              ["id"]} (a string column: Arrow cannot type arbitrary JSON); tool_call_id: "" or the id a tool
+              tool_calls: "" or a JSON list of {"type": "function", "function": {"name", "arguments"}, ["id"]}
+              (a string column: Arrow cannot type arbitrary JSON); arguments: an object without null-valued keys,
+              or the JSON text the dataset wrote, as written (``_arguments``); tool_call_id: "" or the id a tool
               result answers; reasoning: "" or the answer's reasoning (reasoning_content / reasoning fields,
               an alpaca `reasoning` column), rendered where the template has a place for it.
               An explicitly empty system turn stays in messages as {"role": "system", "content": ""} (first):
@@ -26,7 +27,8 @@ Canonical row (what templates and encoders read):
 sharegpt function_call turns become assistant turns with tool_calls, observation turns become tool
 turns; openai rows keep their assistant tool_calls and tool messages. ``template_messages`` turns a
 canonical row back into the message dicts a chat template reads, in the shapes that template handles
-(``message_conventions``: None content and JSON-text arguments for DeepSeek-R1).
+(``message_conventions``: None content and JSON-text arguments for DeepSeek, objects for Llama-3.1);
+``template_shapes`` gives chat messages (tunelab api and chat) the same shapes.
 
 This module owns the column and role mapping; it knows nothing of tokens. Text fields must hold text: a
 list, object or boolean there is a structural fault (it would train as its JSON); a number is taken as its
@@ -72,9 +74,10 @@ CANONICAL_FEATURES = datasets.Features({
 IMAGE_FEATURE = {"bytes": datasets.Value("binary"), "path": _STRING}
 IMAGES_FEATURE = [IMAGE_FEATURE]
 IMAGE_PLACEHOLDER = "<image>"  # LlamaFactory's: one per image, in order, in the prompt turns
-# Per converted row while converting: why it was left out ("" when kept), the one-line message, and how many of
-# its text values were numbers (taken as their text, counted).
-_DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING, "numbers_as_text": datasets.Value("int32")}
+# Per converted row while converting: why it was left out ("" when kept), the one-line message, how many of
+# its text values were numbers (taken as their text, counted) and how many null argument keys it lost (_arguments).
+_DROP_COLUMNS = {"drop_reason": _STRING, "drop_message": _STRING, "numbers_as_text": datasets.Value("int32"),
+                 "null_arguments": datasets.Value("int32")}
 
 ALPACA_COLUMNS = {
     "prompt": "instruction", "query": "input", "response": "output", "history": None, "system": None,
@@ -116,6 +119,7 @@ class ConversionStats:
     empty_answers: int = 0  # kept rows with an empty answer (they train the end-of-turn only)
     with_reasoning: int = 0  # kept rows where some assistant turn carries reasoning
     numbers_as_text: int = 0  # values of text fields that were numbers, trained as their text (kept rows)
+    null_arguments: int = 0  # null-valued keys dropped from call arguments given as objects (kept rows; _arguments)
 
     @property
     def total_dropped(self) -> int:
@@ -163,36 +167,75 @@ def _message(
             "reasoning": reasoning}
 
 
-def _tool_calls(value: Any, where: str) -> str:
-    """Calls as sharegpt ({"name", "arguments"} or a list, maybe JSON text) or openai writes them → canonical JSON."""
+def _tool_calls(value: Any, where: str) -> tuple[str, int]:
+    """Calls as sharegpt ({"name", "arguments"} or a list, maybe JSON text) or openai writes them → canonical JSON,
+    and how many null-valued argument keys were dropped (``_arguments``)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise RowError(f"{where}: the function call is not valid JSON ({exc.msg}); write it as "
                            '{"name": ..., "arguments": {...}} or a list of those', "bad_tool_call") from None
-    calls = []
+    calls, dropped = [], 0
     for call in value if isinstance(value, list) else [value]:
         function = call.get("function", call) if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             raise RowError(f"{where}: a function call needs a name; write it as "
                            '{"name": ..., "arguments": {...}}', "bad_tool_call")
-        arguments = function.get("arguments")
-        if arguments is None or arguments == "":
-            arguments = {}
-        if isinstance(arguments, str):  # OpenAI sends arguments as JSON text; templates expect an object
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            raise RowError(f"{where}: the arguments of function call '{name}' must be a JSON object", "bad_tool_call")
+        arguments, nulls = _arguments(function.get("arguments"), name, where)
+        dropped += nulls
         canonical: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
         if isinstance(call, dict) and call.get("id"):
             canonical["id"] = str(call["id"])
         calls.append(canonical)
-    return json.dumps(calls, ensure_ascii=False) if calls else ""
+    return (json.dumps(calls, ensure_ascii=False) if calls else ""), dropped
+
+
+def _arguments(value: Any, name: str, where: str) -> tuple[dict[str, Any] | str, int]:
+    """One call's arguments as the dataset gives them, and how many null-valued keys were dropped.
+
+    JSON text (how the OpenAI API and most tool datasets write them) stays the text as written, checked to hold
+    an object: a template that writes text arguments as given trains exactly that text (``template_calls``).
+    An object loses its null-valued keys, at any depth: a parquet or arrow file types the column as one struct
+    with the keys of every call, so each call read from it holds every other call's keys as null (the file cannot
+    tell those from a null the dataset wrote). JSON-lines objects lose them too, so both files of the same rows
+    train the same ids; a dataset that means a null writes those arguments as JSON text.
+    """
+    if value is None or value == "":
+        return {}, 0
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise RowError(f"{where}: the arguments of function call '{name}' must be a JSON object", "bad_tool_call")
+        return value, 0
+    if not isinstance(value, dict):
+        raise RowError(f"{where}: the arguments of function call '{name}' must be a JSON object", "bad_tool_call")
+    return _without_nulls(value)
+
+
+def _without_nulls(value: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """`value` less its null-valued keys, in nested objects too (lists keep their nulls: Arrow adds none there)."""
+    kept, dropped = {}, 0
+    for key, item in value.items():
+        if item is None:
+            dropped += 1
+            continue
+        kept[key], nested = _nested_without_nulls(item)
+        dropped += nested
+    return kept, dropped
+
+
+def _nested_without_nulls(value: Any) -> tuple[Any, int]:
+    if isinstance(value, dict):
+        return _without_nulls(value)
+    if isinstance(value, list):
+        items = [_nested_without_nulls(item) for item in value]
+        return [item for item, _ in items], sum(count for _, count in items)
+    return value, 0
 
 
 # --- canonical row → the messages a chat template reads ---------------------------------------
@@ -200,42 +243,49 @@ def _tool_calls(value: Any, where: str) -> str:
 
 @dataclass(frozen=True)
 class MessageConventions:
-    """Message shapes a template needs that differ from the usual ones (content "" and arguments objects).
+    """Message shapes a template needs that differ from the usual ones (content "" and arguments as given).
 
-    null_content: a call-only assistant turn must have content None (DeepSeek-R1 writes the calls only then; a
-    template without tool calls writes None as the text "None", as Llama-3's does, so it gets "").
-    string_arguments: call arguments must be JSON text (DeepSeek-R1 concatenates them as strings).
+    null_content: a call turn without text must have content None (DeepSeek's templates write the calls only then,
+    so "" beside calls becomes None too; a template without tool calls writes None as the text "None", as
+    Llama-3's does, so it gets "").
+    string_arguments: call arguments must be JSON text (DeepSeek's templates concatenate them as strings).
+    object_arguments: call arguments must be objects (Llama-3.1, Qwen2.5, Mistral and the Hermes default write
+    JSON-text arguments encoded once more, as a JSON string): text given is parsed, as llama.cpp does for such
+    templates. With neither, arguments reach the template as the dataset gave them (Qwen3 writes text as given).
     """
 
     null_content: bool = False
     string_arguments: bool = False
+    object_arguments: bool = False
 
 
 _PROBE_NAME = "tunelab_probe_call"
 _PROBE_CALL = {"type": "function", "function": {"name": _PROBE_NAME, "arguments": {"x": 1}}, "id": "call00001"}
+_PROBE_TEXT = '{"x":1}'  # JSON text of the probe's arguments that no template's tojson writes (no space)
 
 
 @lru_cache(maxsize=32)
 def message_conventions(template: Template) -> MessageConventions:
     """Probe how `template` renders a call-only turn: JSON-text arguments only where the template renders
-    nothing else, None content only where None is what makes it write the call ("" does not)."""
+    nothing else, None content only where None is what makes it write the call ("" does not), objects only where
+    it does not write JSON-text arguments as given."""
 
-    def render(content: str | None, string_arguments: bool) -> str | None:
-        call = _PROBE_CALL
-        if string_arguments:
-            call = {**call, "function": {**call["function"], "arguments": json.dumps(call["function"]["arguments"])}}
+    def render(content: str | None, arguments: Any) -> str | None:
+        call = {**_PROBE_CALL, "function": {**_PROBE_CALL["function"], "arguments": arguments}}
         messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": content, "tool_calls": [call]}]
         try:
             return template.render(messages)
         except TemplateError:
             return None
 
-    for string_arguments in (False, True):
-        with_none = render(None, string_arguments)
+    for string_arguments, arguments in ((False, _PROBE_CALL["function"]["arguments"]), (True, _PROBE_TEXT)):
+        with_none = render(None, arguments)
         if with_none is not None:
-            with_empty = render("", string_arguments) or ""
-            return MessageConventions(_PROBE_NAME in with_none and _PROBE_NAME not in with_empty, string_arguments)
-    return MessageConventions(False, render("", False) is None and render("", True) is not None)
+            null_content = _PROBE_NAME in with_none and _PROBE_NAME not in (render("", arguments) or "")
+            as_given = render(None if null_content else "", _PROBE_TEXT) or ""
+            return MessageConventions(null_content, string_arguments, _PROBE_TEXT not in as_given)
+    text_only = render("", _PROBE_CALL["function"]["arguments"]) is None and render("", _PROBE_TEXT) is not None
+    return MessageConventions(False, text_only, not text_only and _PROBE_TEXT not in (render("", _PROBE_TEXT) or ""))
 
 
 _PROBE_REASONING = "\ue003"  # private-use: no template writes it on its own
@@ -255,10 +305,9 @@ def renders_reasoning(template: Template) -> bool:
 @lru_cache(maxsize=32)
 def renders_tool_turns(template: Template) -> bool:
     """Whether `template` renders a call turn followed by its result and an answer without refusing them."""
-    conventions = message_conventions(template)
-    call = _string_arguments([_PROBE_CALL]) if conventions.string_arguments else [_PROBE_CALL]
+    content, calls = template_call_turn(None, [_PROBE_CALL], message_conventions(template))
     messages = [{"role": "user", "content": "q"},
-                {"role": "assistant", "content": None if conventions.null_content else "", "tool_calls": call},
+                {"role": "assistant", "content": content, "tool_calls": calls},
                 {"role": "tool", "content": "r", "tool_call_id": _PROBE_CALL["id"]},
                 {"role": "assistant", "content": "a"}]
     try:
@@ -268,30 +317,63 @@ def renders_tool_turns(template: Template) -> bool:
     return True
 
 
-def _string_arguments(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    def as_text(function: dict[str, Any]) -> dict[str, Any]:
-        return {**function, "arguments": json.dumps(function["arguments"], ensure_ascii=False)}
+def template_call_turn(
+    content: str | None, calls: list[dict[str, Any]] | None, conventions: MessageConventions
+) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """An assistant turn's (content, calls) in the shapes a template with `conventions` renders as meant: the one
+    rule training (``template_messages``), ``tunelab api`` and ``tunelab chat`` (``template_shapes``) share.
 
-    return [{**call, "function": as_text(call["function"])} for call in calls]
+    content: None, or "" beside calls, is None for a template that writes calls only then (an empty text beside
+    calls is no text, as OpenAI's API and llama.cpp read it), else "". arguments: as given (JSON text stays the
+    text), except text parsed for a template that needs objects and objects written as JSON text for one that
+    needs text (``MessageConventions``).
+    """
+    if calls and conventions.null_content and not content:
+        content = None
+    elif content is None:
+        content = ""
+    if not calls:
+        return content, calls
+
+    def shaped(arguments: Any) -> Any:
+        if isinstance(arguments, str) and conventions.object_arguments:
+            return json.loads(arguments) if arguments.strip() else {}
+        if not isinstance(arguments, str) and conventions.string_arguments:
+            return json.dumps(arguments, ensure_ascii=False)
+        return arguments
+
+    return content, [{**call, "function": {**call["function"], "arguments": shaped(call["function"]["arguments"])}}
+                     for call in calls]
+
+
+def template_shapes(messages: list[dict[str, Any]], template: Template) -> list[dict[str, Any]]:
+    """Chat messages (OpenAI's shape: arguments as JSON text, content maybe None) with their assistant turns in
+    the shapes `template` renders as training rendered them (``template_call_turn``)."""
+    conventions = message_conventions(template)
+    out = []
+    for message in messages:
+        if message.get("role") == "assistant" and (message.get("tool_calls") or message.get("content") is None):
+            content, calls = template_call_turn(message.get("content"), message.get("tool_calls"), conventions)
+            message = {**message, "content": content, **({"tool_calls": calls} if calls else {})}
+        out.append(message)
+    return out
 
 
 def template_messages(row: dict, template: Template | None = None) -> list[dict[str, Any]]:
     """A canonical row as the messages a chat template reads: system first, tool calls decoded, reasoning as
     ``reasoning_content`` (the field Qwen3's template reads). With `template`, call turns take the shapes it
-    handles (``message_conventions``); without, content None becomes "" (what every template accepts).
+    handles (``template_call_turn``); without, content None becomes "" (what every template accepts).
 
     Keys a template tests for presence (Llama-3.1 checks ``'tool_calls' in message``) are set only when used.
     """
     conventions = message_conventions(template) if template is not None else MessageConventions()
     messages: list[dict[str, Any]] = [{"role": "system", "content": row["system"]}] if row.get("system") else []
     for m in row["messages"]:
-        calls = json.loads(m["tool_calls"]) if m.get("tool_calls") else None
-        content = m["content"]
-        if content is None and not (calls and conventions.null_content):
-            content = ""
+        content, calls = template_call_turn(m["content"], json.loads(m["tool_calls"]) if m.get("tool_calls") else None,
+                                            conventions)
         message: dict[str, Any] = {"role": m["role"], "content": content}
         if calls:
-            message["tool_calls"] = _string_arguments(calls) if conventions.string_arguments else calls
+            message["tool_calls"] = calls
         if m.get("tool_call_id"):
             message["tool_call_id"] = m["tool_call_id"]
         if m.get("reasoning"):
@@ -385,6 +467,7 @@ class _Converter:
         self._part_images: list[Any] = []  # images of the row's openai content parts, in order
         self._locator: RowLocator | None = None
         self._numbers = 0  # values of the row being converted that were numbers taken as text
+        self._nulls = 0  # null-valued argument keys the row's calls lost (_arguments)
 
     def locate(self, index: int) -> str | None:
         """Where row `index` is in its file(s) ("file:line"), or None for generated rows."""
@@ -409,6 +492,11 @@ class _Converter:
         kind = _KINDS.get(type(value), f"a {type(value).__name__}")
         raise RowError(f"{where}: {what} holds {kind}, not text ({shown}); write the text itself", "not_text")
 
+    def _calls(self, value: Any, where: _Where) -> str:
+        calls, nulls = _tool_calls(value, where)
+        self._nulls += nulls
+        return calls
+
     def _get(self, row: dict, key: str) -> Any:
         column = self.present.get(key)
         return row.get(column) if column else None
@@ -416,7 +504,7 @@ class _Converter:
     def __call__(self, row: dict, index: int) -> dict:
         """One row converted (raises RowError when it is structurally wrong)."""
         where = _Where(self, index)
-        self._numbers = 0
+        self._numbers = self._nulls = 0
         self._part_images = []
         if self.spec.formatting == "alpaca":
             messages = self._alpaca_messages(row, where)
@@ -502,8 +590,8 @@ class _Converter:
                 raise DataError(f"{exc}; or set skip_bad_rows: true to skip such rows (counted per reason)") from None
             return {**_EMPTY_ROW, **({"kto_tag": False} if "kto_tag" in self.present else {}),
                     **({IMAGE_COLUMN: []} if self.images else {}),
-                    "drop_reason": exc.reason, "drop_message": str(exc), "numbers_as_text": 0}
-        numbers = {"numbers_as_text": self._numbers}
+                    "drop_reason": exc.reason, "drop_message": str(exc), "numbers_as_text": 0, "null_arguments": 0}
+        numbers = {"numbers_as_text": self._numbers, "null_arguments": self._nulls}
         if self.spec.ranking and out["chosen"] == out["rejected"]:
             message = f"{_Where(self, index)}: chosen and rejected are the same answer"
             return {**out, "drop_reason": IDENTICAL_PAIR, "drop_message": message, **numbers}
@@ -586,10 +674,10 @@ class _Converter:
                     f"{turn_where}: a {role} turn has reasoning; only answers carry it", "misplaced_reasoning"
                 )
             if role == "function":  # sharegpt: the turn's content is the call itself, the answer has no text
-                messages.append(_message("assistant", None, _tool_calls(content, turn_where), reasoning=reasoning))
+                messages.append(_message("assistant", None, self._calls(content, turn_where), reasoning=reasoning))
             elif role == "assistant" and turn.get("tool_calls"):  # openai: content (maybe null) plus calls
                 text = content if content is None else self._as_text(content, turn_where, f"'{content_tag}'")
-                messages.append(_message("assistant", text, _tool_calls(turn["tool_calls"], turn_where),
+                messages.append(_message("assistant", text, self._calls(turn["tool_calls"], turn_where),
                                          reasoning=reasoning))
             elif role == "assistant":
                 messages.append(_message("assistant", self._answer(content, turn_where, f"'{content_tag}'"),
@@ -700,6 +788,7 @@ def to_canonical(
     kept = table.filter(kept_mask)
     stats.empty_answers, stats.with_reasoning = _answer_counts(kept)
     stats.numbers_as_text = int(pc.sum(kept["numbers_as_text"]).as_py() or 0)
+    stats.null_arguments = int(pc.sum(kept["null_arguments"]).as_py() or 0)
     if stats.total_dropped:
         converted = converted.filter(
             _keep, input_columns="drop_reason", batched=True, num_proc=num_proc, desc=f"Leaving out rows of {spec.name}"

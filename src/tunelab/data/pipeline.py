@@ -30,6 +30,7 @@ from tunelab.data.encode import (
     IMAGE_COUNTERS,
     EncodeStats,
     SupervisedEncoder,
+    as_examples,
 )
 from tunelab.data.formats import IDENTICAL_PAIR, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
@@ -79,10 +80,17 @@ def _load_canonical(
         source = {
             **describe(spec), "rows": len(rows), "empty_answers": conversion.empty_answers,
             "rows_with_reasoning": conversion.with_reasoning, "numbers_as_text": conversion.numbers_as_text,
+            "null_arguments_dropped": conversion.null_arguments,
         }
         if conversion.numbers_as_text:
             logger.warning("dataset %s: %d values of text fields are numbers; they train as their text (42 → \"42\")",
                            name, conversion.numbers_as_text)
+        if conversion.null_arguments:
+            logger.warning(
+                "dataset %s: dropped %d null-valued keys from tool-call arguments given as objects (a parquet or arrow "
+                "file gives every call the keys of all calls, as null); to train a null, write those arguments as "
+                "JSON text", name, conversion.null_arguments,
+            )
         if spec.ranking:
             source["dropped_identical_pairs"] = identical
         if skipped is not None:
@@ -177,6 +185,8 @@ def encode_dataset(
     stats = EncodeStats(
         examples=len(encoded),
         truncated=_sum(table["truncated"]),
+        # pairwise encoders (data/pairwise.py) count a pair's truncation once already
+        rows_shortened=_sum(table["rows_shortened"]) if "rows_shortened" in present else _sum(table["truncated"]),
         answers_dropped=_sum(table["answers_dropped"]) if "answers_dropped" in present else 0,
         dropped_no_supervised=len(canonical) + _sum(added) - len(encoded) - images_dont_fit,
         images_dont_fit=images_dont_fit,
@@ -198,8 +208,9 @@ def log_encode_stats(name: str, stats: EncodeStats, cutoff_len: int) -> None:
     """Warn about everything encoding changed: examples shortened, answers lost, examples dropped."""
     if stats.truncated or stats.answers_dropped:
         logger.warning(
-            "%s: %d examples shortened to fit cutoff_len=%d (earliest turns dropped first), losing %d trained answers",
-            name, stats.truncated, cutoff_len, stats.answers_dropped,
+            "%s: %d rows shortened to fit cutoff_len=%d%s (earliest turns dropped first), losing %d trained answers",
+            name, stats.rows_shortened, cutoff_len, as_examples(stats.rows_shortened, stats.truncated),
+            stats.answers_dropped,
         )
     if stats.dropped_no_supervised:
         logger.warning(

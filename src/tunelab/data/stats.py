@@ -22,6 +22,7 @@ from tunelab.config.stages import stage_row
 from tunelab.data.collate import (
     padding_free_layout,
 )
+from tunelab.data.encode import as_examples
 from tunelab.data.run_data import (
     RunData,
     batch_order,
@@ -202,10 +203,11 @@ def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
             f"of {dedup['rows']} training rows"
         )
     train = report["train"]
+    rows = train.get("rows_shortened", train["truncated"])
     lines.append(
-        f"encoding: {train['truncated']} shortened to fit cutoff_len {data.cutoff_len} (earliest turns dropped "
-        f"first; {train.get('answers_dropped', 0)} trained answers lost), {train['dropped_no_supervised']} dropped "
-        "with no supervised token left"
+        f"encoding: {rows} rows shortened to fit cutoff_len {data.cutoff_len}{as_examples(rows, train['truncated'])} "
+        f"(earliest turns dropped first; {train.get('answers_dropped', 0)} trained answers lost), "
+        f"{train['dropped_no_supervised']} dropped with no supervised token left"
     )
     if train.get("expanded_conversations"):
         seams = train.get("split_at_seams", 0)

@@ -8,8 +8,8 @@ template and encoder options before anything is tokenised, and faults:
                                turn), or no trained span can be found in its render (DeepSeek-V3: a second round of
                                calls after tool results, which it writes after a prompt the model is never given);
     tool_calls_not_rendered    an answer's tool calls are not in what it trains (Llama-3, SmolLM2: no place for calls;
-                               the turn would train an empty answer), or, for an answer that does not train, not in
-                               the conversation at all;
+                               the turn would train an empty answer; DeepSeek-V3: calls only in a turn without text),
+                               or, for an answer that does not train, not in the conversation at all;
     content_not_rendered       the text beside an answer's tool calls is not in what it trains (Llama-3.1 writes only
                                the call);
     reasoning_not_rendered     an answer's reasoning is not in what it trains (no place for it, or none at that point);
@@ -143,6 +143,12 @@ class TrainableRow:
             function = call.get("function", call)
             if function["name"] not in where:
                 place = "what the answer trains" if trained is not None else "the conversation"
+                if (message.get("content") or "").strip() and renders_tool_turns(self.encoder.template):
+                    return "tool_calls_not_rendered", (  # DeepSeek-V3: calls only in a turn without text
+                        f"answer {number} calls {function['name']!r} beside text, but chat template '{name}' writes "
+                        f"tool calls only in an answer without text (content null or \"\"), so {place} would hold the "
+                        f"text {_excerpt(message['content'].strip())} alone; remove the text beside the calls"
+                    )
                 return "tool_calls_not_rendered", (
                     f"answer {number} calls {function['name']!r}, but chat template '{name}' does not write that call "
                     f"into {place} (it has no place for tool calls, so the turn would train as an empty answer); use "

@@ -164,7 +164,7 @@ class VisionEncoder:
         # to the first kept one, or to an empty marker the pipeline counts and removes (EMPTY_MARKER).
         first = kept[0] if kept else {"input_ids": [], "labels": [], "images": [], "num_images": 0,
                                       "num_image_tokens": 0, "truncated": False, "num_supervised": 0}
-        for key in ("expanded", "answers_dropped", "split_at_seams", "texts_cut"):
+        for key in ("expanded", "answers_dropped", "split_at_seams", "texts_cut", "rows_shortened"):
             first[key] = sum(int(e.get(key, 0)) for e in examples)
         first["images_dont_fit"] = dropped
         return kept or [first]

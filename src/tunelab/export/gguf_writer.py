@@ -7,7 +7,9 @@ with gguf-py's GGUFWriter: the architecture name and hyperparameter keys, llama.
 (gguf.TensorNameMap), the value transforms (Llama-style q/k rows permuted for llama.cpp's interleaved rotary;
 Gemma norms stored as 1 + w), which tensors stay float32 and which get `tensor_type`, the tokenizer metadata
 (tokens, types, merges or scores, special ids, add_bos/add_eos, the pre-tokenizer kind) and the chat template,
-with the run's template variables baked in so every runtime renders it as training did.
+with the run's template variables baked in so every runtime renders it as training did. Tool calls need no
+rewrite of the template: llama.cpp gives it a call's JSON-text arguments as sent and parses them only for a
+template that needs objects, the rule training renders calls by (data/formats.py template_call_turn).
 
 It does not merge LoRA adapters (model/export.py hands it a plain model), read the file back (parity.py) or
 write the Ollama Modelfile (modelfile.py). Tensors are written one at a time, so memory stays near one tensor

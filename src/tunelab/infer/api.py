@@ -106,7 +106,8 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_message(self, index: int) -> dict[str, Any]:
-        """The message as chat templates read it (as training renders it: calls with their arguments as objects)."""
+        """The message as chat templates read it: arguments as the JSON text sent, checked to hold an object (the
+        engine gives call turns the shapes training gave them: data/formats.py template_shapes)."""
         if isinstance(self.content, list) and any(isinstance(part, ImagePart) for part in self.content):
             content: Any = [part.model_dump() for part in self.content]  # the engine opens the images (infer/images.py)
         else:
@@ -124,7 +125,7 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
+def _arguments(call: ToolCallIn, where: str) -> str:
     try:
         arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
     except json.JSONDecodeError:
@@ -132,7 +133,7 @@ def _arguments(call: ToolCallIn, where: str) -> dict[str, Any]:
     if not isinstance(arguments, dict):
         raise ApiError(400, f"{where}.function.arguments: expected a JSON object as text, got "
                        f"{call.function.arguments!r}", f"{where}.function.arguments")
-    return arguments
+    return call.function.arguments
 
 
 class FunctionDefinition(BaseModel):

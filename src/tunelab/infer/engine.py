@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.args import ModelArguments
-from tunelab.data.formats import IMAGE_PLACEHOLDER
+from tunelab.data.formats import IMAGE_PLACEHOLDER, template_shapes
 from tunelab.data.images import open_images
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
 from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError, first_line
@@ -371,6 +371,7 @@ class ChatEngine:
         spell (see longest_token_chars); when images reach a text-only model, or placeholders and images differ."""
         tok = self.tokenizer
         messages, refs = split_images(messages)
+        messages = template_shapes(messages, self.template)  # call turns as training rendered them
         if refs and self.processor is None:
             raise ImageInputError(f"{self.name} is a text-only model and cannot read images; "
                                  "send text only, or load a vision-language model")
