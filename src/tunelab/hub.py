@@ -7,10 +7,11 @@
     model_name_or_path: org/name-GGUF + gguf_file: name-Q4_K_M.gguf
       config time: fetch_file → that one file in the snapshot folder (its tokenizer is inside it, so it comes first)
 
-A local folder always wins over a Hub id of the same spelling. Everything else is huggingface_hub's: the cache
-(HF_HOME / HF_HUB_CACHE), offline mode (HF_HUB_OFFLINE: the cache only), the token (HF_TOKEN or `hf auth login`),
-the endpoint (HF_ENDPOINT). huggingface_hub reads these when it is first imported, so they are set before
-tunelab starts. The weights wait for load time so that the config checks (tokenizer, template, data) and the
+A local folder always wins over a Hub id of the same spelling, and a missing folder that an example config writes
+(saves/sft_base: run_folder.example_output_dirs) is a run not made yet, never a Hub id. Everything else is
+huggingface_hub's: the cache (HF_HOME / HF_HUB_CACHE), offline mode (HF_HUB_OFFLINE: the cache only), the token
+(HF_TOKEN or `hf auth login`), the endpoint (HF_ENDPOINT). huggingface_hub reads these when it is first imported,
+so they are set before tunelab starts. The weights wait for load time so that the config checks (tokenizer, template, data) and the
 commands that need no weights (`tunelab data`, `tunelab estimate`) do not download gigabytes first.
 
 A snapshot folder names its repo and commit (…/models--org--name/snapshots/<commit>), so the resolved
@@ -28,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunelab import run_folder
 from tunelab.errors import DataError, ModelError, TunelabError
 
 # org/name, as the Hub spells repo ids (a name without an org, like `gpt2`, is read as a local path).
@@ -94,6 +96,8 @@ def resolve_model(
         folder = Path(name).expanduser()
         _check_weight_format(folder, {p.name for p in folder.iterdir() if p.is_file()}, allow_pickle, subject)
         return name  # a folder without weights fails where it loads, naming the files transformers looked for
+    if not Path(name).expanduser().exists():
+        _check_not_a_missing_run(name, subject)
     if not is_repo_id(name):
         return name
     patterns = [*MODEL_FILES, *(["*.py"] if trust_remote_code else [])]  # never fetch code nobody will run
@@ -101,6 +105,21 @@ def resolve_model(
     # Offline, a cache without the weights is fine until they are needed (`tunelab data` needs none).
     _weight_files(snapshot, allow_pickle, subject, required_in_cache=False)
     return str(snapshot.folder)
+
+
+def _check_not_a_missing_run(name: str, subject: str) -> None:
+    """saves/sft_base is spelled like org/name, but when an example config writes it, or writes its runs beside it
+    (a typo under saves/), it is a folder not made yet: say so instead of asking the Hub."""
+    outputs = run_folder.example_output_dirs()
+    path = Path(name).expanduser().resolve()
+    if path in outputs:
+        raise ModelError(f"{subject}: no such folder in {Path.cwd()}; {outputs[path]} writes it: "
+                         f"run `tunelab train {outputs[path]}` first")
+    if path.parent != Path.cwd().resolve() and path.parent in {folder.parent for folder in outputs}:
+        parent = Path(name).expanduser().parent
+        held = sorted(p.name for p in parent.iterdir() if p.is_dir()) if parent.is_dir() else []
+        raise ModelError(f"{subject}: no such folder in {Path.cwd()}; {parent}/ (where the examples write their "
+                         f"runs) holds {', '.join(held) or 'no folders'}")
 
 
 def fetch_file(repo_id: str, filename: str, revision: str, what: str) -> Path:

@@ -128,6 +128,28 @@ def rewrite_log(folder: str | Path, records: list[dict[str, Any]]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
 
+# ---- which example writes a run folder -------------------------------------------------------------------------
+
+EXAMPLES_DIR = "examples"  # the repo's example configs, read from the folder tunelab runs in (a clone's root)
+
+
+def example_output_dirs() -> dict[Path, Path]:
+    """{output_dir, resolved: the example config that writes it} of the configs under ./examples (sub-folders too).
+    A missing folder one of them names is a run not made yet (examples/kto.yaml reads saves/sft_base before
+    examples/sft_base.yaml has written it), never a Hub id. An unreadable config is passed over: this only finds
+    hints for messages."""
+    found: dict[Path, Path] = {}
+    for config in sorted(Path(EXAMPLES_DIR).rglob("*.yaml")):
+        try:
+            options = yaml.safe_load(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        output_dir = options.get("output_dir") if isinstance(options, dict) else None
+        if isinstance(output_dir, str):
+            found.setdefault(Path(output_dir).expanduser().resolve(), config)
+    return found
+
+
 # ---- checkpoints and their manifests ---------------------------------------------------------------------------
 
 

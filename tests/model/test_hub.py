@@ -245,6 +245,38 @@ def test_an_unreachable_hub_is_one_line(hub, tmp_path):
     }
 
 
+def test_a_run_folder_not_made_yet_is_no_hub_id(hub, tmp_path):
+    """examples/kto.yaml before examples/sft_base.yaml: its model_name_or_path, saves/sft_base, is a run folder that
+    an example writes, not a Hub id; nor is a typo in a folder where the examples write their runs."""
+    with socket.socket() as sock:  # a port nothing listens on: no Hub, as on a laptop offline
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    (tmp_path / "examples" / "real").mkdir(parents=True)
+    (tmp_path / "examples" / "sft_base.yaml").write_text("stage: sft\noutput_dir: saves/sft_base\n")
+    (tmp_path / "examples" / "real" / "sft.yaml").write_text("output_dir: ./saves/real/sft\n")
+    (tmp_path / "examples" / "broken.yaml").write_text("output_dir: [\n")  # not this check's business
+    (tmp_path / "saves" / "quickstart").mkdir(parents=True)
+    outcomes = resolve_outcomes({
+        "id-like": {"name": "saves/sft_base", "key": "model_name_or_path"},
+        "a path": {"name": "./saves/sft_base/", "key": "model_name_or_path"},
+        "nested": {"name": "saves/real/sft", "key": "reward_model"},
+        "typo beside a run": {"name": "saves/sft-base", "key": "model_name_or_path"},
+        "a Hub id": {"name": "org/missing", "key": "model_name_or_path"},
+    }, hub_env(hub, offline=False, HF_ENDPOINT=closed), tmp_path)
+    assert outcomes == {
+        "id-like": f"model_name_or_path: saves/sft_base: no such folder in {tmp_path}; examples/sft_base.yaml "
+                   "writes it: run `tunelab train examples/sft_base.yaml` first",
+        "a path": f"model_name_or_path: ./saves/sft_base/: no such folder in {tmp_path}; examples/sft_base.yaml "
+                  "writes it: run `tunelab train examples/sft_base.yaml` first",
+        "nested": f"reward_model: saves/real/sft: no such folder in {tmp_path}; examples/real/sft.yaml writes it: "
+                  "run `tunelab train examples/real/sft.yaml` first",
+        "typo beside a run": f"model_name_or_path: saves/sft-base: no such folder in {tmp_path}; saves/ (where the "
+                             "examples write their runs) holds quickstart",
+        "a Hub id": f"model_name_or_path: org/missing is no local folder, not in the Hugging Face cache ({hub}), "
+                    "and the Hub cannot be reached (ConnectError); fetch it with `hf download org/missing`",
+    }
+
+
 # ---- a run, and loading what it wrote ----------------------------------------------------------------------------
 
 

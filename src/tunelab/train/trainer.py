@@ -9,7 +9,8 @@ engines and checkpointing, and already leaves biases and norm weights out of wei
   forward takes it; losses.py's docstring), in training and evaluation;
 - token accounting (all tokens and supervised tokens seen), logged with every training log line, and
   callbacks.RunProgress's fields (tokens per second, ETA, memory) in every line, before the callbacks see it, so
-  the trackers of `report_to` (trackers.py) get what trainer_log.jsonl gets;
+  the trackers of `report_to` (trackers.py) get what trainer_log.jsonl gets; the console shows each line as one
+  short readable line (console.py) instead of the Trainer's printed dict;
 - evaluation metrics per eval set, counted batch by batch (logits are never gathered across the set):
   `eval[_{name}]_loss` is the mean cross-entropy per supervised token of the whole set (not a mean of
   batch means), `eval[_{name}]_perplexity` its exp, and with `compute_token_accuracy` the share of
@@ -39,6 +40,7 @@ import transformers
 from tunelab.errors import TrainingError
 from tunelab.train import checkpoints
 from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, RunProgress
+from tunelab.train.console import use_console_lines
 from tunelab.train.guards import NonFiniteCallback, NonFiniteGuard
 from tunelab.train.losses import (
     IGNORE_INDEX,
@@ -58,6 +60,7 @@ from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 class TunelabTrainer(transformers.Trainer):
     def __init__(self, *args, compute_loss_func=causal_lm_loss_func, finetuning=None, **kwargs):
         super().__init__(*args, compute_loss_func=compute_loss_func, **kwargs)
+        use_console_lines(self)  # one readable line per log line on the console, not the printed dict
         self.finetuning = finetuning  # FinetuningArguments: the optimizer options (None: transformers' optimizer)
         if compute_loss_func is causal_lm_loss_func and self.args.label_smoothing_factor:
             self.compute_loss_func = CausalLMLoss(self.args.label_smoothing_factor)

@@ -42,6 +42,7 @@ from transformers.integrations import get_reporting_integration_callbacks
 from tunelab.config.args import RunConfig
 from tunelab.errors import DataError
 from tunelab.train.callbacks import JsonlLogCallback, RunProgress
+from tunelab.train.console import console_line
 from tunelab.train.optimizers import build_optimizer, default_optimizer
 
 logger = logging.getLogger(__name__)
@@ -168,11 +169,10 @@ class RLLoop:
         logs = {k: round(float(v), 6) for k, v in zip(keys, values)}
         logs["learning_rate"] = self.scheduler.get_last_lr()[0]
         self.pending.clear()
-        if self.accelerator.is_main_process:
-            logger.info("step %d/%d %s", self.state.global_step, self.max_steps,
-                        " ".join(f"{k}={v:.4g}" for k, v in logs.items()))
         logs["epoch"] = self.state.epoch
         self.progress.add_to(logs, self.state, self.accelerator.device)
+        if self.accelerator.is_main_process:  # the line the Trainer's stages print (console.py)
+            logger.info("%s", console_line(logs, self.state.global_step, self.max_steps))
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self._event("on_log", logs=logs)
 
