@@ -425,8 +425,10 @@ def _add_serving_commands(sub) -> None:
 
     chat = sub.add_parser(
         "chat", help="chat with a model or adapter in the terminal (answers stream as they are generated)",
-        description="One line per turn. /clear resets the history (the system prompt stays), /exit or Ctrl-D "
-        "quits, Ctrl-C stops an answer. Reads stdin, so a script can drive it.",
+        description="One line per turn; a line ending in \\ continues on the next, and a line starting with \"\"\" "
+        "opens a block of lines that the next line ending with \"\"\" closes (as in ollama run). /clear resets the "
+        "history (the system prompt stays), /exit or Ctrl-D quits, Ctrl-C stops an answer. Reads stdin, so a script "
+        "can drive it.",
     )
     model_arguments(chat)
     chat.add_argument("--system", help="system prompt for the whole conversation")
