@@ -168,8 +168,29 @@ def test_smollm2_f16_and_q8_0_ggufs_match(tmp_path):
 
 def test_llama_cpp_reader_when_installed(tiny, tiny_gguf):
     """llama.cpp's own tokenizer and kernels read the file as well (only where llama-cpp-python is installed)."""
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("xllamacpp")
     report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("q8_0"), "gguf",
                           llama_cpp=True, raise_on_mismatch=False)
-    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)", "llama.cpp"]
+    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)", "llama.cpp (xllamacpp server)"]
     assert report.ok, report.problems
+
+
+@pytest.mark.slow
+def test_smollm2_f16_gguf_in_llama_cpp(tmp_path):
+    """SmolLM2's f16 export read by llama.cpp's own server (xllamacpp): its Jinja renders the four probes (emoji,
+    Chinese, tabs, a system turn, two exchanges) as training did, its tokenizer gives the same ids, and its greedy
+    answers are the trained model's."""
+    pytest.importorskip("xllamacpp")
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "smollm2-f16.gguf", "f16")
+    report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=8,
+                          llama_cpp=True, raise_on_mismatch=False)
+    llama = report.readers[1]
+    assert llama.reader == "llama.cpp (xllamacpp server)" and report.ok, report.problems
+    assert llama.template_identical and llama.ids_identical and llama.special_tokens_identical
+    assert llama.greedy_identical and llama.max_logit_gap <= TOLERANCES["f16"]
+    assert len(llama.probes) == len(PROBES)

@@ -29,7 +29,10 @@ sides, so the gaps measure what the export changed (rounding, quantization, a wr
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import os
+import urllib.request
 import logging
 import struct
 import time
@@ -132,6 +135,8 @@ class ReaderResult:
     tokens_per_second: float | None
     probes: list[ProbeResult] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    # Where the logits were compared: every prompt position, or (llama.cpp's server) the first answer token only
+    gap_at: str = "every position"
 
 
 @dataclass
@@ -206,7 +211,7 @@ class ParityReport:
             out.append(
                 f"  {r.reader}: template {'same' if r.template_identical else 'DIFFERENT'}, ids "
                 f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
-                f"{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
+                f"{'' if r.gap_at == 'every position' else f'at the {r.gap_at} '}{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
                 f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
                 f"{greedy}{speed}"
             )
@@ -231,14 +236,14 @@ def check_parity(
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
 
-    `llama_cpp`: also read a GGUF with llama.cpp (None: when the llama_cpp package imports). Writes the report to
+    `llama_cpp`: also read a GGUF with llama.cpp (None: when xllamacpp or llama_cpp imports; llama_cpp_reader). Writes the report to
     `report_path` when given, then raises ParityError if anything differs beyond tolerance (unless
     `raise_on_mismatch` is False).
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
         raise ValueError(f"kind must be 'hf' or 'gguf', not {kind!r}")
-    texts, skipped = _rendered_probes(chat_template, template_vars, tokenizer, probes)
+    texts, skipped, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
     tensor_type = _gguf_type(exported) if kind == "gguf" else _hf_type(exported)
     file_bytes = exported.stat().st_size if exported.is_file() else sum(
         p.stat().st_size for p in exported.rglob("*") if p.is_file())
@@ -256,12 +261,14 @@ def check_parity(
 
     readers: list[Any] = [_transformers_reader(exported, kind)]
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
-        readers.append(LlamaCppReader(exported))
+        readers.append(llama_cpp_reader(exported))
     for reader in readers:
-        result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
-                          reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+        try:
+            result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
+                              reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+        finally:
+            reader.close()  # llama.cpp's server stops here: it lives as long as its comparison
         report.readers.append(result)
-        reader.close()
     if report_path is not None:
         report.write(report_path)
     for line in report.lines():
@@ -274,7 +281,7 @@ def check_parity(
 def probe_ids(tokenizer: Any, chat_template: str | None, template_vars: Mapping[str, Any] | None,
               probes: Sequence[list[Message]] | None = None) -> list[list[int]]:
     """The probe conversations rendered with the run's template (plain texts without one), as token ids."""
-    texts, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
+    texts, _, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
     return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
 
 
@@ -286,8 +293,18 @@ def logit_gap(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def llama_cpp_available() -> bool:
+    """Whether llama.cpp can read here: xllamacpp (the `llamacpp` extra, a prebuilt wheel) or llama-cpp-python."""
+    return _importable("xllamacpp") or _importable("llama_cpp")
+
+
+def llama_cpp_reader(path: Path) -> Any:
+    """llama.cpp reading `path`: its server through xllamacpp when that imports, else llama-cpp-python."""
+    return LlamaCppServerReader(path) if _importable("xllamacpp") else LlamaCppReader(path)
+
+
+def _importable(module: str) -> bool:
     try:
-        import llama_cpp  # noqa: F401, PLC0415
+        importlib.import_module(module)
     except Exception:  # noqa: BLE001 - a broken build is as good as none
         return False
     return True
@@ -335,9 +352,10 @@ class TransformersReader:
 
 
 class LlamaCppReader:
-    """A GGUF read by llama.cpp itself (llama-cpp-python): its own tokenizer, graph and kernels, on CPU."""
+    """A GGUF read by llama.cpp itself (llama-cpp-python, where it is installed and xllamacpp is not): its own
+    tokenizer, graph and kernels, on CPU."""
 
-    name = "llama.cpp"
+    name = "llama.cpp (llama-cpp-python)"
 
     def __init__(self, path: Path, n_ctx: int = 1024):
         from llama_cpp import Llama  # noqa: PLC0415 - optional: only where llama-cpp-python is installed
@@ -377,6 +395,82 @@ class LlamaCppReader:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class LlamaCppServerReader:
+    """A GGUF read by llama.cpp's own server (xllamacpp: llama.cpp's C++ server in this process), asked over HTTP on
+    127.0.0.1 as Ollama's and LM Studio's clients ask theirs: /apply-template renders with llama.cpp's Jinja,
+    /tokenize and /detokenize use its tokenizer, /completion gives greedy answers with the log-probabilities of the
+    top FIRST_TOKEN_TOP tokens at each step. It has no endpoint for the logits of every prompt position, so the
+    logits are compared at the first answer token only (first_token_logprobs). The server lives until close()."""
+
+    name = "llama.cpp (xllamacpp server)"
+    FIRST_TOKEN_TOP = 20
+    TIMEOUT_S = 300  # one request; a server that stops answering fails the check instead of hanging it
+
+    def __init__(self, path: Path, n_ctx: int = 2048):
+        import xllamacpp  # noqa: PLC0415 - optional: the llamacpp extra
+
+        params = xllamacpp.CommonParams()
+        params.model.path = str(path)
+        params.n_ctx, params.n_parallel, params.warmup, params.verbosity = n_ctx, 1, False, -1
+        # half the cores: llama.cpp's threads spin at each barrier, and the reference model runs beside it
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+        params.hostnames, params.port = ["127.0.0.1"], 0  # loopback only, on a free port
+        params.use_jinja = True
+        self.server = xllamacpp.Server(params)
+        self.address = self.server.listening_address
+        self.template = self._get("/props").get("chat_template")
+        self.answers: dict[tuple[int, ...], dict[str, Any]] = {}
+        self.generated, self.seconds = 0, 0.0
+
+    def _get(self, endpoint: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        request = urllib.request.Request(self.address + endpoint, data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=self.TIMEOUT_S) as response:  # noqa: S310 - our loopback server
+            return json.loads(response.read())
+
+    def render(self, messages: list[Message]) -> str:
+        """The prompt llama.cpp's own Jinja engine renders from the GGUF's template (llama-server --jinja)."""
+        return self._get("/apply-template", {"messages": messages})["prompt"]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._get("/tokenize", {"content": text, "add_special": add_special_tokens,
+                                       "parse_special": True})["tokens"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._get("/detokenize", {"tokens": ids})["content"]
+
+    def _answer(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        key = (*ids, max_new_tokens)
+        if key not in self.answers:
+            self.answers[key] = self._get("/completion", {
+                "prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "n_probs": self.FIRST_TOKEN_TOP,
+                "cache_prompt": False, "return_tokens": True})
+            timings = self.answers[key].get("timings", {})
+            self.generated += timings.get("predicted_n", 0)
+            self.seconds += timings.get("predicted_ms", 0.0) / 1000
+        return self.answers[key]
+
+    def first_token_logprobs(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """The ids and log-probabilities (over the whole vocabulary) of llama.cpp's top tokens after `ids`."""
+        top = self._answer(ids, max_new_tokens)["completion_probabilities"][0]["top_logprobs"]
+        return [t["id"] for t in top], torch.tensor([t["logprob"] for t in top], dtype=torch.float32)
+
+    def greedy(self, ids: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+        out: list[int] = []
+        for token in self._answer(ids, max_new_tokens)["tokens"]:
+            out.append(token)
+            if token in stops:
+                break
+        return out
+
+    def tokens_per_second(self) -> float | None:
+        return self.generated / self.seconds if self.seconds else None  # llama.cpp's own generation timings
+
+    def close(self) -> None:
+        self.server = None  # xllamacpp stops the server and frees the model when its Server is released
 
 
 def _transformers_reader(exported: Path, kind: str) -> TransformersReader:
@@ -429,11 +523,17 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
     who = f"the {what}'s" if reader.name.startswith("transformers") else f"llama.cpp's reading of the {what}:"
     problems: list[str] = []
     template_ok = reader.template == expected_template
+    if hasattr(reader, "render") and reader.template is not None and expected_template is not None:
+        # llama.cpp's /props gives the template with trailing whitespace trimmed; its renders are compared below
+        template_ok = reader.template.rstrip() == expected_template.rstrip()
     if not template_ok:
         problems.append(f"{who} chat template {_template_difference(reader.template, expected_template)}")
     elif chat_template is not None:
-        # The exported template, rendered as that runtime would, gives the text training rendered.
-        exported_texts, _ = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        # The exported template, rendered as that runtime would (llama.cpp's server: by its own Jinja engine),
+        # gives the text training rendered.
+        exported_texts, _, kept = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        if hasattr(reader, "render"):
+            exported_texts = [reader.render(messages) for messages in kept]
         if exported_texts != texts:
             template_ok = False
             problems.append(f"{who} chat template renders the probes differently from the trained one")
@@ -456,20 +556,16 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
         if not same_ids and not any(p.startswith(f"{who} tokenizer") for p in problems):
             problems.append(f"{who} tokenizer {_ids_difference(reference, reader, text, ids, exported_ids)}")
         # Logits and answers are compared on the trained ids, so a tokenizer problem does not hide a weight one.
-        ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
-        if exp_logits.shape[-1] != ref_logits.shape[-1]:
-            problems.append(f"{who} vocabulary has {exp_logits.shape[-1]} rows, the model {ref_logits.shape[-1]}")
-            exp_logits = exp_logits[..., : ref_logits.shape[-1]]
-        gap = (ref_logits - exp_logits).abs()
-        scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
-        stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
-        stored_gap = float(((stored_logits - exp_logits).abs() / scale).max())
+        if hasattr(reader, "logits"):
+            gaps, vocab_problem = _logit_gaps(reference, stored, reader, ids)
+        else:
+            gaps, vocab_problem = _first_token_gaps(reference, stored, reader, ids, max_new_tokens)
+        if vocab_problem and not any(p.startswith(f"{who} vocabulary") for p in problems):
+            problems.append(f"{who} {vocab_problem}")
         ref_answer = reference.greedy(ids, max_new_tokens, stops)
         exp_answer = reader.greedy(ids, max_new_tokens, stops)
         results.append(ProbeResult(
-            prompt=text, tokens=len(ids), ids_identical=same_ids,
-            max_logit_gap=float((gap / scale).max()), max_abs_logit_gap=float(gap.max()), stored_gap=stored_gap,
-            top1_agreement=float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean()),
+            prompt=text, tokens=len(ids), ids_identical=same_ids, **gaps,
             reference_answer=ref_answer, exported_answer=exp_answer,
             reference_text=reference.decode(ref_answer), exported_text=_safe_decode(reader, exp_answer),
         ))
@@ -515,7 +611,44 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
         stored_gap=max_stored_gap, stored_tolerance=stored_tolerance,
         greedy_identical=greedy_ok, greedy_required=greedy_required,
         tokens_per_second=reader.tokens_per_second(), probes=results, problems=problems,
+        gap_at="every position" if hasattr(reader, "logits") else
+        f"first answer token (top {reader.FIRST_TOKEN_TOP})",
     )
+
+
+def _logit_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any,
+                ids: list[int]) -> tuple[dict[str, float], str | None]:
+    """Gaps at every position of `ids` between the reader's logits and the trained / as-stored model's."""
+    ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
+    problem = None
+    if exp_logits.shape[-1] != ref_logits.shape[-1]:
+        problem = f"vocabulary has {exp_logits.shape[-1]} rows, the model {ref_logits.shape[-1]}"
+        exp_logits = exp_logits[..., : ref_logits.shape[-1]]
+    gap = (ref_logits - exp_logits).abs()
+    scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
+    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
+    return {"max_logit_gap": float((gap / scale).max()), "max_abs_logit_gap": float(gap.max()),
+            "stored_gap": float(((stored_logits - exp_logits).abs() / scale).max()),
+            "top1_agreement": float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean())}, problem
+
+
+def _first_token_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any, ids: list[int],
+                      max_new_tokens: int) -> tuple[dict[str, float], str | None]:
+    """Gaps at the first answer token only, on the reader's top tokens: log-probabilities against the trained /
+    as-stored model's log-softmax (a log-probability is the logit less one constant per position, so in sd of the
+    logits these gaps are logit gaps without that constant)."""
+    top_ids, top_logprobs = reader.first_token_logprobs(ids, max_new_tokens)
+    ref_logits = reference.logits(ids)[-1]
+    if max(top_ids) >= ref_logits.shape[-1]:
+        return {"max_logit_gap": float("inf"), "max_abs_logit_gap": float("inf"), "stored_gap": float("inf"),
+                "top1_agreement": 0.0}, f"vocabulary has ids up to {max(top_ids)}, the model {ref_logits.shape[-1]}"
+    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)[-1]
+    scale = float(ref_logits.std().clamp_min(1e-6))
+    gap = (torch.log_softmax(ref_logits, -1)[top_ids] - top_logprobs).abs()
+    stored_gap = (torch.log_softmax(stored_logits, -1)[top_ids] - top_logprobs).abs()
+    return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
+            "stored_gap": float(stored_gap.max()) / scale,
+            "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
 
 
 def _tie_margin(reference: TransformersReader, ids: list[int], result: ProbeResult) -> float:
@@ -529,21 +662,23 @@ def _tie_margin(reference: TransformersReader, ids: list[int], result: ProbeResu
 
 
 def _rendered_probes(chat_template: str | None, template_vars: Mapping[str, Any] | None, tokenizer: Any,
-                     probes: Sequence[list[Message]] | None) -> tuple[list[str], list[str]]:
-    """The probe conversations as inference prompts (plain texts for a model without a template)."""
+                     probes: Sequence[list[Message]] | None) -> tuple[list[str], list[str], list[list[Message]]]:
+    """The probe conversations as inference prompts (plain texts for a model without a template), the probes the
+    template refused, and the conversations it rendered."""
     if chat_template is None:
-        return list(PLAIN_PROBES), []
+        return list(PLAIN_PROBES), [], []
     template = Template.from_jinja("export", chat_template)
     tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
-    texts, skipped = [], []
+    texts, skipped, kept = [], [], []
     for messages in probes or PROBES:
         try:
             texts.append(template.prompt(messages, **tokens, **dict(template_vars or {})))
+            kept.append(messages)
         except TemplateError as exc:  # e.g. Gemma 2 refuses a system turn: that probe does not apply
             skipped.append(f"{messages[0]['role']}: {messages[0]['content'][:40]!r} ({exc})")
     if not texts:
         raise ExportError(f"export check: the chat template refused every probe conversation ({skipped[0]})")
-    return texts, skipped
+    return texts, skipped, kept
 
 
 def _stop_ids(tokenizer: Any, chat_template: str | None) -> list[int]:
