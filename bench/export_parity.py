@@ -66,14 +66,27 @@ def export(base: Path, run: Path, out: Path, *options: str) -> dict:
         if not (out / "export_report.json").is_file():
             raise SystemExit(done.stderr[-3000:])
     report = json.loads((out / "export_report.json").read_text())
-    (reader,) = report["readers"]
+    reader, *others = report["readers"]
+    llama = others[0] if others else None  # llama.cpp's reading, where xllamacpp is installed
+    held_out = report.get("held_out") or {}
     return {
         "options": " ".join(options), "seconds": seconds, "ok": report["ok"], "bytes": report["file_bytes"],
         "merge": report["merge"]["max_logit_gap"] if report["merge"] else None, "gap": reader["max_logit_gap"],
         "abs_gap": reader["max_abs_logit_gap"], "tolerance": reader["tolerance"], "stored": reader["stored_gap"],
         "greedy": sum(p["answers_identical"] for p in reader["probes"]), "probes": len(reader["probes"]),
         "tokens_per_second": reader["tokens_per_second"],
+        "trained_accuracy": held_out.get("reference_accuracy"), "accuracy": reader.get("accuracy"),
+        "held_out_rows": held_out.get("rows"),
+        "llama": None if llama is None else {
+            "template": llama["template_identical"], "ids": llama["ids_identical"], "gap": llama["max_logit_gap"],
+            "greedy": sum(p["answers_identical"] for p in llama["probes"]), "accuracy": llama.get("accuracy"),
+            "tokens_per_second": llama["tokens_per_second"]},
+        "problems": [problem for r in report["readers"] for problem in r["problems"]],
     }
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
 def gemma3() -> None:
@@ -109,6 +122,7 @@ def main() -> None:
     parser.add_argument("--folder", action="store_true", help="also export a bfloat16 folder (export_format hf)")
     parser.add_argument("--gemma3", action="store_true", help="only the Gemma 3 270M f16 re-export")
     parser.add_argument("--out", type=Path, default=HERE / ".results" / "export_parity")
+    parser.add_argument("--held-out", type=int, default=10, help="demo_sort_test rows the check scores (0: none)")
     args = parser.parse_args()
     if args.gemma3:
         gemma3()
@@ -116,9 +130,11 @@ def main() -> None:
     base = hf_folder(HERE / ".data" / "real" / "smollm2-hf")
     run = train_lora(base, args.out / "lora-run", args.steps)
     rows = {}
+    scored = ["export_check_dataset=demo_sort_test", f"export_check_samples={args.held_out}",
+              "max_new_tokens=32"] if args.held_out else []
     for tensor_type in args.types.split(","):
         rows[tensor_type] = export(base, run, args.out / f"gguf-{tensor_type}", "export_format=gguf",
-                                   f"export_gguf_type={tensor_type}")
+                                   f"export_gguf_type={tensor_type}", *scored)
     if args.folder:
         rows["folder bf16"] = export(base, run, args.out / "hf-bf16", "export_dtype=bfloat16")
     print("\n| export | size (bytes) | `tunelab export` | merge gap | max logit gap (tolerance) | from the weights as "
@@ -127,6 +143,15 @@ def main() -> None:
         print(f"| {name} | {r['bytes']:,} | {r['seconds']:.0f} s | {r['merge']:.2g} sd | {r['gap']:.3g} sd "
               f"({r['abs_gap']:.3g}; {r['tolerance']:g}) | {r['stored']:.2g} sd | {r['greedy']} of {r['probes']} | "
               f"{r['tokens_per_second']:.1f} |")
+    print("\n| type | size (bytes) | held-out exact match: trained / transformers / llama.cpp | llama.cpp: template, "
+          "ids, first-token gap, greedy answers identical | llama.cpp tokens/s |\n|---|---|---|---|---|")
+    for name, r in rows.items():
+        llama = r.get("llama")
+        where = (f"{'same' if llama['template'] else 'DIFFERENT'}, {'same' if llama['ids'] else 'DIFFERENT'}, "
+                 f"{llama['gap']:.3g} sd, {llama['greedy']} of {r['probes']}") if llama else "-"
+        speed = f"{llama['tokens_per_second']:.1f}" if llama and llama["tokens_per_second"] else "-"
+        scores = " / ".join(_percent(v) for v in (r["trained_accuracy"], r["accuracy"], llama and llama["accuracy"]))
+        print(f"| {name} | {r['bytes']:,} | {scores} | {where} | {speed} |")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "results": rows}, indent=2))
 

@@ -21,6 +21,11 @@ rendered with the run's template they must give:
                           less than twice the type's tolerance (a near tie rounding may flip: reported); reported
                           for quantized types
 
+With held-out rows (the run's eval set, or export_check_dataset), it also scores accuracy, the figure a user
+cares about: each row's prompt answered greedily by the trained model and by every reader, exact match against the
+row's answer. An export that loses more than `max_drop` points fails, naming the type to export instead
+(STEP_UP): the logit tolerances bound a ruined model, not a useful one.
+
 The report (ParityReport) serialises to export_report.json and prints short console lines; a mismatch raises
 ParityError, one line naming what differs, after the report is written. Logits are computed in float32 on both
 sides, so the gaps measure what the export changed (rounding, quantization, a wrong transform), not arithmetic.
@@ -64,6 +69,10 @@ TOLERANCES: dict[str, float] = {
     "q5_0": 8.0,
     "q4_1": 12.0,
     "q4_0": 12.0,
+    # k-quant mixes: a q6_k file sits between q8_0 and the 5-bit types; q5_k_m / q4_k_m as their 5- / 4-bit kin
+    "q6_k": 4.0,
+    "q5_k_m": 8.0,
+    "q4_k_m": 12.0,
     "torchao": 12.0,
 }
 # STORED_TOLERANCE: the largest gap from the trained weights rounded exactly as the file stores them
@@ -72,6 +81,9 @@ TOLERANCES: dict[str, float] = {
 STORED_TOLERANCE = 1e-3
 # Types that store the weights as floats: greedy answers must be those of the model as trained (up to near ties).
 FLOAT_TYPES = ("f32", "f16", "bf16")
+# What to export instead of a type that lost held-out accuracy: the next type that keeps more of the weights.
+STEP_UP = {"f16": "f32", "bf16": "f32", "q8_0": "f16"}
+DEFAULT_STEP_UP = "q8_0"
 
 Message = dict[str, Any]
 
@@ -134,6 +146,7 @@ class ReaderResult:
     greedy_required: bool
     tokens_per_second: float | None
     probes: list[ProbeResult] = field(default_factory=list)
+    accuracy: float | None = None  # exact match on the held-out rows (HeldOut), 0-1
     problems: list[str] = field(default_factory=list)
     # Where the logits were compared: every prompt position, or (llama.cpp's server) the first answer token only
     gap_at: str = "every position"
@@ -156,6 +169,16 @@ class MergeResult:
 
 
 @dataclass
+class HeldOut:
+    """The held-out rows the check scores: where they come from and the trained model's exact match on them."""
+
+    source: str  # the eval set's name
+    rows: int
+    max_drop: float  # percentage points an export may lose
+    reference_accuracy: float = 0.0
+
+
+@dataclass
 class ParityReport:
     kind: str  # "hf" or "gguf"
     path: str
@@ -164,6 +187,7 @@ class ParityReport:
     readers: list[ReaderResult] = field(default_factory=list)
     skipped_probes: list[str] = field(default_factory=list)
     merge: MergeResult | None = None  # set by the export when it merged an adapter
+    held_out: HeldOut | None = None
 
     @property
     def problems(self) -> list[str]:
@@ -215,6 +239,11 @@ class ParityReport:
                 f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
                 f"{greedy}{speed}"
             )
+        if self.held_out is not None:
+            h = self.held_out
+            scores = ", ".join(f"{r.reader} {100 * r.accuracy:.1f}%" for r in self.readers if r.accuracy is not None)
+            out.append(f"  held-out exact match ({h.rows} rows of {h.source}, greedy): trained "
+                       f"{100 * h.reference_accuracy:.1f}%, {scores} (allowed drop {h.max_drop:g} points)")
         out.extend(f"  problem: {problem}" for problem in self.problems)
         return out
 
@@ -232,13 +261,18 @@ def check_parity(
     llama_cpp: bool | None = None,
     report_path: str | Path | None = None,
     raise_on_mismatch: bool = True,
+    held_out: tuple[str, Sequence[tuple[list[Message], str]]] | None = None,
+    max_drop: float = 5.0,
+    held_out_tokens: int = 64,
 ) -> ParityReport:
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
 
     `llama_cpp`: also read a GGUF with llama.cpp (None: when xllamacpp or llama_cpp imports; llama_cpp_reader). Writes the report to
     `report_path` when given, then raises ParityError if anything differs beyond tolerance (unless
-    `raise_on_mismatch` is False).
+    `raise_on_mismatch` is False). `held_out`: (name, [(prompt messages, reference answer)]) to score with
+    exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
+    model is a problem.
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
@@ -259,6 +293,12 @@ def check_parity(
     # A GGUF's template has the variables baked in; a folder's is rendered with them (tunelab_config.yaml).
     reader_vars = {} if kind == "gguf" else dict(template_vars or {})
 
+    scored = None
+    if held_out is not None and chat_template is not None:
+        name, rows = held_out
+        scored = _held_out_prompts(rows, chat_template, template_vars, tokenizer)
+        report.held_out = HeldOut(name, len(rows), max_drop)
+        report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
     readers: list[Any] = [_transformers_reader(exported, kind)]
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
         readers.append(llama_cpp_reader(exported))
@@ -266,6 +306,9 @@ def check_parity(
         try:
             result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
                               reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+            if scored is not None:
+                result.accuracy = _accuracy(reader, tokenizer, scored, stops, held_out_tokens)
+                result.problems += _accuracy_problems(report.held_out, result, tensor_type)
         finally:
             reader.close()  # llama.cpp's server stops here: it lives as long as its comparison
         report.readers.append(result)
@@ -649,6 +692,39 @@ def _first_token_gaps(reference: TransformersReader, stored: TransformersReader,
     return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
             "stored_gap": float(stored_gap.max()) / scale,
             "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
+
+
+def _held_out_prompts(rows: Sequence[tuple[list[Message], str]], chat_template: str,
+                      template_vars: Mapping[str, Any] | None, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """Each held-out row as (prompt ids rendered with the run's template, reference answer)."""
+    template = Template.from_jinja("export", chat_template)
+    tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    return [(list(tokenizer(template.prompt(messages, **tokens, **dict(template_vars or {})),
+                            add_special_tokens=False)["input_ids"]), answer) for messages, answer in rows]
+
+
+def _accuracy(reader: Any, tokenizer: Any, scored: list[tuple[list[int], str]], stops: list[int],
+              max_new_tokens: int) -> float:
+    """Exact match of greedy answers (cut at the first stop token, decoded by the trained tokenizer, stripped) as
+    infer/generate.py scores them for `tunelab eval`."""
+    hits = 0
+    for ids, answer in scored:
+        generated = reader.greedy(ids, max_new_tokens, stops)
+        cut = next((i for i, token in enumerate(generated) if token in stops), len(generated))
+        hits += tokenizer.decode(generated[:cut], skip_special_tokens=True).strip() == answer.strip()
+    return hits / max(len(scored), 1)
+
+
+def _accuracy_problems(held_out: HeldOut, result: ReaderResult, tensor_type: str) -> list[str]:
+    drop = 100 * (held_out.reference_accuracy - (result.accuracy or 0.0))
+    if drop <= held_out.max_drop:
+        return []
+    instead = STEP_UP.get(tensor_type, DEFAULT_STEP_UP)
+    if tensor_type == "torchao":
+        instead, tensor_type = "a folder without export_quantization", "the torchao scheme"
+    return [f"{result.reader} scores {100 * result.accuracy:.1f}% exact match on {held_out.rows} held-out rows of "
+            f"{held_out.source} where the trained model scores {100 * held_out.reference_accuracy:.1f}% ({drop:.1f} "
+            f"points lost; export_check_max_drop {held_out.max_drop:g}): export {instead} instead of {tensor_type}"]
 
 
 def _tie_margin(reference: TransformersReader, ids: list[int], result: ProbeResult) -> float:
