@@ -270,3 +270,14 @@ def test_qwen25_coder_tool_call_renders_alike_in_llama_cpp(tmp_path):
         assert reader.encode(ours) == tokenizer(ours, add_special_tokens=False)["input_ids"]
     finally:
         reader.close()
+
+
+def test_a_file_llama_cpp_cannot_load_fails_the_check(tiny, tiny_gguf, monkeypatch):
+    def refuse(path):
+        raise RuntimeError("failed to load model")
+
+    monkeypatch.setattr(parity, "llama_cpp_reader", refuse)
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                          probes=PROBES[:1], llama_cpp=True, raise_on_mismatch=False)
+    assert report.problems == ["llama.cpp could not load tiny-f16.gguf: failed to load model"]
+    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)"]

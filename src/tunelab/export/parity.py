@@ -188,11 +188,12 @@ class ParityReport:
     skipped_probes: list[str] = field(default_factory=list)
     merge: MergeResult | None = None  # set by the export when it merged an adapter
     held_out: HeldOut | None = None
+    unreadable: list[str] = field(default_factory=list)  # a reader that could not open the export at all
 
     @property
     def problems(self) -> list[str]:
         merged = [self.merge.problem] if self.merge is not None and self.merge.problem else []
-        return merged + [problem for reader in self.readers for problem in reader.problems]
+        return merged + self.unreadable + [problem for reader in self.readers for problem in reader.problems]
 
     def failure(self) -> str | None:
         """The one line a failed check stops the export with; None when everything matched."""
@@ -301,7 +302,11 @@ def check_parity(
         report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
     readers: list[Any] = [_transformers_reader(exported, kind)]
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
-        readers.append(llama_cpp_reader(exported))
+        try:
+            readers.append(llama_cpp_reader(exported))
+        except Exception as exc:  # noqa: BLE001 - llama.cpp refusing the file is the finding, not a crash
+            reason = str(exc).strip() or type(exc).__name__
+            report.unreadable.append(f"llama.cpp could not load {exported.name}: {reason}")
     for reader in readers:
         try:
             result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
