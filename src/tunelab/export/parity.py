@@ -36,11 +36,11 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import os
-import urllib.request
 import logging
+import os
 import struct
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -236,7 +236,8 @@ class ParityReport:
             out.append(
                 f"  {r.reader}: template {'same' if r.template_identical else 'DIFFERENT'}, ids "
                 f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
-                f"{'' if r.gap_at == 'every position' else f'at the {r.gap_at} '}{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
+                f"{'' if r.gap_at == 'every position' else f'at the {r.gap_at} '}{r.max_logit_gap:.3g} sd "
+                f"({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
                 f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
                 f"{greedy}{speed}"
             )
@@ -269,9 +270,9 @@ def check_parity(
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
 
-    `llama_cpp`: also read a GGUF with llama.cpp (None: when xllamacpp or llama_cpp imports; llama_cpp_reader). Writes the report to
-    `report_path` when given, then raises ParityError if anything differs beyond tolerance (unless
-    `raise_on_mismatch` is False). `held_out`: (name, [(prompt messages, reference answer)]) to score with
+    `llama_cpp`: also read a GGUF with llama.cpp (None: when xllamacpp or llama_cpp imports; llama_cpp_reader).
+    Writes the report to `report_path` when given, then raises ParityError if anything differs beyond tolerance
+    (unless `raise_on_mismatch` is False). `held_out`: (name, [(prompt messages, reference answer)]) to score with
     exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
     model is a problem.
     """
