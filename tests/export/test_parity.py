@@ -16,6 +16,7 @@ from transformers import (
 from tunelab.data.templates import Template, builtin_source
 from tunelab.export import gguf_writer, parity
 from tunelab.export.gguf_writer import write_gguf
+from tunelab.errors import ExportError
 from tunelab.export.parity import PROBES, STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
 
 
@@ -281,3 +282,14 @@ def test_a_file_llama_cpp_cannot_load_fails_the_check(tiny, tiny_gguf, monkeypat
                           probes=PROBES[:1], llama_cpp=True, raise_on_mismatch=False)
     assert report.problems == ["llama.cpp could not load tiny-f16.gguf: failed to load model"]
     assert [r.reader for r in report.readers] == ["transformers (GGUF loader)"]
+
+
+def test_a_request_llama_cpp_refuses_is_one_line(tiny_gguf):
+    pytest.importorskip("xllamacpp")
+    reader = parity.LlamaCppServerReader(tiny_gguf("f16"))
+    try:
+        with pytest.raises(ExportError, match=r"^export check: llama.cpp's server answered /completion with HTTP "
+                                              r"400: .*exceeds the available context size"):
+            reader.greedy([1] * 5000, 1, [])
+    finally:
+        reader.close()

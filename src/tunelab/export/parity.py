@@ -40,6 +40,7 @@ import logging
 import os
 import struct
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -457,7 +458,7 @@ class LlamaCppServerReader:
     FIRST_TOKEN_TOP = 20
     TIMEOUT_S = 300  # one request; a server that stops answering fails the check instead of hanging it
 
-    def __init__(self, path: Path, n_ctx: int = 2048):
+    def __init__(self, path: Path, n_ctx: int = 4096):
         import xllamacpp  # noqa: PLC0415 - optional: the llamacpp extra
 
         params = xllamacpp.CommonParams()
@@ -477,8 +478,15 @@ class LlamaCppServerReader:
         data = None if body is None else json.dumps(body).encode("utf-8")
         request = urllib.request.Request(self.address + endpoint, data=data,
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=self.TIMEOUT_S) as response:  # noqa: S310 - our loopback server
-            return json.loads(response.read())
+        try:
+            with urllib.request.urlopen(request, timeout=self.TIMEOUT_S) as response:  # noqa: S310 - our loopback
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # e.g. a prompt longer than the context: llama.cpp says why
+            detail = exc.read().decode("utf-8", errors="replace")[:300]
+            raise ExportError(f"export check: llama.cpp's server answered {endpoint} with HTTP {exc.code}: "
+                              f"{detail}") from None
+        except (urllib.error.URLError, TimeoutError) as exc:
+            raise ExportError(f"export check: llama.cpp's server did not answer {endpoint} ({exc})") from None
 
     def render(self, messages: list[Message]) -> str:
         """The prompt llama.cpp's own Jinja engine renders from the GGUF's template (llama-server --jinja)."""
