@@ -4,6 +4,7 @@ export read back and checked as the command always does, and Gemma 3 270M re-exp
     python scripts/fetch_real.py smollm2 gemma3-270m
     python bench/export_parity.py --steps 20 --types f16,q8_0,q4_0 --folder
     python bench/export_parity.py --gemma3
+    python bench/export_parity.py --steps 20 --types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0 --held-out 10 --in-process
 
 SmolLM2 (the GGUF of scripts/fetch_real.py, dequantized once into an HF folder under bench/.data, as
 bench/pure_bf16.py does) trains a LoRA adapter for --steps steps on demo_sort with its own chat template
@@ -13,7 +14,9 @@ file size, the command's wall time, and a table row for docs/deploy.md (merge ga
 greedy answers identical of the probes, tokens/s through transformers' GGUF loader). --gemma3: Gemma 3 270M (262k
 SentencePiece vocabulary, 1 + w norms, sliding layers) read from its Q4_K_M GGUF, written f16 and checked with
 tunelab's gemma3 template on the probes Gemma accepts (the suite's real-tokenizer round trip covers its vocabulary;
-this covers its real weights).
+this covers its real weights). With the `llamacpp` extra every GGUF is also read by llama.cpp, and --held-out N
+scores the first N rows of demo_sort_test (exact match) with the trained model and every reader; --in-process
+writes and checks every type from one load and merge of the model instead of one `tunelab export` per type.
 """
 
 from __future__ import annotations
@@ -65,15 +68,66 @@ def export(base: Path, run: Path, out: Path, *options: str) -> dict:
         print(done.stderr.splitlines()[-1] if done.stderr else "", flush=True)
         if not (out / "export_report.json").is_file():
             raise SystemExit(done.stderr[-3000:])
-    report = json.loads((out / "export_report.json").read_text())
-    (reader,) = report["readers"]
+    return _row(json.loads((out / "export_report.json").read_text()), seconds, " ".join(options))
+
+
+def _row(report: dict, seconds: float, options: str) -> dict:
+    reader, *others = report["readers"]
+    llama = others[0] if others else None  # llama.cpp's reading, where xllamacpp is installed
+    held_out = report.get("held_out") or {}
     return {
-        "options": " ".join(options), "seconds": seconds, "ok": report["ok"], "bytes": report["file_bytes"],
+        "options": options, "seconds": seconds, "ok": report["ok"], "bytes": report["file_bytes"],
         "merge": report["merge"]["max_logit_gap"] if report["merge"] else None, "gap": reader["max_logit_gap"],
         "abs_gap": reader["max_abs_logit_gap"], "tolerance": reader["tolerance"], "stored": reader["stored_gap"],
         "greedy": sum(p["answers_identical"] for p in reader["probes"]), "probes": len(reader["probes"]),
         "tokens_per_second": reader["tokens_per_second"],
+        "trained_accuracy": held_out.get("reference_accuracy"), "accuracy": reader.get("accuracy"),
+        "held_out_rows": held_out.get("rows"),
+        "llama": None if llama is None else {
+            "template": llama["template_identical"], "ids": llama["ids_identical"], "gap": llama["max_logit_gap"],
+            "greedy": sum(p["answers_identical"] for p in llama["probes"]), "accuracy": llama.get("accuracy"),
+            "tokens_per_second": llama["tokens_per_second"]},
+        "problems": [problem for r in report["readers"] for problem in r["problems"]],
     }
+
+
+def in_process(base: Path, run: Path, types: list[str], held_out: int, out: Path) -> dict:
+    """Every type from one load and merge of base + adapter, written and checked with the check `tunelab export`
+    runs (check_parity on the four probes, the first `held_out` rows of demo_sort_test), without a process, a
+    model load and a merge per type. Returns the rows export() returns."""
+    import torch  # noqa: PLC0415
+    from peft import PeftModel  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+
+    from tunelab.config.args import DataArguments  # noqa: PLC0415
+    from tunelab.data.formats import prompt_and_reference  # noqa: PLC0415
+    from tunelab.data.pipeline import load_canonical_splits  # noqa: PLC0415
+    from tunelab.data.templates import Template  # noqa: PLC0415
+    from tunelab.export.gguf_writer import source_provenance, write_gguf  # noqa: PLC0415
+    from tunelab.export.parity import PROBES, check_parity  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), run)
+    model = model.merge_and_unload().eval()
+    template = Template.from_jinja("model", tokenizer.chat_template)
+    rows, _ = load_canonical_splits(DataArguments(dataset=["demo_sort_test"]), 0, report={})
+    scored = ("demo_sort_test", [prompt_and_reference(row, template) for row in rows.select(range(held_out))])
+    results = {}
+    for tensor_type in types:
+        start = time.perf_counter()
+        path = write_gguf(model, tokenizer, tokenizer.chat_template, None, out / f"model-{tensor_type}.gguf",
+                          tensor_type, name=run.name, source=source_provenance(base))
+        report = check_parity(model, tokenizer, tokenizer.chat_template, None, path, "gguf", probes=PROBES,
+                              raise_on_mismatch=False, report_path=out / f"export_report-{tensor_type}.json",
+                              held_out=scored, held_out_tokens=32)
+        print("\n".join(report.lines()), f"\n({time.perf_counter() - start:.0f} s)", flush=True)
+        results[tensor_type] = _row(json.loads((out / f"export_report-{tensor_type}.json").read_text()),
+                                    time.perf_counter() - start, tensor_type)
+    return results
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
 def gemma3() -> None:
@@ -109,6 +163,9 @@ def main() -> None:
     parser.add_argument("--folder", action="store_true", help="also export a bfloat16 folder (export_format hf)")
     parser.add_argument("--gemma3", action="store_true", help="only the Gemma 3 270M f16 re-export")
     parser.add_argument("--out", type=Path, default=HERE / ".results" / "export_parity")
+    parser.add_argument("--held-out", type=int, default=10, help="demo_sort_test rows the check scores (0: none)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="write and check every type from one load of the model (no `tunelab export` per type)")
     args = parser.parse_args()
     if args.gemma3:
         gemma3()
@@ -116,17 +173,30 @@ def main() -> None:
     base = hf_folder(HERE / ".data" / "real" / "smollm2-hf")
     run = train_lora(base, args.out / "lora-run", args.steps)
     rows = {}
-    for tensor_type in args.types.split(","):
+    if args.in_process:
+        rows = in_process(base, run, args.types.split(","), args.held_out, args.out / "in-process")
+    scored = ["export_check_dataset=demo_sort_test", f"export_check_samples={args.held_out}",
+              "max_new_tokens=32"] if args.held_out else []
+    for tensor_type in [] if args.in_process else args.types.split(","):
         rows[tensor_type] = export(base, run, args.out / f"gguf-{tensor_type}", "export_format=gguf",
-                                   f"export_gguf_type={tensor_type}")
+                                   f"export_gguf_type={tensor_type}", *scored)
     if args.folder:
         rows["folder bf16"] = export(base, run, args.out / "hf-bf16", "export_dtype=bfloat16")
     print("\n| export | size (bytes) | `tunelab export` | merge gap | max logit gap (tolerance) | from the weights as "
           "stored | greedy answers identical | tokens/s |\n|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['bytes']:,} | {r['seconds']:.0f} s | {r['merge']:.2g} sd | {r['gap']:.3g} sd "
+        print(f"| {name} | {r['bytes']:,} | {r['seconds']:.0f} s | {r['merge'] or 0:.2g} sd | {r['gap']:.3g} sd "
               f"({r['abs_gap']:.3g}; {r['tolerance']:g}) | {r['stored']:.2g} sd | {r['greedy']} of {r['probes']} | "
               f"{r['tokens_per_second']:.1f} |")
+    print("\n| type | size (bytes) | held-out exact match: trained / transformers / llama.cpp | llama.cpp: template, "
+          "ids, first-token gap, greedy answers identical | llama.cpp tokens/s |\n|---|---|---|---|---|")
+    for name, r in rows.items():
+        llama = r.get("llama")
+        where = (f"{'same' if llama['template'] else 'DIFFERENT'}, {'same' if llama['ids'] else 'DIFFERENT'}, "
+                 f"{llama['gap']:.3g} sd, {llama['greedy']} of {r['probes']}") if llama else "-"
+        speed = f"{llama['tokens_per_second']:.1f}" if llama and llama["tokens_per_second"] else "-"
+        scores = " / ".join(_percent(v) for v in (r["trained_accuracy"], r["accuracy"], llama and llama["accuracy"]))
+        print(f"| {name} | {r['bytes']:,} | {scores} | {where} | {speed} |")
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                         "results": rows}, indent=2))
 

@@ -292,9 +292,10 @@ def _add_model_commands(sub) -> None:
     export = sub.add_parser(
         "export", help="merge a LoRA adapter into its base and save a plain Hugging Face model or a GGUF, then check it",
         description="Needs model_name_or_path, export_dir and optionally adapter_name_or_path, export_format (hf or "
-        "gguf), export_dtype, export_size, export_quantization (hf), export_gguf_type (gguf), export_parity (in a "
-        "YAML file and/or as key=value). The export is read back and compared with the model as trained "
-        "(export_report.json); it fails when they differ.",
+        "gguf), export_dtype, export_size, export_quantization (hf), export_gguf_type (gguf), export_parity, "
+        "export_check_dataset, export_check_samples, export_check_max_drop (in a YAML file and/or as key=value). "
+        "The export is read back (a GGUF also by llama.cpp, with the llamacpp extra) and compared with the model as "
+        "trained, on held-out rows too when the run has them (export_report.json); it fails when they differ.",
     )
     export.add_argument("config", nargs="?", help="YAML file (optional: key=value options alone work too)")
     export.add_argument("--check-only", action="store_true",
@@ -425,8 +426,10 @@ def _add_serving_commands(sub) -> None:
 
     chat = sub.add_parser(
         "chat", help="chat with a model or adapter in the terminal (answers stream as they are generated)",
-        description="One line per turn. /clear resets the history (the system prompt stays), /exit or Ctrl-D "
-        "quits, Ctrl-C stops an answer. Reads stdin, so a script can drive it.",
+        description="One line per turn; a line ending in \\ continues on the next, and a line starting with \"\"\" "
+        "opens a block of lines that the next line ending with \"\"\" closes (as in ollama run). /clear resets the "
+        "history (the system prompt stays), /exit or Ctrl-D quits, Ctrl-C stops an answer. Reads stdin, so a script "
+        "can drive it.",
     )
     model_arguments(chat)
     chat.add_argument("--system", help="system prompt for the whole conversation")

@@ -21,8 +21,9 @@ from tunelab.config.export_formats import GGUF_TYPES
 from tunelab.data.templates import builtin_source
 from tunelab.export import gguf_writer
 from tunelab.export.gguf_writer import TENSOR_TYPES, embedded_chat_template
-from tunelab.export.parity import STORED_TOLERANCE, TOLERANCES, _gguf_header_value
+from tunelab.export.parity import STORED_TOLERANCE, TOLERANCES, _gguf_header_value, llama_cpp_available
 
+LLAMA_CPP = int(llama_cpp_available())  # the check adds llama.cpp's reading of a GGUF where it is installed
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -63,14 +64,20 @@ def test_a_lora_run_exports_to_a_checked_gguf_and_modelfile(lora_run, tmp_path, 
     assert lines[2].endswith(" sd (tolerance 0.0001)")
     assert lines[3].startswith("  transformers (GGUF loader): template same, ids same, max logit gap ")
     assert f"; tolerance {TOLERANCES[tensor_type]:g}), 0 sd from the weights as stored, greedy answers identical" in lines[3]
-    assert len(lines) == 4  # no problem lines
+    if LLAMA_CPP:  # llama.cpp's own server read it too: its Jinja, tokenizer, first answer token and answers
+        assert lines[4].startswith("  llama.cpp (xllamacpp server): template same, ids same, max logit gap at the "
+                                   "first answer token (top 20) ")
+        assert "greedy answers identical" in lines[4]
+    assert len(lines) == 4 + LLAMA_CPP  # no problem lines
 
     report = json.loads((out / "export_report.json").read_text())
     assert (report["ok"], report["kind"], report["tensor_type"]) == (True, "gguf", tensor_type)
     assert report["file_bytes"] == (out / name).stat().st_size
     assert 0 < report["merge"]["max_logit_gap"] <= report["merge"]["tolerance"] == TOLERANCES["f32"]
-    (reader,) = report["readers"]
+    reader, *others = report["readers"]
     assert reader["reader"] == "transformers (GGUF loader)"
+    assert [r["reader"] for r in others] == ["llama.cpp (xllamacpp server)"] * LLAMA_CPP
+    assert all(r["template_identical"] and r["ids_identical"] and r["greedy_identical"] for r in others)
     assert reader["template_identical"] and reader["ids_identical"] and reader["special_tokens_identical"]
     assert 0 < reader["max_logit_gap"] <= TOLERANCES[tensor_type] and reader["stored_gap"] <= STORED_TOLERANCE
     assert reader["greedy_identical"] and reader["greedy_required"] == (tensor_type == "f16")
@@ -122,6 +129,7 @@ def test_a_gguf_with_the_wrong_template_fails_the_export(lora_run, tmp_path, cap
     assert err.splitlines()[-1] == (
         "tunelab: error: export check failed for model-f16.gguf: the GGUF's chat template differs from the trained one "
         "at character 1: '#- Qwen3 (hybrid thinking): Ch' instead of '%- set enable_thinking = false'"
+        + (" (and 1 more problem(s), see export_report.json)" if LLAMA_CPP else "")  # llama.cpp's reading says so too
     )
     assert lines[0].startswith("export check: gguf model-f16.gguf (f16, ")
     assert "template DIFFERENT" in lines[2]
@@ -154,12 +162,13 @@ def test_export_parity_false_skips_the_check(tmp_path, capsys):
     (["export_gguf_type=f16"],
      "export_gguf_type: f16 applies to export_format: gguf; add export_format=gguf, or remove export_gguf_type to "
      "export a Hugging Face folder"),
-    (["export_format=gguf", "export_gguf_type=q4_k_m"],
-     "export_gguf_type: 'q4_k_m' is not a type tunelab writes; k-quants and i-quants need llama.cpp's llama-quantize: "
-     "export f16 and quantize that file (docs/deploy.md); types: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0"),
-    (["export_format=gguf", "export_gguf_type=Q8_0"],
-     "export_gguf_type: 'Q8_0' is not a type tunelab writes; did you mean 'q8_0'? types: f32, f16, bf16, q8_0, q5_1, "
-     "q5_0, q4_1, q4_0"),
+    (["export_format=gguf", "export_gguf_type=q4_k_s"],
+     "export_gguf_type: 'q4_k_s' is not a type tunelab writes; other k-quants and i-quants need llama.cpp's "
+     "llama-quantize: export f16 and quantize that file (docs/deploy.md); types: f32, f16, bf16, q8_0, q5_1, q5_0, "
+     "q4_1, q4_0, q6_k, q5_k_m, q4_k_m"),
+    (["export_format=gguf", "export_gguf_type=Q4_K_M"],
+     "export_gguf_type: 'Q4_K_M' is not a type tunelab writes; did you mean 'q4_k_m'? types: f32, f16, bf16, q8_0, "
+     "q5_1, q5_0, q4_1, q4_0, q6_k, q5_k_m, q4_k_m"),
     (["export_format=gguf", "export_quantization=int8-weight"],
      "export_quantization applies to export_format: hf, not gguf: a GGUF is quantized by export_gguf_type (q8_0 ... "
      "q4_0), not torchao; remove export_quantization"),
@@ -222,3 +231,21 @@ def test_check_only_rechecks_an_existing_export(lora_run, tmp_path, capsys):
     assert code == 2
     assert err.splitlines()[-1].startswith(
         "tunelab: error: export check failed for model-f16.gguf: the GGUF's chat template differs from the trained one")
+
+
+def test_the_check_scores_held_out_rows_when_named(lora_run, tmp_path, capsys):
+    """export_check_dataset: the trained model and every reader answer the same held-out rows; both accuracies are
+    printed and saved (this random adapter scores what its export scores, so nothing is flagged)."""
+    out = tmp_path / "scored"
+    code, lines, err = _export(capsys, f"adapter_name_or_path={lora_run}", f"export_dir={out}", "export_format=gguf",
+                               "export_gguf_type=f16", "export_check_dataset=demo_sort_test", "export_check_samples=3",
+                               "max_new_tokens=8")
+    assert code == 0, err
+    report = json.loads((out / "export_report.json").read_text())
+    held_out = report["held_out"]
+    assert (held_out["source"], held_out["rows"], held_out["max_drop"]) == ("demo_sort_test", 3, 5.0)
+    assert all(r["accuracy"] == held_out["reference_accuracy"] for r in report["readers"])
+    assert lines[-1] == (f"  held-out exact match (3 rows of demo_sort_test, greedy): trained "
+                         f"{100 * held_out['reference_accuracy']:.1f}%, " + ", ".join(
+                             f"{r['reader']} {100 * r['accuracy']:.1f}%" for r in report["readers"])
+                         + " (allowed drop 5 points)")

@@ -7,12 +7,14 @@ same logits was written the way llama.cpp lays models out. Layout details are al
 
 from __future__ import annotations
 
+import copy
 import json
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
     PreTrainedTokenizerFast, Qwen2Config, Qwen3Config, TokenizersBackend,
@@ -20,8 +22,10 @@ from transformers import (
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.data.templates import Template, builtin_source
-from tunelab.export import gguf_writer
-from tunelab.export.gguf_writer import ExportError, embedded_chat_template, write_gguf
+from tunelab.export import gguf_writer, kquants
+from tunelab.export.gguf_writer import (
+    ExportError, Provenance, embedded_chat_template, source_provenance, write_gguf,
+)
 from tunelab.errors import TunelabError
 
 TEXT = "<|im_start|>user\nWhat is 12+30? ünï 🙂 the quick brown fox<|im_end|>\n<|im_start|>assistant\n"
@@ -67,6 +71,40 @@ def test_metadata_follows_llama_cpp(tiny, tiny_gguf):
     assert len(tokens) == config.vocab_size
     assert types[tokens.index("<|im_end|>")] == gguf.TokenType.CONTROL
     assert "output.weight" not in {t.name for t in reader.tensors}  # tied head: llama.cpp reuses token_embd
+
+
+def test_provenance_is_carried_over(tiny, tmp_path):
+    """A run trained from SmolLM2's GGUF: general.name is the run's, the source is general.base_model.0 with its
+    organization, its licence is kept, and its pre-tokenizer name (smollm) replaces the generic gpt-2 of the
+    tokenizer transformers rebuilt from it. Exported without a run name, the file keeps the source's own name."""
+    from tests.real_assets import real  # noqa: PLC0415
+
+    source = source_provenance(real("smollm2"))
+    assert source == Provenance("Smollm2 135M 8k Lc100K Mix1 Ep2", "HuggingFaceTB", "apache-2.0", "smollm")
+    plain = copy.deepcopy(tiny.tokenizer)
+    spec = json.loads(plain.backend_tokenizer.to_str())
+    spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                    bos_token=tiny.tokenizer.bos_token, eos_token=tiny.tokenizer.eos_token)
+    trained = gguf.GGUFReader(write_gguf(tiny.model, plain, tiny.chat_template, None, tmp_path / "run.gguf", "f16",
+                                         name="my-run", source=source))
+    assert _field(trained, "general.name") == "my-run"
+    assert _field(trained, "general.base_model.count") == 1
+    assert _field(trained, "general.base_model.0.name") == source.name
+    assert _field(trained, "general.base_model.0.organization") == "HuggingFaceTB"
+    assert _field(trained, "general.license") == "apache-2.0"
+    assert _field(trained, "tokenizer.ggml.pre") == "smollm"
+    same = gguf.GGUFReader(write_gguf(tiny.model, tiny.tokenizer, tiny.chat_template, None, tmp_path / "s.gguf",
+                                      "f16", source=source))
+    assert _field(same, "general.name") == source.name and _field(same, "general.organization") == "HuggingFaceTB"
+    assert "general.base_model.count" not in same.fields
+
+
+def test_provenance_of_a_hugging_face_folder(tmp_path):
+    (tmp_path / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# A model\n")
+    assert source_provenance(tmp_path) == Provenance(tmp_path.name, None, "mit", None)
+    assert source_provenance("HuggingFaceTB/SmolLM2-135M-Instruct") == Provenance(
+        "SmolLM2-135M-Instruct", "HuggingFaceTB", None, None)
 
 
 def test_tensor_types_follow_llama_cpp(tiny_gguf):
@@ -131,6 +169,56 @@ def test_each_family_reloads_to_identical_logits(family, tmp_path):
         assert torch.allclose(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("ttype", "plain"), [("Q4_K", "Q4_0"), ("Q5_K", "Q5_0"), ("Q6_K", "Q8_0")])
+def test_k_quant_blocks_decode_as_gguf_py_reads_them(ttype, plain):
+    """kquants' blocks, decoded by gguf-py's own dequantizer (a port of ggml's): each k-quant lands closer to the
+    weights than the block type of the same bits (Q6_K between Q5_K and Q8_0), outliers included."""
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal((16, 768)) * 0.05).astype(np.float32)
+    values[3, 5], values[7, 300] = 0.9, -0.6
+
+    def error(kind: gguf.GGMLQuantizationType, blocks: np.ndarray) -> float:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        assert blocks.shape == (16, 768 // block * size)
+        restored = gguf.quants.dequantize(blocks, kind).reshape(values.shape)
+        return float(np.sqrt(((restored - values) ** 2).mean()) / values.std())
+
+    k, q = gguf.GGMLQuantizationType[ttype], gguf.GGMLQuantizationType[plain]
+    ours = error(k, kquants.quantize(values, k))
+    assert ours < {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}[ttype]
+    if ttype != "Q6_K":
+        assert ours < error(q, gguf.quants.quantize(values, q))
+    zeros = gguf.quants.dequantize(kquants.quantize(np.zeros((1, 256), np.float32), k), k)
+    assert np.array_equal(zeros, np.zeros((1, 256), np.float32))
+
+
+def test_k_quant_mixes_follow_llama_quantize(tmp_path):
+    """q4_k_m on a model whose rows are whole super-blocks: matrices Q4_K, attn_v and ffn_down Q6_K in the layers
+    use_more_bits picks (0, 3, 6, 7 of 8), the tied head Q6_K, a row of 64 (not whole super-blocks) Q5_0 as
+    llama-quantize falls back; the check passes it from the weights as stored (and in llama.cpp, where installed)."""
+    from tunelab.export.parity import STORED_TOLERANCE, TOLERANCES, check_parity  # noqa: PLC0415
+
+    config = LlamaConfig(**{**_SMALL, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 8,
+                            "num_attention_heads": 4, "num_key_value_heads": 2}, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    path = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "k.gguf", "q4_k_m")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert _field(gguf.GGUFReader(path), "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    assert types["token_embd.weight"] == "Q6_K" and types["blk.1.attn_q.weight"] == "Q4_K"
+    assert [i for i in range(8) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 3, 6, 7]
+    assert [i for i in range(8) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"] == [0, 3, 6, 7]
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in (1, 2, 4, 5)} == {"Q4_K"}
+    report = check_parity(model, tokenizer, tokenizer.chat_template, None, path, "gguf", max_new_tokens=4,
+                          probes=None)
+    assert report.ok and report.tensor_type == "q4_k_m", report.problems
+    assert report.readers[0].stored_gap <= STORED_TOLERANCE
+    assert all(r.max_logit_gap <= TOLERANCES["q4_k_m"] for r in report.readers)
+    q6 = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "k6.gguf", "q6_k")
+    assert {t.tensor_type.name for t in gguf.GGUFReader(q6).tensors} == {"F32", "Q6_K"}
+
+
 def test_gemma3_keeps_its_layer_pattern_and_local_rope(tmp_path):
     config = Gemma3TextConfig(**{**_FEW_HEADS, "num_hidden_layers": 7}, head_dim=256, query_pre_attn_scalar=256,
                               sliding_window=8)
@@ -147,8 +235,8 @@ def test_gemma3_keeps_its_layer_pattern_and_local_rope(tmp_path):
 
 
 def test_unwritable_types_and_architectures_say_what_can_be_written(tiny, tmp_path):
-    with pytest.raises(ExportError, match=r"cannot write 'q4_k_m'; gguf-py writes f32, f16, bf16, q8_0.*quantize"):
-        write_gguf(tiny.model, tiny.tokenizer, None, None, tmp_path / "x.gguf", "q4_k_m")
+    with pytest.raises(ExportError, match=r"cannot write 'q2_k'; tunelab writes f32, f16, bf16, .*q4_k_m.*quantize"):
+        write_gguf(tiny.model, tiny.tokenizer, None, None, tmp_path / "x.gguf", "q2_k")
     from transformers import GPT2Config  # noqa: PLC0415
 
     gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=864))

@@ -9,11 +9,14 @@ import json
 import pytest
 import torch
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, TokenizersBackend
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, TokenizersBackend,
+)
 
-from tunelab.data.templates import builtin_source
+from tunelab.data.templates import Template, builtin_source
 from tunelab.export import gguf_writer, parity
 from tunelab.export.gguf_writer import write_gguf
+from tunelab.errors import ExportError
 from tunelab.export.parity import PROBES, STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
 
 
@@ -168,8 +171,125 @@ def test_smollm2_f16_and_q8_0_ggufs_match(tmp_path):
 
 def test_llama_cpp_reader_when_installed(tiny, tiny_gguf):
     """llama.cpp's own tokenizer and kernels read the file as well (only where llama-cpp-python is installed)."""
-    pytest.importorskip("llama_cpp")
+    pytest.importorskip("xllamacpp")
     report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("q8_0"), "gguf",
                           llama_cpp=True, raise_on_mismatch=False)
-    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)", "llama.cpp"]
+    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)", "llama.cpp (xllamacpp server)"]
     assert report.ok, report.problems
+
+
+@pytest.mark.slow
+def test_smollm2_f16_gguf_in_llama_cpp(tmp_path):
+    """SmolLM2's f16 export read by llama.cpp's own server (xllamacpp): its Jinja renders the four probes (emoji,
+    Chinese, tabs, a system turn, two exchanges) as training did, its tokenizer gives the same ids, and its greedy
+    answers are the trained model's."""
+    pytest.importorskip("xllamacpp")
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("smollm2")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "smollm2-f16.gguf", "f16")
+    report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=8,
+                          llama_cpp=True, raise_on_mismatch=False)
+    llama = report.readers[1]
+    assert llama.reader == "llama.cpp (xllamacpp server)" and report.ok, report.problems
+    assert llama.template_identical and llama.ids_identical and llama.special_tokens_identical
+    assert llama.greedy_identical and llama.max_logit_gap <= TOLERANCES["f16"]
+    assert len(llama.probes) == len(PROBES)
+
+
+def _held_out(tiny, prompts: list[str]) -> tuple[str, list]:
+    """Held-out rows whose reference answers are the trained tiny model's own greedy answers (100% for it)."""
+    reader = parity.TransformersReader("reference", tiny.model, tiny.tokenizer, None)
+    template = builtin_source("chatml") if tiny.chat_template is None else tiny.chat_template
+    rows = []
+    for prompt in prompts:
+        messages = [{"role": "user", "content": prompt}]
+        (ids,) = parity.probe_ids(tiny.tokenizer, template, None, [messages])
+        stops = parity._stop_ids(tiny.tokenizer, template)
+        answer = [t for t in reader.greedy(ids, 8, stops) if t not in stops]
+        rows.append((messages, tiny.tokenizer.decode(answer, skip_special_tokens=True)))
+    return "held-out", rows
+
+
+def test_held_out_accuracy_is_scored_and_a_drop_fails_naming_the_type_to_use(tiny, tiny_gguf, tmp_path):
+    held_out = _held_out(tiny, ["Sort: 3 1 2", "Reverse: abc", "Say hi"])
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("q8_0"), "gguf",
+                          probes=PROBES[:1], held_out=held_out, held_out_tokens=8)
+    assert report.ok and report.held_out.reference_accuracy == 1.0
+    assert all(reader.accuracy == 1.0 for reader in report.readers)
+    assert report.lines()[-1].startswith("  held-out exact match (3 rows of held-out, greedy): trained 100.0%, "
+                                         "transformers (GGUF loader) 100.0%")
+    # A file whose weights no longer compute the trained answers: its accuracy drop is one line naming q8_0.
+    broken = copy.deepcopy(tiny.model)
+    with torch.no_grad():
+        broken.model.norm.weight.mul_(-1)  # every logit's sign flipped: the least likely token wins
+    path = write_gguf(broken, tiny.tokenizer, tiny.chat_template, None, tmp_path / "broken-q4_0.gguf", "q4_0")
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, path, "gguf", probes=PROBES[:1],
+                          held_out=held_out, held_out_tokens=8, raise_on_mismatch=False, llama_cpp=False)
+    (reader,) = report.readers
+    assert reader.accuracy < 1.0
+    drop = 100 * (1.0 - reader.accuracy)
+    assert (f"transformers (GGUF loader) scores {100 * reader.accuracy:.1f}% exact match on 3 held-out rows of "
+            f"held-out where the trained model scores 100.0% ({drop:.1f} points lost; export_check_max_drop 5): "
+            "export q8_0 instead of q4_0") in report.problems
+
+
+@pytest.mark.slow
+def test_qwen25_coder_tool_call_renders_alike_in_llama_cpp(tmp_path):
+    """Qwen2.5-Coder-0.5B's tokenizer and template (tools in its system turn, <tool_call> JSON, <tool_response>)
+    written into a GGUF by tunelab: llama.cpp's Jinja renders a tool-call conversation, sent as an OpenAI client
+    sends it (arguments as a JSON string), to tunelab's prompt, and its tokenizer gives the same ids. The weights are
+    a small random Qwen2: the template and vocabulary are what this checks."""
+    pytest.importorskip("xllamacpp")
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("qwen2.5-coder-0.5b")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type="qwen2")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "qwen.gguf", "f16")
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "e.g. Paris"}},
+                       "required": ["city"]}}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What's the weather in Paris? Answer in °C 🙂"},
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": '{"temperature": 21, "sky": "clear"}'}]
+    ours = Template.from_jinja("qwen2.5-coder", tokenizer.chat_template).prompt(
+        messages, tools=tools, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in ours
+    client = copy.deepcopy(messages)
+    client[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris"})
+    reader = parity.LlamaCppServerReader(out)
+    try:
+        assert reader._get("/apply-template", {"messages": client, "tools": tools})["prompt"] == ours
+        assert reader.encode(ours) == tokenizer(ours, add_special_tokens=False)["input_ids"]
+    finally:
+        reader.close()
+
+
+def test_a_file_llama_cpp_cannot_load_fails_the_check(tiny, tiny_gguf, monkeypatch):
+    def refuse(path):
+        raise RuntimeError("failed to load model")
+
+    monkeypatch.setattr(parity, "llama_cpp_reader", refuse)
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                          probes=PROBES[:1], llama_cpp=True, raise_on_mismatch=False)
+    assert report.problems == ["llama.cpp could not load tiny-f16.gguf: failed to load model"]
+    assert [r.reader for r in report.readers] == ["transformers (GGUF loader)"]
+
+
+def test_a_request_llama_cpp_refuses_is_one_line(tiny_gguf):
+    pytest.importorskip("xllamacpp")
+    reader = parity.LlamaCppServerReader(tiny_gguf("f16"))
+    try:
+        with pytest.raises(ExportError, match=r"^export check: llama.cpp's server answered /completion with HTTP "
+                                              r"400: .*exceeds the available context size"):
+            reader.greedy([1] * 5000, 1, [])
+    finally:
+        reader.close()

@@ -13,6 +13,7 @@ import pytest
 
 from tests.infer.chat_helpers import messages
 from tunelab.cli import main
+from tunelab.infer.chat import read_turn
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -48,6 +49,44 @@ def test_system_prompt_limit_and_exit(chat_model, reference, monkeypatch, capsys
     assert expected == "1 "
     assert (code, out) == (0, ">>> 1 \n>>> ")  # stops at /exit: "Say hi" is never read
     assert err.splitlines()[1] == "(the answer reached the limit of 2 new tokens)"
+
+
+@pytest.mark.parametrize(("lines", "turn"), [
+    (["Say hi"], "Say hi"),
+    (["Reverse the letters.\\", "m,i,p,x,w"], "Reverse the letters.\nm,i,p,x,w"),  # a backslash continues
+    (["a\\", "b\\", "c"], "a\nb\nc"),
+    (['"""Reverse the letters.', "m,i,p,x,w\"\"\""], "Reverse the letters.\nm,i,p,x,w"),  # ollama's block
+    (['"""', "  indented", "", "x\\", '"""'], "  indented\n\nx\\"),  # kept as typed inside a block
+    (['"""one line"""'], "one line"),
+    (["back\\slash"], "back\\slash"),  # only a backslash at the very end continues
+])
+def test_read_turn_joins_continued_lines_and_blocks(lines, turn):
+    prompts = []
+
+    def read_line(prompt: str) -> str:
+        prompts.append(prompt)
+        return lines[len(prompts) - 1]
+
+    assert read_turn(read_line) == turn
+    assert prompts == [">>> "] + ["... "] * (len(lines) - 1)
+
+
+def test_read_turn_passes_end_of_input_through():
+    lines = iter(['"""open'])
+
+    def read_line(prompt: str) -> str:
+        return next(lines) if prompt == ">>> " else (_ for _ in ()).throw(EOFError)
+
+    with pytest.raises(EOFError):
+        read_turn(read_line)
+
+
+def test_scripted_multi_line_turns(chat_model, reference, monkeypatch, capsys):
+    expected = reference.answer(messages(None, [("Count\nnow", None)]))
+    code, out, _ = chat(monkeypatch, capsys, [str(chat_model.adapter), "--temperature", "0"],
+                        'Count\\\nnow\n/clear\n"""Count\nnow"""\n')
+    assert code == 0
+    assert out == f">>> ... {expected}\n>>> (history cleared)\n>>> ... {expected}\n>>> \n"
 
 
 def test_errors_are_one_line(tmp_path, capsys):
@@ -115,3 +154,23 @@ def test_interactive_session_in_a_terminal(chat_model):
     banner = "chatting with adapter (template chatml); /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits\n"
     assert shown.count(banner) == 1
     assert shown[shown.index(banner) :] == banner + ">>> Say hi\nHi! 你好 🙂\n>>> Again\nHi again!\n>>> \n"
+
+
+@pytest.mark.slow
+def test_multi_line_turn_in_a_terminal(chat_model, reference):
+    """In a real terminal (readline on a pseudo-terminal): a backslash at the end of a line continues the turn
+    with the `... ` prompt, and the model answers the two lines joined by a newline."""
+    env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "tunelab.cli", "chat", str(chat_model.adapter), "--temperature", "0"]
+    terminal = Terminal(argv, env)
+    terminal.read_until(">>> ")
+    terminal.send("Count\\\r")
+    terminal.read_until("... ")
+    terminal.send("now\r")
+    expected = reference.answer(messages(None, [("Count\nnow", None)]))
+    terminal.read_until(f"{expected}\r\n>>> ")
+    terminal.send("\x04")
+    terminal.read_until(">>> \r\n")
+    assert terminal.exit_code() == 0
+    shown = terminal.seen.decode().replace("\r\n", "\n")
+    assert shown.endswith(f">>> Count\\\n... now\n{expected}\n>>> \n")

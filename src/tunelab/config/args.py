@@ -585,8 +585,8 @@ class ExportArguments:
     export_gguf_type: str = field(
         metadata={
             "help": "tunelab export with export_format gguf: the tensor type of the file's matrices (f32, f16 and "
-            "bf16 keep the weights; q8_0 to q4_0 quantize them in blocks; k-quants come from llama.cpp's "
-            "llama-quantize run on an f16 file).",
+            "bf16 keep the weights; q8_0 to q4_0 quantize them in blocks; q6_k, q5_k_m and q4_k_m are llama.cpp's "
+            "k-quant mixes; other k-quants come from llama.cpp's llama-quantize run on an f16 file).",
             "choices": tuple(GGUF_TYPES),
         },
         default=DEFAULT_GGUF_TYPE,
@@ -602,6 +602,18 @@ class ExportArguments:
         "tunelab export: write nothing; run the export check on what an earlier export with the same options wrote "
         "into export_dir (`tunelab export --check-only`).",
         default=False,
+    )
+    export_check_dataset: str | None = _help(
+        "tunelab export: a dataset (a name from dataset_info.json, as eval_dataset takes) whose first "
+        "export_check_samples rows the export check answers greedily with the trained model and with the export, "
+        "reporting both exact-match accuracies; default: the run's eval set (val_size or eval_dataset), if any.",
+        default=None,
+    )
+    export_check_samples: int = _help("tunelab export: how many held-out rows the export check scores.", default=50)
+    export_check_max_drop: float = _help(
+        "tunelab export: percentage points of held-out exact match the export may lose against the trained model; "
+        "more fails the check, naming the type to export instead.",
+        default=5.0,
     )
 
 

@@ -20,6 +20,9 @@ GGUF_TYPES = {
     "q5_0": "5-bit blocks with one scale",
     "q4_1": "4-bit blocks with scale and minimum",
     "q4_0": "4-bit blocks with one scale",
+    "q6_k": "6-bit k-quant super-blocks",
+    "q5_k_m": "5-bit k-quants, attn_v and ffn_down of some layers 6-bit",
+    "q4_k_m": "4-bit k-quants, attn_v and ffn_down of some layers 6-bit",
 }
 DEFAULT_GGUF_TYPE = "q8_0"
 
@@ -30,8 +33,10 @@ def check_gguf_type(name: str) -> None:
     if name in GGUF_TYPES:
         return
     lowered = name.lower()
-    if lowered.startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq")):
-        hint = ("k-quants and i-quants need llama.cpp's llama-quantize: export f16 and quantize that file "
+    if lowered in GGUF_TYPES:
+        hint = f"did you mean '{lowered}'? "
+    elif lowered.startswith(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq")):
+        hint = ("other k-quants and i-quants need llama.cpp's llama-quantize: export f16 and quantize that file "
                 "(docs/deploy.md); ")
     else:
         close = lowered if lowered in GGUF_TYPES else next(iter(difflib.get_close_matches(lowered, GGUF_TYPES, n=1)),

@@ -6,14 +6,17 @@
                     check (parity) → export_report.json; check_export_dir: the preflight checks of an export
     gguf_writer.py  write_gguf(model, tokenizer, chat_template, template_vars, out_path, tensor_type) -> Path:
                     a merged Hugging Face causal LM + tokenizer + the run's chat template → one .gguf file
-                    (llama.cpp, Ollama, LM Studio); ExportError for what cannot be written
+                    (llama.cpp, Ollama, LM Studio), with the source's provenance (source_provenance) in general.*;
+                    ExportError for what cannot be written
+    kquants.py      quantize(values, ttype): Q4_K / Q5_K / Q6_K blocks in ggml's layout (gguf-py only reads them)
     modelfile.py    write_modelfile(gguf_path, tokenizer, chat_template, template_vars) -> Path: the Ollama
                     Modelfile beside it
     parity.py       check_parity(reference_model, tokenizer, chat_template, template_vars, exported, kind,
                     report_path=...) -> ParityReport: the written model (kind "hf": a folder, "gguf": a file)
-                    reloaded through an independent reader and compared with the model as trained (token ids,
-                    chat template, logits, greedy answers) → export_report.json; ParityError when it differs
+                    reloaded through independent readers (transformers; llama.cpp's server via xllamacpp) and
+                    compared with the model as trained (token ids, chat template, logits, greedy answers, held-out
+                    exact match) → export_report.json; ParityError when it differs
 
-gguf_writer.py and modelfile.py import gguf (the `gguf` extra): merge.py imports them only for a GGUF export, and
-parity.py only to check a GGUF file, so a folder export and its check work without the extra.
+gguf_writer.py, kquants.py and modelfile.py import gguf (the `gguf` extra): merge.py imports them only for a GGUF
+export, and parity.py only to check a GGUF file, so a folder export and its check work without the extra.
 """

@@ -16,8 +16,8 @@ write the Ollama Modelfile (modelfile.py). Tensors are written one at a time, so
 above the model itself; the file appears under its name only once complete.
 
 Supported: Llama (and SmolLM, Mistral), Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 (text); tensor types f32, f16, bf16,
-q8_0, q5_1, q5_0, q4_1, q4_0 — what gguf-py can quantize. K-quants (q4_k_m, ...) and i-quants need llama.cpp's
-llama-quantize: write f16 and run it on the file.
+q8_0, q5_1, q5_0, q4_1, q4_0 (gguf-py quantizes them) and the k-quant mixes q6_k, q5_k_m, q4_k_m (export/kquants.py
+writes their blocks). Other k-quants and i-quants need llama.cpp's llama-quantize: write f16 and run it on the file.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import torch
 
 from tunelab.data.templates import Template
 from tunelab.errors import ExportError
+from tunelab.export import kquants
+from tunelab.model import gguf as model_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,13 @@ TENSOR_TYPES: dict[str, tuple[gguf.GGMLQuantizationType, gguf.LlamaFileType]] = 
     "q5_0": (Q.Q5_0, gguf.LlamaFileType.MOSTLY_Q5_0),
     "q4_1": (Q.Q4_1, gguf.LlamaFileType.MOSTLY_Q4_1),
     "q4_0": (Q.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+    # k-quants, written by export/kquants.py, mixed per tensor as llama-quantize mixes them (_tensor_qtype)
+    "q6_k": (Q.Q6_K, gguf.LlamaFileType.MOSTLY_Q6_K),
+    "q5_k_m": (Q.Q5_K, gguf.LlamaFileType.MOSTLY_Q5_K_M),
+    "q4_k_m": (Q.Q4_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
 }
+# A k-quant's row must hold whole super-blocks of 256; llama-quantize's fallback for a row that does not
+K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 @dataclass(frozen=True)
 class Family:
@@ -104,6 +112,41 @@ _SPLIT_REGEXES: dict[str, str] = {
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """What a GGUF carries over from the model the run started from (source_provenance): its general.* name,
+    organization and licence, and, from a GGUF source, the pre-tokenizer name llama.cpp's converter gave it."""
+
+    name: str | None = None
+    organization: str | None = None
+    license: str | None = None
+    pre_tokenizer: str | None = None  # tokenizer.ggml.pre of a GGUF source
+
+
+def source_provenance(model_name_or_path: str | Path) -> Provenance:
+    """Provenance of a base model: a GGUF file's general.name / organization / license and tokenizer.ggml.pre; a
+    Hugging Face folder's licence (its README's front matter) and, for a Hub id `org/name`, its organization and
+    name. Whatever is not there stays None."""
+    path = Path(model_name_or_path)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        header = model_gguf.read_header(path)
+        return Provenance(*(header.string(key) or None for key in (
+            "general.name", "general.organization", "general.license", "tokenizer.ggml.pre")))
+    licence = None
+    readme = path / "README.md"
+    if readme.is_file():  # the model card's YAML front matter: "---\nlicense: apache-2.0\n...\n---"
+        lines = readme.read_text(encoding="utf-8", errors="replace").splitlines()
+        if lines and lines[0].strip() == "---":
+            for line in lines[1:]:
+                if line.strip() == "---":
+                    break
+                if line.startswith("license:"):
+                    licence = line.partition(":")[2].strip().strip("'\"") or None
+    parts = str(model_name_or_path).split("/")
+    hub_id = not path.exists() and len(parts) == 2 and all(parts)
+    return Provenance(parts[1] if hub_id else path.name or None, parts[0] if hub_id else None, licence)
+
+
 def write_gguf(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -112,18 +155,22 @@ def write_gguf(
     out_path: str | Path,
     tensor_type: str = "q8_0",
     name: str | None = None,
+    source: Provenance | None = None,
 ) -> Path:
     """Write `model` (a merged *ForCausalLM), its fast `tokenizer` and the final chat template to `out_path`.
 
     `chat_template` is the Jinja source the run trained with (None: a pt model, no template); `template_vars`
     (e.g. {"enable_thinking": False}) are baked into the embedded template (embedded_chat_template), since a
-    GGUF runtime renders it with its own variables. Returns the path written.
+    GGUF runtime renders it with its own variables. `name`: the trained run's name (general.name), with `source`
+    (source_provenance) as its general.base_model.0; without a name the file is the source itself, under its
+    name and organization. `source`'s licence is kept either way, and a GGUF source's pre-tokenizer name replaces
+    a generic `gpt-2` (transformers rebuilds a GGUF's tokenizer without its pre-tokenizer). Returns the path.
     """
     tensor_type = tensor_type.lower()
     if tensor_type not in TENSOR_TYPES:
         raise ExportError(
-            f"export_gguf_type: cannot write {tensor_type!r}; gguf-py writes {', '.join(TENSOR_TYPES)} (k-quants such "
-            "as q4_k_m need llama.cpp's llama-quantize: export f16 and run it on the file)"
+            f"export_gguf_type: cannot write {tensor_type!r}; tunelab writes {', '.join(TENSOR_TYPES)} (other "
+            "k-quants and i-quants need llama.cpp's llama-quantize: export f16 and run it on the file)"
         )
     config = model.config
     family = model_family(config)
@@ -135,18 +182,19 @@ def write_gguf(
 
     plan = _tensor_plan(model, family)
     head = "output.weight" if any(item.name == "output.weight" for item in plan) else "token_embd.weight"
-    types = [_tensor_qtype(item.name, item.shape, qtype, head) for item in plan]
+    types = [_tensor_qtype(item.name, item.shape, qtype, head, n_layers) for item in plan]
 
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch_name)
     try:
         writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_name(name or Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model")
+        _write_provenance(writer, name, source or Provenance(), config)
         writer.add_file_type(file_type)
         if qtype not in (Q.F32, Q.F16, Q.BF16):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         _write_hyperparameters(writer, config, family, n_layers)
-        _write_vocabulary(writer, tokenizer, _vocab_rows(model), chat_template, template_vars)
+        _write_vocabulary(writer, tokenizer, _vocab_rows(model), chat_template, template_vars,
+                          (source or Provenance()).pre_tokenizer)
         for item, ttype in zip(plan, types):
             shape, dtype, nbytes = _stored_layout(item.shape, ttype)
             writer.add_tensor_info(item.name, shape, dtype, nbytes, raw_dtype=ttype)
@@ -178,11 +226,12 @@ def rounded_as_stored(model: torch.nn.Module, tensor_type: str) -> torch.nn.Modu
     qtype, _ = TENSOR_TYPES[tensor_type.lower()]
     plan = _tensor_plan(model, family)
     head = "output.weight" if any(item.name == "output.weight" for item in plan) else "token_embd.weight"
+    n_layers = model.config.num_hidden_layers
     rounded = torch.nn.Module.float(copy.deepcopy(model)).eval()  # Module's own: a GGUF-loaded model refuses .float()
     state = rounded.state_dict()
     with torch.no_grad():
         for item in plan:
-            ttype = _tensor_qtype(item.name, item.shape, qtype, head)
+            ttype = _tensor_qtype(item.name, item.shape, qtype, head, n_layers)
             if item.hf_name is None or ttype == Q.F32:
                 continue
             values = state[item.hf_name].numpy()
@@ -330,20 +379,37 @@ def _llama3_rope_factors(config: Any) -> np.ndarray | None:
 
 
 def _tensor_qtype(gguf_name: str, shape: tuple[int, ...], requested: gguf.GGMLQuantizationType,
-                  head: str) -> gguf.GGMLQuantizationType:
+                  head: str, n_layers: int) -> gguf.GGMLQuantizationType:
     """llama.cpp's rule: 1-D tensors, norms and biases stay float32; 2-D weights get the requested type. In 4/5-bit
-    files the logit head gets q8_0 (llama-quantize gives it q6_k, which gguf-py cannot write). A row length that is
-    not a multiple of the block size falls back to f16, as in llama.cpp's converter."""
+    files the logit head gets q8_0 (llama-quantize gives it q6_k; tunelab does so in k-quant files). q4_k_m and
+    q5_k_m give attn_v and ffn_down q6_k in the layers llama-quantize's use_more_bits picks (the first and last
+    eighth, every third between); a k-quant row that is not whole super-blocks of 256 falls back as llama-quantize
+    does (K_FALLBACK). A row length that is not a multiple of the block size falls back to f16, as in llama.cpp's
+    converter."""
     if len(shape) <= 1 or gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight"):
         return Q.F32
     if requested in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1) and gguf_name == head:
         requested = Q.Q8_0
+    if requested in K_FALLBACK:
+        layer = int(gguf_name.split(".")[1]) if gguf_name.startswith("blk.") else -1
+        if gguf_name == head or (gguf_name.endswith((".attn_v.weight", ".ffn_down.weight"))
+                                 and _more_bits(layer, n_layers)):
+            requested = Q.Q6_K
+        if shape[-1] % kquants.QK_K:
+            logger.info("%s: rows of %d are not whole super-blocks of %d; stored as %s, as llama-quantize does",
+                        gguf_name, shape[-1], kquants.QK_K, K_FALLBACK[requested].name)
+            requested = K_FALLBACK[requested]
     block, _ = gguf.GGML_QUANT_SIZES[requested]
     if shape[-1] % block:
         logger.info("%s: rows of %d are not a multiple of %s's block of %d; stored as f16",
                     gguf_name, shape[-1], requested.name, block)
         return Q.F16
     return requested
+
+
+def _more_bits(layer: int, n_layers: int) -> bool:
+    """llama-quantize's use_more_bits: the layers whose attn_v / ffn_down get q6_k in a q4_k_m or q5_k_m file."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
 def _stored_layout(shape: tuple[int, ...], ttype: gguf.GGMLQuantizationType) -> tuple[tuple[int, ...], Any, int]:
@@ -361,6 +427,8 @@ def _encode(array: np.ndarray, ttype: gguf.GGMLQuantizationType) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.float32)
     if ttype == Q.F16:
         return np.ascontiguousarray(array, dtype=np.float16)
+    if ttype in kquants.TYPES:
+        return kquants.quantize(array, ttype)
     return gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), ttype)
 
 
@@ -487,8 +555,25 @@ def _vocab_rows(model: torch.nn.Module) -> int:
     return model.get_input_embeddings().weight.shape[0]
 
 
+def _write_provenance(writer: gguf.GGUFWriter, name: str | None, source: Provenance, config: Any) -> None:
+    """general.name (the run's, else the source's, else the folder's), general.base_model.0.* for a trained run."""
+    fallback = Path(str(getattr(config, "_name_or_path", "") or "model")).name or "model"
+    if name is None:
+        writer.add_name(source.name or fallback)
+        if source.organization:
+            writer.add_organization(source.organization)
+    else:
+        writer.add_name(name)
+        writer.add_base_model_count(1)
+        writer.add_base_model_name(0, source.name or fallback)
+        if source.organization:
+            writer.add_base_model_organization(0, source.organization)
+    if source.license:
+        writer.add_license(source.license)
+
+
 def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: Any, n_rows: int, chat_template: str | None,
-                      template_vars: Mapping[str, Any] | None) -> None:
+                      template_vars: Mapping[str, Any] | None, source_pre: str | None = None) -> None:
     """tokenizer.ggml.*: one token per embedding row (ids the tokenizer lacks become unused [PADn] tokens)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -542,7 +627,10 @@ def _write_vocabulary(writer: gguf.GGUFWriter, tokenizer: Any, n_rows: int, chat
 
     if byte_level:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre(_pre_tokenizer_kind(spec))
+        pre = _pre_tokenizer_kind(spec)
+        # A GGUF source's tokenizer comes back from transformers as plain GPT-2 byte-level; its own name (smollm,
+        # ...) is what llama.cpp's converter chose from the original tokenizer.json.
+        writer.add_tokenizer_pre(source_pre if source_pre and pre == "gpt-2" else pre)
     else:
         # SentencePiece-style: llama.cpp merges by token score, so a token's score is minus the rank of the merge
         # that makes it: the order tokenizers applies the merges in.

@@ -27,10 +27,11 @@ float32 model, with the Ollama Modelfile beside it (export/modelfile.py); prefli
 
 Every export is then checked (export_parity, default on): base + adapter against the merged model on the probe
 conversations before the adapter is dropped (a float32 merge stays within float noise), then the written folder or
-file read back by plain transformers and compared with the merged float32 model (parity.check_parity), the report
-in export_dir/export_report.json; ParityError, with the report, when anything differs beyond tolerance. The folder
-is written from a copy in export_dtype, so the float32 model stays the reference. Reward models are not checked
-(no next-token logits or answers to compare).
+file read back by plain transformers (and llama.cpp, for a GGUF) and compared with the merged float32 model
+(parity.check_parity), the run's held-out rows (export_check_dataset, else its eval set) scored by both in exact
+match, the report in export_dir/export_report.json; ParityError, with the report, when anything differs beyond
+tolerance. The folder is written from a copy in export_dtype, so the float32 model stays the reference. Reward
+models are not checked (no next-token logits or answers to compare).
 
 A model_name_or_path that holds a DeepSpeed ZeRO checkpoint (a `latest` file and its global_stepN/ shards, as in a
 ZeRO run's checkpoint-N/) is consolidated from the shards (model/zero_checkpoint.py) instead of read from
@@ -41,6 +42,7 @@ tunelab eval and chat.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import tempfile
@@ -58,6 +60,8 @@ from tunelab import run_folder
 from tunelab.config.args import ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.config.stages import stage_row
+from tunelab.data.formats import prompt_and_reference
+from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
 from tunelab.errors import ConfigError, ExportError, ModelError, first_line
 from tunelab.export import parity
@@ -194,7 +198,10 @@ def export_model(config: RunConfig) -> Exported:
     if unchecked is not None:
         logger.info("export check skipped: %s", unchecked)
         return Exported(path, None, unchecked)
-    report = parity.check_parity(model, tokenizer, chat_template, template_vars, path, kind, raise_on_mismatch=False)
+    held_out = _held_out_rows(config, template)
+    report = parity.check_parity(model, tokenizer, chat_template, template_vars, path, kind, raise_on_mismatch=False,
+                                 held_out=held_out, max_drop=config.export.export_check_max_drop,
+                                 held_out_tokens=config.generation.max_new_tokens)
     report.merge = merge
     report.write(out / run_folder.EXPORT_REPORT)
     if report.problems:
@@ -228,6 +235,27 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
+def _held_out_rows(config: RunConfig, template: Template | None) -> tuple[str, list] | None:
+    """(name, [(prompt messages, reference answer)]) of the first export_check_samples rows of export_check_dataset,
+    else of the run's first eval set (val_size or eval_dataset, split as training split it); None without one or
+    without a chat template (a pt model answers no prompts)."""
+    export = config.export
+    if template is None or not (export.export_check_dataset or config.data.eval_dataset or config.data.val_size > 0):
+        return None
+    if export.export_check_samples < 1:
+        raise ConfigError(f"export_check_samples: expected an integer >= 1, got {export.export_check_samples}")
+    if export.export_check_dataset:  # only that set, read as a training set is (the run's data is not read)
+        data = dataclasses.replace(config.data, dataset=[export.export_check_dataset], val_size=0.0,
+                                   eval_dataset=None)
+        name, (rows, _) = export.export_check_dataset, load_canonical_splits(data, config.training.seed, report={})
+    else:
+        _, rows_by_name = load_canonical_splits(config.data, config.training.seed, report={})
+        name, rows = next(iter(rows_by_name.items()))
+    rows = rows.select(range(min(export.export_check_samples, len(rows))))
+    logger.info("export check: scoring %d held-out rows of %s", len(rows), name)
+    return name, [prompt_and_reference(row, template) for row in rows]
+
+
 def _unchecked_reason(config: RunConfig) -> str | None:
     """Why this export is not read back, or None: export_parity says so, or a reward model (its check reads logits
     and greedy answers of a language model)."""
@@ -241,11 +269,17 @@ def _unchecked_reason(config: RunConfig) -> str | None:
 def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
                 template_vars: dict | None, out: Path) -> Path:
     """<export_dir>/model-<type>.gguf and the Ollama Modelfile beside it."""
-    from tunelab.export.gguf_writer import write_gguf  # noqa: PLC0415 - the gguf extra
+    from tunelab.export.gguf_writer import source_provenance, write_gguf  # noqa: PLC0415 - the gguf extra
     from tunelab.export.modelfile import write_modelfile  # noqa: PLC0415 - the gguf extra (imports parity)
 
     tensor_type = config.export.export_gguf_type
-    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config, out), tensor_type)
+    # general.name: the run (its adapter folder's name) with the base as general.base_model.0; a model exported
+    # without an adapter keeps its own name, organization and licence.
+    adapter = config.model.adapter_name_or_path
+    run_name = Path(str(adapter).split(",")[-1].rstrip("/")).name if adapter else None
+    source = source_provenance(config.model.model_name_or_path)
+    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config, out), tensor_type,
+                      name=run_name, source=source)
     stop_words = list(template.stop_words) if template is not None else None
     write_modelfile(path, tokenizer, _template(template), template_vars, stop_words=stop_words)
     run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})

@@ -21,6 +21,11 @@ rendered with the run's template they must give:
                           less than twice the type's tolerance (a near tie rounding may flip: reported); reported
                           for quantized types
 
+With held-out rows (the run's eval set, or export_check_dataset), it also scores accuracy, the figure a user
+cares about: each row's prompt answered greedily by the trained model and by every reader, exact match against the
+row's answer. An export that loses more than `max_drop` points fails, naming the type to export instead
+(STEP_UP): the logit tolerances bound a ruined model, not a useful one.
+
 The report (ParityReport) serialises to export_report.json and prints short console lines; a mismatch raises
 ParityError, one line naming what differs, after the report is written. Logits are computed in float32 on both
 sides, so the gaps measure what the export changed (rounding, quantization, a wrong transform), not arithmetic.
@@ -29,10 +34,14 @@ sides, so the gaps measure what the export changed (rounding, quantization, a wr
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import logging
+import os
 import struct
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +70,10 @@ TOLERANCES: dict[str, float] = {
     "q5_0": 8.0,
     "q4_1": 12.0,
     "q4_0": 12.0,
+    # k-quant mixes: a q6_k file sits between q8_0 and the 5-bit types; q5_k_m / q4_k_m as their 5- / 4-bit kin
+    "q6_k": 4.0,
+    "q5_k_m": 8.0,
+    "q4_k_m": 12.0,
     "torchao": 12.0,
 }
 # STORED_TOLERANCE: the largest gap from the trained weights rounded exactly as the file stores them
@@ -69,6 +82,9 @@ TOLERANCES: dict[str, float] = {
 STORED_TOLERANCE = 1e-3
 # Types that store the weights as floats: greedy answers must be those of the model as trained (up to near ties).
 FLOAT_TYPES = ("f32", "f16", "bf16")
+# What to export instead of a type that lost held-out accuracy: the next type that keeps more of the weights.
+STEP_UP = {"f16": "f32", "bf16": "f32", "q8_0": "f16"}
+DEFAULT_STEP_UP = "q8_0"
 
 Message = dict[str, Any]
 
@@ -131,7 +147,10 @@ class ReaderResult:
     greedy_required: bool
     tokens_per_second: float | None
     probes: list[ProbeResult] = field(default_factory=list)
+    accuracy: float | None = None  # exact match on the held-out rows (HeldOut), 0-1
     problems: list[str] = field(default_factory=list)
+    # Where the logits were compared: every prompt position, or (llama.cpp's server) the first answer token only
+    gap_at: str = "every position"
 
 
 @dataclass
@@ -151,6 +170,16 @@ class MergeResult:
 
 
 @dataclass
+class HeldOut:
+    """The held-out rows the check scores: where they come from and the trained model's exact match on them."""
+
+    source: str  # the eval set's name
+    rows: int
+    max_drop: float  # percentage points an export may lose
+    reference_accuracy: float = 0.0
+
+
+@dataclass
 class ParityReport:
     kind: str  # "hf" or "gguf"
     path: str
@@ -159,11 +188,13 @@ class ParityReport:
     readers: list[ReaderResult] = field(default_factory=list)
     skipped_probes: list[str] = field(default_factory=list)
     merge: MergeResult | None = None  # set by the export when it merged an adapter
+    held_out: HeldOut | None = None
+    unreadable: list[str] = field(default_factory=list)  # a reader that could not open the export at all
 
     @property
     def problems(self) -> list[str]:
         merged = [self.merge.problem] if self.merge is not None and self.merge.problem else []
-        return merged + [problem for reader in self.readers for problem in reader.problems]
+        return merged + self.unreadable + [problem for reader in self.readers for problem in reader.problems]
 
     def failure(self) -> str | None:
         """The one line a failed check stops the export with; None when everything matched."""
@@ -206,10 +237,16 @@ class ParityReport:
             out.append(
                 f"  {r.reader}: template {'same' if r.template_identical else 'DIFFERENT'}, ids "
                 f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
-                f"{r.max_logit_gap:.3g} sd ({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
+                f"{'' if r.gap_at == 'every position' else f'at the {r.gap_at} '}{r.max_logit_gap:.3g} sd "
+                f"({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
                 f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
                 f"{greedy}{speed}"
             )
+        if self.held_out is not None:
+            h = self.held_out
+            scores = ", ".join(f"{r.reader} {100 * r.accuracy:.1f}%" for r in self.readers if r.accuracy is not None)
+            out.append(f"  held-out exact match ({h.rows} rows of {h.source}, greedy): trained "
+                       f"{100 * h.reference_accuracy:.1f}%, {scores} (allowed drop {h.max_drop:g} points)")
         out.extend(f"  problem: {problem}" for problem in self.problems)
         return out
 
@@ -227,18 +264,23 @@ def check_parity(
     llama_cpp: bool | None = None,
     report_path: str | Path | None = None,
     raise_on_mismatch: bool = True,
+    held_out: tuple[str, Sequence[tuple[list[Message], str]]] | None = None,
+    max_drop: float = 5.0,
+    held_out_tokens: int = 64,
 ) -> ParityReport:
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
 
-    `llama_cpp`: also read a GGUF with llama.cpp (None: when the llama_cpp package imports). Writes the report to
-    `report_path` when given, then raises ParityError if anything differs beyond tolerance (unless
-    `raise_on_mismatch` is False).
+    `llama_cpp`: also read a GGUF with llama.cpp (None: when xllamacpp or llama_cpp imports; llama_cpp_reader).
+    Writes the report to `report_path` when given, then raises ParityError if anything differs beyond tolerance
+    (unless `raise_on_mismatch` is False). `held_out`: (name, [(prompt messages, reference answer)]) to score with
+    exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
+    model is a problem.
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
         raise ValueError(f"kind must be 'hf' or 'gguf', not {kind!r}")
-    texts, skipped = _rendered_probes(chat_template, template_vars, tokenizer, probes)
+    texts, skipped, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
     tensor_type = _gguf_type(exported) if kind == "gguf" else _hf_type(exported)
     file_bytes = exported.stat().st_size if exported.is_file() else sum(
         p.stat().st_size for p in exported.rglob("*") if p.is_file())
@@ -254,14 +296,29 @@ def check_parity(
     # A GGUF's template has the variables baked in; a folder's is rendered with them (tunelab_config.yaml).
     reader_vars = {} if kind == "gguf" else dict(template_vars or {})
 
+    scored = None
+    if held_out is not None and chat_template is not None:
+        name, rows = held_out
+        scored = _held_out_prompts(rows, chat_template, template_vars, tokenizer)
+        report.held_out = HeldOut(name, len(rows), max_drop)
+        report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
     readers: list[Any] = [_transformers_reader(exported, kind)]
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
-        readers.append(LlamaCppReader(exported))
+        try:
+            readers.append(llama_cpp_reader(exported))
+        except Exception as exc:  # noqa: BLE001 - llama.cpp refusing the file is the finding, not a crash
+            reason = str(exc).strip() or type(exc).__name__
+            report.unreadable.append(f"llama.cpp could not load {exported.name}: {reason}")
     for reader in readers:
-        result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
-                          reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+        try:
+            result = _compare(reference, stored, reader, tokenizer, texts, chat_template, expected_template,
+                              reader_vars, tensor_type, kind, stops, max_new_tokens, probes)
+            if scored is not None:
+                result.accuracy = _accuracy(reader, tokenizer, scored, stops, held_out_tokens)
+                result.problems += _accuracy_problems(report.held_out, result, tensor_type)
+        finally:
+            reader.close()  # llama.cpp's server stops here: it lives as long as its comparison
         report.readers.append(result)
-        reader.close()
     if report_path is not None:
         report.write(report_path)
     for line in report.lines():
@@ -274,7 +331,7 @@ def check_parity(
 def probe_ids(tokenizer: Any, chat_template: str | None, template_vars: Mapping[str, Any] | None,
               probes: Sequence[list[Message]] | None = None) -> list[list[int]]:
     """The probe conversations rendered with the run's template (plain texts without one), as token ids."""
-    texts, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
+    texts, _, _ = _rendered_probes(chat_template, template_vars, tokenizer, probes)
     return [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]
 
 
@@ -286,8 +343,18 @@ def logit_gap(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def llama_cpp_available() -> bool:
+    """Whether llama.cpp can read here: xllamacpp (the `llamacpp` extra, a prebuilt wheel) or llama-cpp-python."""
+    return _importable("xllamacpp") or _importable("llama_cpp")
+
+
+def llama_cpp_reader(path: Path) -> Any:
+    """llama.cpp reading `path`: its server through xllamacpp when that imports, else llama-cpp-python."""
+    return LlamaCppServerReader(path) if _importable("xllamacpp") else LlamaCppReader(path)
+
+
+def _importable(module: str) -> bool:
     try:
-        import llama_cpp  # noqa: F401, PLC0415
+        importlib.import_module(module)
     except Exception:  # noqa: BLE001 - a broken build is as good as none
         return False
     return True
@@ -335,9 +402,10 @@ class TransformersReader:
 
 
 class LlamaCppReader:
-    """A GGUF read by llama.cpp itself (llama-cpp-python): its own tokenizer, graph and kernels, on CPU."""
+    """A GGUF read by llama.cpp itself (llama-cpp-python, where it is installed and xllamacpp is not): its own
+    tokenizer, graph and kernels, on CPU."""
 
-    name = "llama.cpp"
+    name = "llama.cpp (llama-cpp-python)"
 
     def __init__(self, path: Path, n_ctx: int = 1024):
         from llama_cpp import Llama  # noqa: PLC0415 - optional: only where llama-cpp-python is installed
@@ -377,6 +445,89 @@ class LlamaCppReader:
 
     def close(self) -> None:
         self.llm.close()
+
+
+class LlamaCppServerReader:
+    """A GGUF read by llama.cpp's own server (xllamacpp: llama.cpp's C++ server in this process), asked over HTTP on
+    127.0.0.1 as Ollama's and LM Studio's clients ask theirs: /apply-template renders with llama.cpp's Jinja,
+    /tokenize and /detokenize use its tokenizer, /completion gives greedy answers with the log-probabilities of the
+    top FIRST_TOKEN_TOP tokens at each step. It has no endpoint for the logits of every prompt position, so the
+    logits are compared at the first answer token only (first_token_logprobs). The server lives until close()."""
+
+    name = "llama.cpp (xllamacpp server)"
+    FIRST_TOKEN_TOP = 20
+    TIMEOUT_S = 300  # one request; a server that stops answering fails the check instead of hanging it
+
+    def __init__(self, path: Path, n_ctx: int = 4096):
+        import xllamacpp  # noqa: PLC0415 - optional: the llamacpp extra
+
+        params = xllamacpp.CommonParams()
+        params.model.path = str(path)
+        params.n_ctx, params.n_parallel, params.warmup, params.verbosity = n_ctx, 1, False, -1
+        # half the cores: llama.cpp's threads spin at each barrier, and the reference model runs beside it
+        params.cpuparams.n_threads = params.cpuparams_batch.n_threads = max(1, min(4, (os.cpu_count() or 2) // 2))
+        params.hostnames, params.port = ["127.0.0.1"], 0  # loopback only, on a free port
+        params.use_jinja = True
+        self.server = xllamacpp.Server(params)
+        self.address = self.server.listening_address
+        self.template = self._get("/props").get("chat_template")
+        self.answers: dict[tuple[int, ...], dict[str, Any]] = {}
+        self.generated, self.seconds = 0, 0.0
+
+    def _get(self, endpoint: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        request = urllib.request.Request(self.address + endpoint, data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.TIMEOUT_S) as response:  # noqa: S310 - our loopback
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:  # e.g. a prompt longer than the context: llama.cpp says why
+            detail = exc.read().decode("utf-8", errors="replace")[:300]
+            raise ExportError(f"export check: llama.cpp's server answered {endpoint} with HTTP {exc.code}: "
+                              f"{detail}") from None
+        except (urllib.error.URLError, TimeoutError) as exc:
+            raise ExportError(f"export check: llama.cpp's server did not answer {endpoint} ({exc})") from None
+
+    def render(self, messages: list[Message]) -> str:
+        """The prompt llama.cpp's own Jinja engine renders from the GGUF's template (llama-server --jinja)."""
+        return self._get("/apply-template", {"messages": messages})["prompt"]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._get("/tokenize", {"content": text, "add_special": add_special_tokens,
+                                       "parse_special": True})["tokens"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._get("/detokenize", {"tokens": ids})["content"]
+
+    def _answer(self, ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        key = (*ids, max_new_tokens)
+        if key not in self.answers:
+            self.answers[key] = self._get("/completion", {
+                "prompt": ids, "n_predict": max_new_tokens, "temperature": 0, "n_probs": self.FIRST_TOKEN_TOP,
+                "cache_prompt": False, "return_tokens": True})
+            timings = self.answers[key].get("timings", {})
+            self.generated += timings.get("predicted_n", 0)
+            self.seconds += timings.get("predicted_ms", 0.0) / 1000
+        return self.answers[key]
+
+    def first_token_logprobs(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """The ids and log-probabilities (over the whole vocabulary) of llama.cpp's top tokens after `ids`."""
+        top = self._answer(ids, max_new_tokens)["completion_probabilities"][0]["top_logprobs"]
+        return [t["id"] for t in top], torch.tensor([t["logprob"] for t in top], dtype=torch.float32)
+
+    def greedy(self, ids: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
+        out: list[int] = []
+        for token in self._answer(ids, max_new_tokens)["tokens"]:
+            out.append(token)
+            if token in stops:
+                break
+        return out
+
+    def tokens_per_second(self) -> float | None:
+        return self.generated / self.seconds if self.seconds else None  # llama.cpp's own generation timings
+
+    def close(self) -> None:
+        self.server = None  # xllamacpp stops the server and frees the model when its Server is released
 
 
 def _transformers_reader(exported: Path, kind: str) -> TransformersReader:
@@ -429,11 +580,17 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
     who = f"the {what}'s" if reader.name.startswith("transformers") else f"llama.cpp's reading of the {what}:"
     problems: list[str] = []
     template_ok = reader.template == expected_template
+    if hasattr(reader, "render") and reader.template is not None and expected_template is not None:
+        # llama.cpp's /props gives the template with trailing whitespace trimmed; its renders are compared below
+        template_ok = reader.template.rstrip() == expected_template.rstrip()
     if not template_ok:
         problems.append(f"{who} chat template {_template_difference(reader.template, expected_template)}")
     elif chat_template is not None:
-        # The exported template, rendered as that runtime would, gives the text training rendered.
-        exported_texts, _ = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        # The exported template, rendered as that runtime would (llama.cpp's server: by its own Jinja engine),
+        # gives the text training rendered.
+        exported_texts, _, kept = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        if hasattr(reader, "render"):
+            exported_texts = [reader.render(messages) for messages in kept]
         if exported_texts != texts:
             template_ok = False
             problems.append(f"{who} chat template renders the probes differently from the trained one")
@@ -456,20 +613,16 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
         if not same_ids and not any(p.startswith(f"{who} tokenizer") for p in problems):
             problems.append(f"{who} tokenizer {_ids_difference(reference, reader, text, ids, exported_ids)}")
         # Logits and answers are compared on the trained ids, so a tokenizer problem does not hide a weight one.
-        ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
-        if exp_logits.shape[-1] != ref_logits.shape[-1]:
-            problems.append(f"{who} vocabulary has {exp_logits.shape[-1]} rows, the model {ref_logits.shape[-1]}")
-            exp_logits = exp_logits[..., : ref_logits.shape[-1]]
-        gap = (ref_logits - exp_logits).abs()
-        scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
-        stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
-        stored_gap = float(((stored_logits - exp_logits).abs() / scale).max())
+        if hasattr(reader, "logits"):
+            gaps, vocab_problem = _logit_gaps(reference, stored, reader, ids)
+        else:
+            gaps, vocab_problem = _first_token_gaps(reference, stored, reader, ids, max_new_tokens)
+        if vocab_problem and not any(p.startswith(f"{who} vocabulary") for p in problems):
+            problems.append(f"{who} {vocab_problem}")
         ref_answer = reference.greedy(ids, max_new_tokens, stops)
         exp_answer = reader.greedy(ids, max_new_tokens, stops)
         results.append(ProbeResult(
-            prompt=text, tokens=len(ids), ids_identical=same_ids,
-            max_logit_gap=float((gap / scale).max()), max_abs_logit_gap=float(gap.max()), stored_gap=stored_gap,
-            top1_agreement=float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean()),
+            prompt=text, tokens=len(ids), ids_identical=same_ids, **gaps,
             reference_answer=ref_answer, exported_answer=exp_answer,
             reference_text=reference.decode(ref_answer), exported_text=_safe_decode(reader, exp_answer),
         ))
@@ -515,7 +668,77 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
         stored_gap=max_stored_gap, stored_tolerance=stored_tolerance,
         greedy_identical=greedy_ok, greedy_required=greedy_required,
         tokens_per_second=reader.tokens_per_second(), probes=results, problems=problems,
+        gap_at="every position" if hasattr(reader, "logits") else
+        f"first answer token (top {reader.FIRST_TOKEN_TOP})",
     )
+
+
+def _logit_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any,
+                ids: list[int]) -> tuple[dict[str, float], str | None]:
+    """Gaps at every position of `ids` between the reader's logits and the trained / as-stored model's."""
+    ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
+    problem = None
+    if exp_logits.shape[-1] != ref_logits.shape[-1]:
+        problem = f"vocabulary has {exp_logits.shape[-1]} rows, the model {ref_logits.shape[-1]}"
+        exp_logits = exp_logits[..., : ref_logits.shape[-1]]
+    gap = (ref_logits - exp_logits).abs()
+    scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
+    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
+    return {"max_logit_gap": float((gap / scale).max()), "max_abs_logit_gap": float(gap.max()),
+            "stored_gap": float(((stored_logits - exp_logits).abs() / scale).max()),
+            "top1_agreement": float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean())}, problem
+
+
+def _first_token_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any, ids: list[int],
+                      max_new_tokens: int) -> tuple[dict[str, float], str | None]:
+    """Gaps at the first answer token only, on the reader's top tokens: log-probabilities against the trained /
+    as-stored model's log-softmax (a log-probability is the logit less one constant per position, so in sd of the
+    logits these gaps are logit gaps without that constant)."""
+    top_ids, top_logprobs = reader.first_token_logprobs(ids, max_new_tokens)
+    ref_logits = reference.logits(ids)[-1]
+    if max(top_ids) >= ref_logits.shape[-1]:
+        return {"max_logit_gap": float("inf"), "max_abs_logit_gap": float("inf"), "stored_gap": float("inf"),
+                "top1_agreement": 0.0}, f"vocabulary has ids up to {max(top_ids)}, the model {ref_logits.shape[-1]}"
+    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)[-1]
+    scale = float(ref_logits.std().clamp_min(1e-6))
+    gap = (torch.log_softmax(ref_logits, -1)[top_ids] - top_logprobs).abs()
+    stored_gap = (torch.log_softmax(stored_logits, -1)[top_ids] - top_logprobs).abs()
+    return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
+            "stored_gap": float(stored_gap.max()) / scale,
+            "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
+
+
+def _held_out_prompts(rows: Sequence[tuple[list[Message], str]], chat_template: str,
+                      template_vars: Mapping[str, Any] | None, tokenizer: Any) -> list[tuple[list[int], str]]:
+    """Each held-out row as (prompt ids rendered with the run's template, reference answer)."""
+    template = Template.from_jinja("export", chat_template)
+    tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    return [(list(tokenizer(template.prompt(messages, **tokens, **dict(template_vars or {})),
+                            add_special_tokens=False)["input_ids"]), answer) for messages, answer in rows]
+
+
+def _accuracy(reader: Any, tokenizer: Any, scored: list[tuple[list[int], str]], stops: list[int],
+              max_new_tokens: int) -> float:
+    """Exact match of greedy answers (cut at the first stop token, decoded by the trained tokenizer, stripped) as
+    infer/generate.py scores them for `tunelab eval`."""
+    hits = 0
+    for ids, answer in scored:
+        generated = reader.greedy(ids, max_new_tokens, stops)
+        cut = next((i for i, token in enumerate(generated) if token in stops), len(generated))
+        hits += tokenizer.decode(generated[:cut], skip_special_tokens=True).strip() == answer.strip()
+    return hits / max(len(scored), 1)
+
+
+def _accuracy_problems(held_out: HeldOut, result: ReaderResult, tensor_type: str) -> list[str]:
+    drop = 100 * (held_out.reference_accuracy - (result.accuracy or 0.0))
+    if drop <= held_out.max_drop:
+        return []
+    instead = STEP_UP.get(tensor_type, DEFAULT_STEP_UP)
+    if tensor_type == "torchao":
+        instead, tensor_type = "a folder without export_quantization", "the torchao scheme"
+    return [f"{result.reader} scores {100 * result.accuracy:.1f}% exact match on {held_out.rows} held-out rows of "
+            f"{held_out.source} where the trained model scores {100 * held_out.reference_accuracy:.1f}% ({drop:.1f} "
+            f"points lost; export_check_max_drop {held_out.max_drop:g}): export {instead} instead of {tensor_type}"]
 
 
 def _tie_margin(reference: TransformersReader, ids: list[int], result: ProbeResult) -> float:
@@ -529,21 +752,23 @@ def _tie_margin(reference: TransformersReader, ids: list[int], result: ProbeResu
 
 
 def _rendered_probes(chat_template: str | None, template_vars: Mapping[str, Any] | None, tokenizer: Any,
-                     probes: Sequence[list[Message]] | None) -> tuple[list[str], list[str]]:
-    """The probe conversations as inference prompts (plain texts for a model without a template)."""
+                     probes: Sequence[list[Message]] | None) -> tuple[list[str], list[str], list[list[Message]]]:
+    """The probe conversations as inference prompts (plain texts for a model without a template), the probes the
+    template refused, and the conversations it rendered."""
     if chat_template is None:
-        return list(PLAIN_PROBES), []
+        return list(PLAIN_PROBES), [], []
     template = Template.from_jinja("export", chat_template)
     tokens = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
-    texts, skipped = [], []
+    texts, skipped, kept = [], [], []
     for messages in probes or PROBES:
         try:
             texts.append(template.prompt(messages, **tokens, **dict(template_vars or {})))
+            kept.append(messages)
         except TemplateError as exc:  # e.g. Gemma 2 refuses a system turn: that probe does not apply
             skipped.append(f"{messages[0]['role']}: {messages[0]['content'][:40]!r} ({exc})")
     if not texts:
         raise ExportError(f"export check: the chat template refused every probe conversation ({skipped[0]})")
-    return texts, skipped
+    return texts, skipped, kept
 
 
 def _stop_ids(tokenizer: Any, chat_template: str | None) -> list[int]:

@@ -1,6 +1,8 @@
 """`tunelab chat`: a terminal conversation with a loaded ChatEngine, answers streamed as they are generated.
 
-Reads one line per user turn from stdin (a terminal or a script), keeps the history, and understands
+Reads one user turn from stdin (a terminal or a script) with read_turn: one line, or several where a line ends in
+a backslash (it continues on the next, as in a shell or llama.cpp's CLI) or inside a block between lines that
+start and end with three double quotes (as in `ollama run`); keeps the history, and understands
 `/image PATH` (attach an image file to the next message: a vision-language model sees it where that message
 starts), `/clear` (forget the history, keep the system prompt) and `/exit` (or end of input, Ctrl-D). Ctrl-C while
 an answer streams stops that answer and drops the turn. Only the conversation goes to stdout (the `>>> `
@@ -10,6 +12,7 @@ prompt and the answers); the banner and errors go to stderr, so a scripted sessi
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -17,7 +20,40 @@ from tunelab.errors import InferenceError
 from tunelab.infer.engine import ChatEngine, Message, SamplingOptions
 
 PROMPT = ">>> "
+CONTINUED = "... "  # the prompt of a turn's second and later lines
+BLOCK = '"""'
 COMMANDS = "/image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits"
+
+
+def read_turn(read_line: Callable[[str], str] = input) -> str:
+    r'''One user turn from `read_line` (input(): it shows the prompt it is given). A line ending in a backslash
+    continues on the next (the backslash dropped); a line starting with three double quotes opens a block that the
+    next line ending with them closes, every line in between kept (a block on one line is that line):
+
+        >>> Reverse the letters.\            ->  "Reverse the letters.\nm,i,p,x,w"
+        ... m,i,p,x,w
+        >>> """Reverse the letters.         ->  the same
+        ... m,i,p,x,w"""
+
+    EOFError / KeyboardInterrupt from `read_line` pass through: the turn is dropped.
+    '''
+    line = read_line(PROMPT)
+    if line.lstrip().startswith(BLOCK):
+        first = line.lstrip()[len(BLOCK):]
+        if first.rstrip().endswith(BLOCK):
+            return first.rstrip()[:-len(BLOCK)]
+        lines = [first] if first else []
+        while True:
+            line = read_line(CONTINUED)
+            if line.rstrip().endswith(BLOCK):
+                last = line.rstrip()[:-len(BLOCK)]
+                return "\n".join([*lines, last] if last else lines)
+            lines.append(line)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = read_line(CONTINUED)
+    return "\n".join([*lines, line])
 
 
 def chat_loop(
@@ -31,7 +67,7 @@ def chat_loop(
     images: list[str] = []  # attached with /image, sent with the next message
     while True:
         try:
-            line = input(PROMPT)  # writes the prompt to stdout; line editing when readline is loaded
+            line = read_turn()  # input() writes the prompt to stdout; line editing when readline is loaded
         except EOFError:
             print(file=out)
             return 0
