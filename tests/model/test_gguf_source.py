@@ -89,7 +89,7 @@ def test_an_f32_gguf_loads_exactly_the_models_weights_and_a_q8_0_its_dequantized
     assert sorted(loaded) == sorted(expected)
     assert [name for name in expected if not torch.equal(loaded[name], expected[name])] == []
     # a dense model, saved like any other: no GGUF quantization marks left, the file as its name
-    assert (model.hf_quantizer, hasattr(model.config, "quantization_config")) == (None, False)
+    assert (getattr(model, "hf_quantizer", None), hasattr(model.config, "quantization_config")) == (None, False)
     assert model.name_or_path == str(files["f32"])
 
     q8 = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=torch.bfloat16)  # to the compute dtype
