@@ -1,7 +1,7 @@
 """Peak RSS of loading a GGUF file into a dense model, against the size of the weights it loads.
 
-Each load runs in a fresh subprocess: it imports torch, transformers and tunelab, notes its RSS (the baseline),
-loads the file through tunelab's loader (model/gguf.py `from_pretrained`) in the asked dtype and prints one JSON
+Each load runs in a fresh subprocess: it imports torch, transformers and tunelab, reads the file's config and builds
+the model on the meta device (the imports a load makes), notes its RSS (the baseline), loads the file through tunelab's loader (model/gguf.py `from_pretrained`) in the asked dtype and prints one JSON
 line: ru_maxrss (the true peak), the baseline, the bytes of the loaded weights (tied ones once) and the two ratios
 peak / weights and (peak - baseline) / weights. The lean-loading goal is peak / weights <= 1.5.
 
@@ -45,6 +45,10 @@ def measure(path: str, dtype_name: str) -> dict:
 
     from tunelab.model import gguf
 
+    # What the load imports on its way (the model's modeling code, gguf-py) is imported first, by reading the config and
+    # building the model on the meta device, so that `baseline` holds what any process loading this model has anyway.
+    with torch.device("meta"):
+        AutoModelForCausalLM.from_config(gguf.load_config(path))
     baseline = rss_bytes()
     model = gguf.from_pretrained(AutoModelForCausalLM, path, dtype=getattr(torch, dtype_name))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
