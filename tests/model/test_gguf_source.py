@@ -35,7 +35,7 @@ from tunelab.errors import ConfigError
 from tunelab.export.gguf_writer import write_gguf
 from tunelab.infer.engine import load_engine
 from tunelab.infer.sampling import SamplingOptions
-from tunelab.model import gguf
+from tunelab.model import gguf, gguf_weights
 from tunelab.model.skeleton import vocab_size
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.preflight import load_config
@@ -99,6 +99,17 @@ def test_an_f32_gguf_loads_exactly_the_models_weights_and_a_q8_0_its_dequantized
         want = dequantized(files["q8_0"], gguf_name)
         assert not torch.equal(want, expected[name])  # q8_0 did round the weights
         assert torch.equal(q8.state_dict()[name], want.to(torch.bfloat16))
+
+
+def test_the_tensor_by_tensor_load_equals_transformers_own_loader(files, monkeypatch):
+    # every matrix over 256 values in chunks of rows (the embedding), or whole where the Llama processor reorders it
+    # (q and k): the same weights as transformers' loader gives, in float32 and in bf16
+    monkeypatch.setattr(gguf_weights, "CHUNK_VALUES", 256)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
+        theirs = gguf._from_pretrained_by_transformers(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
+        assert sorted(ours) == sorted(theirs)
+        assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
 
 
 def test_the_tokenizer_and_template_model_come_from_the_file(files):
