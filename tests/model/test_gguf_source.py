@@ -105,11 +105,21 @@ def test_the_tensor_by_tensor_load_equals_transformers_own_loader(files, monkeyp
     # every matrix over 256 values in chunks of rows (the embedding), or whole where the Llama processor reorders it
     # (q and k): the same weights as transformers' loader gives, in float32 and in bf16
     monkeypatch.setattr(gguf_weights, "CHUNK_VALUES", 256)
+    chunked, asked = set(), gguf_weights._passes_through
+
+    def passes_through(*args):
+        answer = asked(*args)
+        if answer:
+            chunked.add(args[2])
+        return answer
+
+    monkeypatch.setattr(gguf_weights, "_passes_through", passes_through)
     for dtype in (torch.float32, torch.bfloat16):
         ours = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
         theirs = gguf._from_pretrained_by_transformers(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
         assert sorted(ours) == sorted(theirs)
         assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+    assert "token_embd.weight" in chunked and "blk.0.ffn_up.weight" in chunked and "blk.0.attn_q.weight" not in chunked
 
 
 def test_the_tokenizer_and_template_model_come_from_the_file(files):
