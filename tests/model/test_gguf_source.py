@@ -23,7 +23,7 @@ from gguf import (
     dequantize,
 )
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.hub_cache import config_outcomes, hub_env, lay_out
 from tests.real_assets import real
@@ -120,6 +120,13 @@ def test_the_tensor_by_tensor_load_equals_transformers_own_loader(files, monkeyp
         assert sorted(ours) == sorted(theirs)
         assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
     assert "token_embd.weight" in chunked and "blk.0.ffn_up.weight" in chunked and "blk.0.attn_q.weight" not in chunked
+
+
+def test_a_reward_head_loads_on_a_gguf_backbone(files):
+    # stage rm's load: num_labels and pad_token_id are the config's, the new score head the only missing weight
+    model, info = gguf.from_pretrained(AutoModelForSequenceClassification, files["f32"], dtype=torch.float32,
+                                       num_labels=1, pad_token_id=0, output_loading_info=True)
+    assert (model.config.num_labels, model.config.pad_token_id, sorted(info["missing_keys"])) == (1, 0, ["score.weight"])
 
 
 def test_the_tokenizer_and_template_model_come_from_the_file(files):

@@ -73,6 +73,8 @@ def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
     trust_remote_code = kwargs.pop("trust_remote_code", False)
     config = kwargs.pop("config", None) or load_config(path, trust_remote_code)  # (a given config: RoPE scaled)
     _drop_quantization_marks(config)
+    for key in [k for k in kwargs if k not in _LOADING_OPTIONS and hasattr(config, k)]:  # e.g. a reward head's
+        setattr(config, key, kwargs.pop(key))  # num_labels: from_pretrained hands a given config's to the model
     dtype = kwargs.get("dtype")
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # (the file's blocks dequantize to float32)
     with torch.device("meta"):  # the model's parameter names, no memory
@@ -82,6 +84,10 @@ def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.name_or_path = str(path)  # what an adapter trained on it names as its base
     return loaded
+
+
+# from_pretrained's own options that a config also has an attribute of the same name for
+_LOADING_OPTIONS = frozenset({"dtype", "attn_implementation", "quantization_config", "use_kernels"})
 
 
 def _converted_by_transformers(architecture: str) -> bool:
