@@ -1,9 +1,10 @@
 """Peak RSS of loading a GGUF file into a dense model, against the size of the weights it loads.
 
 Each load runs in a fresh subprocess: it imports torch, transformers and tunelab, reads the file's config and builds
-the model on the meta device (the imports a load makes), notes its RSS (the baseline), loads the file through tunelab's loader (model/gguf.py `from_pretrained`) in the asked dtype and prints one JSON
-line: ru_maxrss (the true peak), the baseline, the bytes of the loaded weights (tied ones once) and the two ratios
-peak / weights and (peak - baseline) / weights. The lean-loading goal is peak / weights <= 1.5.
+the model on the meta device (the imports a load makes), notes its RSS (the baseline), loads the file through
+tunelab's loader (model/gguf.py `from_pretrained`) in the asked dtype and prints one JSON line: ru_maxrss (the true
+peak), the baseline, the bytes of the loaded weights (tied ones once) and the two ratios peak / weights and (peak -
+baseline) / weights. The lean-loading goal is peak / weights <= 1.5.
 
     python bench/gguf_load_rss.py ~/.cache/tunelab/real/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
     python bench/gguf_load_rss.py FILE --dtypes bfloat16            # one dtype (default: float32 and bfloat16)
@@ -54,7 +55,8 @@ def measure(path: str, dtype_name: str) -> dict:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     weights = weight_bytes(model)
     return {
-        "file": Path(path).name, "dtype": dtype_name, "peak_mib": round(peak / MB), "baseline_mib": round(baseline / MB),
+        "file": Path(path).name, "dtype": dtype_name,
+        "peak_mib": round(peak / MB), "baseline_mib": round(baseline / MB),
         "weights_mib": round(weights / MB), "peak_over_weights": round(peak / weights, 3),
         "added_over_weights": round((peak - baseline) / weights, 3),
     }

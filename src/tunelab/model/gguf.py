@@ -10,9 +10,10 @@
       run record:  `file_record`: the file's SHA-256 and quantization type (run_info.json `gguf`)
 
 After loading, the model is a plain dense model: the GGUF quantization marks transformers would leave on it (the
-config's quantization_config, the model's hf_quantizer) are removed or never set, since they would make save_pretrained refuse and the
-Trainer treat it as a quantized model that cannot train. Its name_or_path is the file, so an adapter trained on it
-names the file as its base (adapter_config.json base_model_name_or_path) and chat / export find it again.
+config's quantization_config, the model's hf_quantizer) are removed or never set, since they would make
+save_pretrained refuse and the Trainer treat it as a quantized model that cannot train. Its name_or_path is the
+file, so an adapter trained on it names the file as its base (adapter_config.json base_model_name_or_path) and chat
+/ export find it again.
 
 Everything else in tunelab passes the path on unchanged: `pretrained_source` and `load_config` are the only places
 that split it into transformers' (folder, gguf_file) form. Writing GGUF files is export/gguf_writer.py's.
