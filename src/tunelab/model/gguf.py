@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp, Ollama, LM Studio) as a model source, read through transformers' own GGUF support.
+"""GGUF files (llama.cpp, Ollama, LM Studio) as a model source, read with the gguf package and transformers' GGUF maps.
 
     model_name_or_path: models/SmolLM2-135M-Instruct.Q4_1.gguf      (or a folder / Hub id plus gguf_file: name.gguf)
       config time: model/folder.py resolves it to the file's path; `check_readable` reads its header: an architecture
