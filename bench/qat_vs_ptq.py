@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from pure_bf16 import hf_folder  # (bench/ is on the path: this runs as a script)
+
 HERE = Path(__file__).resolve().parent
 MODEL = HERE / ".data" / "real" / "smollm2-hf"
 TEXT = HERE / ".data" / "real" / "text"
@@ -129,6 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     if not (TEXT / "heldout.jsonl").is_file():
         raise SystemExit("no held-out text: run python bench/real_text.py first")
+    hf_folder(MODEL)  # the GGUF of scripts/fetch_real.py smollm2 as a plain HF folder (the form scored), made once
     folders = {"fp": MODEL, **{name: args.out / name for name in args.forms.split(",") if name != "fp"}}
     seconds: dict[str, float] = {}
     for name, folder in folders.items():

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pure_bf16 import hf_folder  # (bench/ is on the path: this runs as a script)
+
 BASE = Path(__file__).resolve().parent / ".data" / "real" / "smollm2-hf"
 QUESTIONS = [
     "What is the capital of France?",
@@ -44,6 +46,7 @@ def main() -> None:
     parser.add_argument("trained", type=Path, nargs="*")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
+    hf_folder(BASE)  # the GGUF of scripts/fetch_real.py smollm2 as a plain HF folder, made on first use
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     for folder in [BASE, *args.trained]:
         start = time.perf_counter()

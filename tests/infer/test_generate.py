@@ -43,3 +43,23 @@ def test_held_out_rows_are_the_first_rows_of_the_first_eval_set():
     assert held_out_rows({"a": first}, _config(False, 10)) is None
     assert held_out_rows({"a": first, "b": second}, _config(True, 2))["chosen"] == ["", "1 2 3"]
     assert len(held_out_rows({"a": first}, _config(True, 10))) == 3
+
+
+def test_generation_during_training_adds_only_the_kv_cache_and_the_last_positions_logits():
+    # as training leaves the model: a LoRA wrapper in train mode, config.use_cache off (model/load.py)
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    base = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+    base.config.use_cache = False
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).train()
+    heads, bodies = [], []
+    base.lm_head.register_forward_hook(lambda module, args, out: heads.append(tuple(out.shape)))
+    base.model.embed_tokens.register_forward_hook(lambda module, args, out: bodies.append(args[0].shape[1]))
+    rows = datasets.Dataset.from_list([_rows()[0], {**_rows()[0], "messages": [{"role": "user", "content": "Hi"}]}])
+    generate_predictions(model, tokenizer, get_template("chatml", tokenizer), rows, max_new_tokens=3)
+    # full-vocabulary logits of one position per row and step (never of every prompt position), and a prompt read
+    # once: each later step runs one new token through the model (the KV cache)
+    assert heads == [(2, 1, len(tokenizer))] * 3
+    assert bodies[1:] == [1, 1] and bodies[0] > 10
+    assert model.training  # handed back as it came

@@ -23,7 +23,7 @@ from gguf import (
     dequantize,
 )
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from tests.hub_cache import config_outcomes, hub_env, lay_out
 from tests.real_assets import real
@@ -35,7 +35,7 @@ from tunelab.errors import ConfigError
 from tunelab.export.gguf_writer import write_gguf
 from tunelab.infer.engine import load_engine
 from tunelab.infer.sampling import SamplingOptions
-from tunelab.model import gguf
+from tunelab.model import gguf, gguf_weights
 from tunelab.model.skeleton import vocab_size
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.preflight import load_config
@@ -89,7 +89,7 @@ def test_an_f32_gguf_loads_exactly_the_models_weights_and_a_q8_0_its_dequantized
     assert sorted(loaded) == sorted(expected)
     assert [name for name in expected if not torch.equal(loaded[name], expected[name])] == []
     # a dense model, saved like any other: no GGUF quantization marks left, the file as its name
-    assert (model.hf_quantizer, hasattr(model.config, "quantization_config")) == (None, False)
+    assert (getattr(model, "hf_quantizer", None), hasattr(model.config, "quantization_config")) == (None, False)
     assert model.name_or_path == str(files["f32"])
 
     q8 = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=torch.bfloat16)  # to the compute dtype
@@ -99,6 +99,35 @@ def test_an_f32_gguf_loads_exactly_the_models_weights_and_a_q8_0_its_dequantized
         want = dequantized(files["q8_0"], gguf_name)
         assert not torch.equal(want, expected[name])  # q8_0 did round the weights
         assert torch.equal(q8.state_dict()[name], want.to(torch.bfloat16))
+
+
+def test_the_tensor_by_tensor_load_equals_transformers_own_loader(files, monkeypatch):
+    # every matrix over 256 values in chunks of rows (the embedding), or whole where the Llama processor reorders it
+    # (q and k): the same weights as transformers' loader gives, in float32 and in bf16
+    monkeypatch.setattr(gguf_weights, "CHUNK_VALUES", 256)
+    chunked, asked = set(), gguf_weights._passes_through
+
+    def passes_through(*args):
+        answer = asked(*args)
+        if answer:
+            chunked.add(args[2])
+        return answer
+
+    monkeypatch.setattr(gguf_weights, "_passes_through", passes_through)
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = gguf.from_pretrained(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
+        theirs = gguf._from_pretrained_by_transformers(AutoModelForCausalLM, files["q8_0"], dtype=dtype).state_dict()
+        assert sorted(ours) == sorted(theirs)
+        assert [name for name in ours if not torch.equal(ours[name], theirs[name])] == []
+    assert "token_embd.weight" in chunked and "blk.0.ffn_up.weight" in chunked and "blk.0.attn_q.weight" not in chunked
+
+
+def test_a_reward_head_loads_on_a_gguf_backbone(files):
+    # stage rm's load: num_labels and pad_token_id are the config's, the new score head the only missing weight
+    model, info = gguf.from_pretrained(AutoModelForSequenceClassification, files["f32"], dtype=torch.float32,
+                                       num_labels=1, pad_token_id=0, output_loading_info=True)
+    assert (model.config.num_labels, model.config.pad_token_id) == (1, 0)
+    assert sorted(info["missing_keys"]) == ["score.weight"]
 
 
 def test_the_tokenizer_and_template_model_come_from_the_file(files):

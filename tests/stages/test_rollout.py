@@ -224,3 +224,18 @@ def test_shared_prompt_forward_applies_only_where_a_custom_mask_is_exact(tiny):
     assert not shared_prefix.applies(model, long)
     kept = select_rows(grouped, torch.tensor([False, False, True, True, False, False]))
     assert kept.group_size == 2 and kept.input_ids.shape[0] == 2  # whole groups stay grouped
+
+
+def test_a_rollout_computes_logits_for_the_last_position_only(tiny):
+    # GRPO's sampling: the group's shared prompt prefilled once, then generate, never full-vocabulary logits of
+    # every prompt position
+    model, tokenizer, stop_ids, prompt_ids = tiny
+    heads = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: heads.append(out.shape[1]))
+    try:
+        torch.manual_seed(0)
+        generate_rollout(model, tokenizer, prompt_ids, stop_ids, max_new_tokens=3, temperature=TEMPERATURE,
+                         pad_id=tokenizer.pad_token_id, group_size=2)
+    finally:
+        handle.remove()
+    assert heads and set(heads) == {1}

@@ -1,17 +1,19 @@
-"""GGUF files (llama.cpp, Ollama, LM Studio) as a model source, read through transformers' own GGUF support.
+"""GGUF files (llama.cpp, Ollama, LM Studio) as a model source, read with the gguf package and transformers' GGUF maps.
 
     model_name_or_path: models/SmolLM2-135M-Instruct.Q4_1.gguf      (or a folder / Hub id plus gguf_file: name.gguf)
       config time: model/folder.py resolves it to the file's path; `check_readable` reads its header: an architecture
                    or tensor type transformers cannot read is one line naming it and what can be read
-      load time:   `from_pretrained(auto_class, path, ...)`: transformers' `from_pretrained(folder, gguf_file=...)`,
-                   every weight dequantized (GgufConfig(dequantize=True)) and cast to the compute dtype; the config
-                   and tokenizer (chat template included) are rebuilt from the file's metadata
+      load time:   `from_pretrained(auto_class, path, ...)`: the model built from the config transformers rebuilds
+                   from the file's metadata, its weights dequantized tensor by tensor into the compute dtype
+                   (model/gguf_weights.py: peak RSS about the weights alone); the tokenizer (chat template included)
+                   comes from the metadata too
       run record:  `file_record`: the file's SHA-256 and quantization type (run_info.json `gguf`)
 
-After loading, the model is a plain dense model: the GGUF quantization marks transformers leaves on it (the config's
-quantization_config, the model's hf_quantizer) are removed, since they would make save_pretrained refuse and the
-Trainer treat it as a quantized model that cannot train. Its name_or_path is the file, so an adapter trained on it
-names the file as its base (adapter_config.json base_model_name_or_path) and chat / export find it again.
+After loading, the model is a plain dense model: the GGUF quantization marks transformers would leave on it (the
+config's quantization_config, the model's hf_quantizer) are removed or never set, since they would make
+save_pretrained refuse and the Trainer treat it as a quantized model that cannot train. Its name_or_path is the
+file, so an adapter trained on it names the file as its base (adapter_config.json base_model_name_or_path) and chat
+/ export find it again.
 
 Everything else in tunelab passes the path on unchanged: `pretrained_source` and `load_config` are the only places
 that split it into transformers' (folder, gguf_file) form. Writing GGUF files is export/gguf_writer.py's.
@@ -25,11 +27,13 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from transformers import AutoConfig, GgufConfig, PretrainedConfig
 
 from tunelab.errors import ConfigError, first_line
+from tunelab.model import gguf_weights
 from tunelab.run_folder import file_sha256
 
 SUFFIX = ".gguf"
@@ -56,21 +60,54 @@ def load_config(path: str | Path, trust_remote_code: bool = False) -> Pretrained
 
 
 def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
-    """auto_class.from_pretrained for a folder or a .gguf file. A GGUF loads dense: every tensor dequantized, then
-    cast to `dtype`, and the quantization marks removed (module docstring). With a bitsandbytes quantization_config
-    (QLoRA) the dense weights are then quantized as a folder's would be: transformers will not quantize while it
-    reads a GGUF, so the dense model is loaded first and its state dict handed to from_pretrained (both are held in
-    memory for that moment)."""
+    """auto_class.from_pretrained for a folder or a .gguf file. A GGUF loads dense, in `dtype`: its tensors are
+    dequantized one by one into a state dict (model/gguf_weights.py) that from_pretrained takes without a copy, so
+    the peak is about the weights alone. With a bitsandbytes quantization_config (QLoRA) from_pretrained quantizes
+    that state dict as it would a folder's weights."""
     source, extra = pretrained_source(path)
     if not extra:
         return auto_class.from_pretrained(source, **kwargs)
+    header = read_header(path)
+    architecture = str(header.string("general.architecture"))
+    if _converted_by_transformers(architecture):
+        return _from_pretrained_by_transformers(auto_class, path, **kwargs)
+    trust_remote_code = kwargs.pop("trust_remote_code", False)
+    config = kwargs.pop("config", None) or load_config(path, trust_remote_code)  # (a given config: RoPE scaled)
+    _drop_quantization_marks(config)
+    for key in [k for k in kwargs if k not in _LOADING_OPTIONS and hasattr(config, k)]:  # e.g. a reward head's
+        setattr(config, key, kwargs.pop(key))  # num_labels: from_pretrained hands a given config's to the model
+    dtype = kwargs.get("dtype")
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32  # (the file's blocks dequantize to float32)
+    with torch.device("meta"):  # the model's parameter names, no memory
+        skeleton = auto_class.from_config(config, trust_remote_code=trust_remote_code)
+    state_dict = gguf_weights.dense_state_dict(path, header.tensors, header.data_start, architecture, skeleton, dtype)
+    loaded = type(skeleton).from_pretrained(None, config=config, state_dict=state_dict, **{**kwargs, "dtype": dtype})
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    model.name_or_path = str(path)  # what an adapter trained on it names as its base
+    return loaded
+
+
+# from_pretrained's own options that a config also has an attribute of the same name for
+_LOADING_OPTIONS = frozenset({"dtype", "attn_implementation", "quantization_config", "use_kernels"})
+
+
+def _converted_by_transformers(architecture: str) -> bool:
+    """An architecture transformers reads through its own GGUF converter pipeline (lfm2, qwen3.5), not the legacy
+    loader whose name maps and tensor processors gguf_weights.py uses."""
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported  # noqa: PLC0415 - GGUF files only
+
+    return is_gguf_arch_supported(architecture)
+
+
+def _from_pretrained_by_transformers(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
+    """transformers' own GGUF loading, every weight dequantized (GgufConfig(dequantize=True)) and the quantization
+    marks removed; a QLoRA quantization_config then quantizes the dense state dict (both are held for that moment)."""
+    source, extra = pretrained_source(path)
     quantization_config = kwargs.pop("quantization_config", None)
     loaded = auto_class.from_pretrained(source, quantization_config=GgufConfig(dequantize=True), **extra, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     model.hf_quantizer = None
-    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
+    _drop_quantization_marks(model.config)
     if quantization_config is not None:
         state_dict, config, model_class = model.state_dict(), model.config, type(model)
         del model, loaded
@@ -79,20 +116,38 @@ def from_pretrained(auto_class: Any, path: str | Path, **kwargs: Any) -> Any:
         loaded = model_class.from_pretrained(None, config=config, state_dict=state_dict,
                                              quantization_config=quantization_config, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-    model.name_or_path = str(path)  # what an adapter trained on it names as its base
+    model.name_or_path = str(path)
     return loaded
+
+
+def _drop_quantization_marks(config: PretrainedConfig) -> None:
+    """The GGUF quantization_config a file's config carries would make save_pretrained refuse and the Trainer treat
+    the dense model as one that cannot train."""
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        if hasattr(part, "quantization_config"):
+            del part.quantization_config
 
 
 # ---- what the file holds ------------------------------------------------------------------------------------------
 
 
+class TensorEntry(NamedTuple):
+    """One tensor of the file's tensor table: where its data is and how it is stored."""
+
+    name: str
+    shape: tuple[int, ...]  # in torch order (ggml lists the fastest-moving dimension first)
+    ggml_type: int
+    offset: int  # from the start of the data section
+
+
 @dataclass(frozen=True)
 class Header:
     """What tunelab reads of a GGUF file without its tensor data: the metadata (numbers and strings; an array as its
-    length) and each tensor's ggml type and number of dimensions."""
+    length), the tensor table and where the tensor data begins."""
 
     metadata: dict[str, Any]
-    tensors: tuple[tuple[int, int], ...]  # (ggml type id, dimensions) per tensor
+    tensors: tuple[TensorEntry, ...]
+    data_start: int = 0
 
     def string(self, key: str) -> str | None:
         value = self.metadata.get(key)
@@ -151,12 +206,14 @@ def _parse_header(blob: mmap.mmap) -> Header:
         metadata[name], pos = value(kind, pos + 4)
     tensors = []
     for _ in range(tensor_count):
-        pos = string(pos)[1]
+        name, pos = string(pos)
         (dims,) = struct.unpack_from("<I", blob, pos)
-        (ggml_type,) = struct.unpack_from("<I", blob, pos + 4 + 8 * dims)
-        tensors.append((ggml_type, dims))
+        shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
+        ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+        tensors.append(TensorEntry(name, tuple(reversed(shape)), ggml_type, offset))
         pos += 4 + 8 * dims + 12
-    return Header(metadata, tuple(tensors))
+    alignment = metadata.get("general.alignment", 32)  # the data section starts at the next multiple of it
+    return Header(metadata, tuple(tensors), (pos + alignment - 1) // alignment * alignment)
 
 
 def vocab_size(path: str | Path) -> int | None:
@@ -185,7 +242,7 @@ def _require_gguf_package(path: str | Path) -> None:
 
 def tensor_types(header: Header) -> Counter[str]:
     """How many of the file's tensors are stored in each ggml type (F32, Q4_K, ...)."""
-    return Counter(_type_name(ggml_type) for ggml_type, _ in header.tensors)
+    return Counter(_type_name(entry.ggml_type) for entry in header.tensors)
 
 
 def quantization_type(header: Header) -> str:
@@ -199,7 +256,7 @@ def quantization_type(header: Header) -> str:
             return LlamaFileType(file_type).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             pass
-    matrices = Counter(_type_name(ggml_type) for ggml_type, dims in header.tensors if dims >= 2)
+    matrices = Counter(_type_name(entry.ggml_type) for entry in header.tensors if len(entry.shape) >= 2)
     return (matrices or tensor_types(header)).most_common(1)[0][0]
 
 
