@@ -320,7 +320,8 @@ class FinetuningArguments:
     reward_funcs: list[str] | None = _help(
         "grpo: reward functions, comma separated: built-ins exact_match (1 when the answer equals the dataset's "
         "reference), format (1 when it ends at the end-of-turn token with the reference's shape) and item_match (the "
-        "share of list items in the reference's positions), or your own "
+        "share of list items in the reference's positions), code_tests (runs the answer's code against the "
+        "reference, a program of assert statements, in a sandbox: the share that pass), or your own "
         "path/to/file.py:fn / package.module:fn with fn(prompts, completions, references) -> list[float].",
         default=None, applies=GRPO,
     )

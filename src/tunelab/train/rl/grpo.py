@@ -28,7 +28,7 @@ import torch
 
 from tunelab.train.rl import merged_sampling
 from tunelab.train.rl.losses import grpo_loss, group_advantages, high_entropy_mask, zero_spread_groups
-from tunelab.train.rl.rewards import RewardFunction, score_completions
+from tunelab.train.rl.rewards import RewardFunction, reward_run_stats, score_completions
 from tunelab.train.rl.rollout import (
     Rollout, completion_log_probs, generate_rollout, reference_log_probs, select_rows,
 )
@@ -88,6 +88,7 @@ class GRPO:
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
             "zero_spread_groups": zero_spread.float().mean(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in per_function.items()},
+            **reward_run_stats(self.rewards),
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
         })
