@@ -368,7 +368,14 @@ class FinetuningArguments:
     scale_rewards: Literal["group", "batch", "none"] = _help(
         "grpo: what the advantages (reward - group mean) are divided by: the group's reward std, the batch's, or "
         "none (Dr. GRPO).",
-        default="group", applies=GRPO,
+        default="group", applies=(GRPO, Applies("advantage_estimator", ("grpo",))),
+    )
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _help(
+        "grpo: how rewards become advantages (verl's adv_estimator names). grpo: reward - group mean, divided as "
+        "scale_rewards says; rloo: reward - the mean of the group's other rewards (RLOO); reinforce_plus_plus: each "
+        "token gets its completion's reward, whitened over the batch's tokens (REINFORCE++); "
+        "reinforce_plus_plus_baseline: the same after subtracting the group mean.",
+        default="grpo", applies=GRPO,
     )
     epsilon_high: float | None = _help(
         "grpo: upper clip range, the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher, "
