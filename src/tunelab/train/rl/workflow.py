@@ -1,9 +1,9 @@
 """The grpo and ppo workflow, top to bottom, and what it is made of.
 
 tokenizer + template → prompts (the shared pipeline, rendered with the generation prompt) → the
-stage's scorer (reward functions, or stage rm's model) → policy (+ adapters) and reference → [exact
-match before] → the loop (rl/loop.py with the stage's algorithm) → save → [exact match after] →
-metrics. Everything written lands in output_dir.
+stage's scorer (reward functions, or stage rm's model) → policy (+ adapters) and reference → [held-out
+greedy answers before: exact match, and grpo's reward functions] → the loop (rl/loop.py with the stage's
+algorithm) → save → [the same after] → metrics. Everything written lands in output_dir.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 from tunelab.config.args import RunConfig
 from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.templates import get_template
-from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_token_ids
+from tunelab.infer.generate import exact_match, generate_predictions, held_out_rows, stop_token_ids
 from tunelab.model.adapters import is_quantized
 from tunelab.model.load import count_parameters, load_model
 from tunelab.model.tokenizer import load_tokenizer
@@ -28,6 +28,7 @@ from tunelab import run_folder
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.rl.loop import RLLoop, build_accelerator
+from tunelab.train.rl.rewards import RewardFunction
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ def run_stage(
     metrics: dict = {"trainable_parameters": trainable, "total_parameters": total}
 
     rows = held_out_rows(prompts.eval_rows, config)
+    rewards = _held_out_rewards(scorer)
     if rows is not None:
-        metrics["exact_match_before"] = held_out_exact_match(model, tokenizer, template, rows, config)
+        metrics.update(held_out_metrics(model, tokenizer, template, rows, config, rewards, "before"))
 
     loop = RLLoop(config, accelerator, policy(model), prompts.train, ft.num_iterations)
     step = algorithm(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
@@ -72,12 +74,48 @@ def run_stage(
         after_save(loop)
 
     if rows is not None:
-        metrics["exact_match_after"] = held_out_exact_match(trained, tokenizer, template, rows, config)
+        metrics.update(held_out_metrics(trained, tokenizer, template, rows, config, rewards, "after"))
         logger.info(
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
         )
+        for function in rewards:
+            logger.info(
+                "%s of the greedy answers to %d held-out rows: mean %.3f before training → %.3f after; "
+                "scoring 1: %.1f%% → %.1f%%", function.name, len(rows), metrics[f"{function.name}_before"],
+                metrics[f"{function.name}_after"], 100 * metrics[f"{function.name}_solved_before"],
+                100 * metrics[f"{function.name}_solved_after"],
+            )
     finish(loop, metrics, config)
+    return metrics
+
+
+def _held_out_rewards(scorer) -> list[RewardFunction]:
+    """grpo's reward functions that the held-out greedy answers can be scored with: those that do not ask whether
+    an answer finished (greedy generation does not report it). ppo's reward model is not one."""
+    if not isinstance(scorer, list):
+        return []
+    return [f for f in scorer if isinstance(f, RewardFunction) and not f.wants_finished]
+
+
+def held_out_metrics(model, tokenizer, template, rows, config: RunConfig, rewards: list[RewardFunction],
+                     when: str) -> dict[str, float]:
+    """Greedy answers to the held-out rows, scored by exact match and by each reward function: its mean, and the
+    share of answers it scores 1 (code_tests: the share that pass every hidden test, pass@1)."""
+    predictions = generate_predictions(
+        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
+        batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
+    )
+    metrics = {f"exact_match_{when}": exact_match(predictions)}
+    prompts, answers = [p.prompt for p in predictions], [p.prediction for p in predictions]
+    references = [p.reference for p in predictions]
+    for function in rewards:
+        scores = function(prompts, answers, references, finished=[])
+        metrics[f"{function.name}_{when}"] = sum(scores) / max(len(scores), 1)
+        metrics[f"{function.name}_solved_{when}"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+        function_stats = getattr(function.fn, "pop_stats", None)
+        if function_stats is not None:
+            function_stats()  # the held-out runs are not the training log's
     return metrics
 
 
