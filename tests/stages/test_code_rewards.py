@@ -182,3 +182,28 @@ def test_without_namespaces_the_audit_hook_still_contains_the_run(name, monkeypa
     assert run(HOSTILE[name]).score == 0.0
     assert leftover_processes() == []
     assert run(RIGHT).score == 1.0
+
+
+def test_threads_asking_at_once_probe_the_isolation_once(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    probes = []
+    real_run = code_sandbox.subprocess.run
+
+    def counting_run(*args, **kwargs):
+        probes.append(args[0])
+        time.sleep(0.05)  # the probe takes a while: the other threads arrive meanwhile
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(code_sandbox.subprocess, "run", counting_run)
+    code_sandbox._probe_isolation.cache_clear()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            levels = set(pool.map(lambda _: code_sandbox.isolation(), range(4)))
+        single = len(probes)
+        code_sandbox._probe_isolation.cache_clear()
+        probes.clear()
+        code_sandbox.isolation()
+        assert len(levels) == 1 and single == len(probes)
+    finally:
+        code_sandbox._probe_isolation.cache_clear()

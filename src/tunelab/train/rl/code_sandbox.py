@@ -44,6 +44,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,9 +183,17 @@ def split_tests(tests: str) -> list[tuple[str, bool]]:
             for node in tree.body]
 
 
-@functools.lru_cache(maxsize=1)
+_PROBE_LOCK = threading.Lock()
+
+
 def isolation() -> tuple[str, tuple[str, ...]]:
     """(level, command prefix) of the strongest ISOLATIONS that works here (probed once), else ("audit", ())."""
+    with _PROBE_LOCK:  # the pool's threads ask at once: one probe, one log line
+        return _probe_isolation()
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_isolation() -> tuple[str, tuple[str, ...]]:
     unshare = shutil.which("unshare")
     for level, flags in ISOLATIONS if unshare else ():
         folder = tempfile.mkdtemp(prefix="tunelab-probe-")
@@ -196,7 +205,8 @@ def isolation() -> tuple[str, tuple[str, ...]]:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if probe.returncode == 0:
-            logger.info("code_tests: runs are isolated by %s (unshare %s)", level, " ".join(flags))
+            options = " ".join(flag for flag in flags if flag.startswith("--"))
+            logger.info("code_tests: runs are isolated by %s (unshare %s)", level, options)
             return level, (unshare, *flags)
     logger.warning(
         "code_tests: unshare cannot create network namespaces here; runs are kept off the network by an audit "

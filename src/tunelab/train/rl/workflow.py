@@ -64,6 +64,8 @@ def run_stage(
     rewards = _held_out_rewards(scorer)
     if rows is not None:
         metrics.update(held_out_metrics(model, tokenizer, template, rows, config, rewards, "before"))
+        logger.info("held-out greedy answers before training (%d rows): %s", len(rows),
+                    ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.endswith("_before")))
 
     loop = RLLoop(config, accelerator, policy(model), prompts.train, ft.num_iterations)
     step = algorithm(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
