@@ -52,9 +52,10 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 TIMEOUT_S = 5.0  # wall time per run: start-up of the child (~50 ms) plus the tests
-MEMORY_BYTES = 512 * 2**20  # address space of each process of a run
+MEMORY_BYTES = 256 * 2**20  # address space of each process of a run
 FILE_BYTES = 1 * 2**20  # the largest file a run may write, its captured output included
-MAX_FORKS = 4  # forks down one line of descent (a fork bomb stays at 2^4 processes)
+# Forks down one line of descent: a fork bomb stays at 2^2 processes, so a run holds at most 4 x MEMORY_BYTES.
+MAX_FORKS = 2
 GROUP_EXIT_POLLS = 500  # every 10 ms: up to 5 s for a killed run's processes to exit
 RESULT_FILE = ".tunelab_result"
 OUTPUT_FILE = "output.txt"
