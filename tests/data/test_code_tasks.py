@@ -75,3 +75,22 @@ def test_demo_code_is_registered():
     info = json.loads((Path(synthetic.__file__).parent / "dataset_info.json").read_text())
     assert info["demo_code"]["generator"] == info["demo_code_test"]["generator"] == "code"
     assert (info["demo_code"]["split"], info["demo_code_test"]["split"]) == ("train", "test")
+
+
+def test_composed_tasks_follow_every_clause_and_are_held_out_by_task():
+    rows = synthetic.generate("code_composed", "test", 12, seed=0)
+    for row in rows:
+        assert row["instruction"].startswith("Write a Python function `keep_change_combine(xs)` that keeps ")
+        assert "assert" not in row["instruction"]
+    # A solution written from the wording of one task, checked on that task's rows only.
+    prompt = ("Write a Python function `keep_change_combine(xs)` that keeps the numbers of the list xs that are "
+              "divisible by 3, multiplies each of them by 2 and returns their sum. Reply with the function in one "
+              "```python block.")
+    train = synthetic.generate("code_composed", "train", 3000, seed=0)
+    test = {row["instruction"] for row in synthetic.generate("code_composed", "test", 300, seed=0)}
+    assert not test & {row["instruction"] for row in train}
+    mine = [row for row in train + rows if row["instruction"] == prompt]
+    assert mine, "the task is drawn in 3,000 train rows"
+    solution = "def keep_change_combine(xs):\n    return sum(2 * x for x in xs if x % 3 == 0)"
+    reward = CodeTestsReward(CodeRunner(workers=2))
+    assert reward([""] * len(mine), [solution] * len(mine), [row["output"] for row in mine]) == [1.0] * len(mine)

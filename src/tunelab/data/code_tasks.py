@@ -12,6 +12,10 @@ alone: every row of a task has the same prompt).
                  assert sum_divisible([]) == 0
                  ...
 
+`code_composed` (COMPOSED_FAMILIES) asks for three steps in one function: keep some numbers, change each, combine
+them ("keeps the numbers of the list xs that are less than 2, subtracts 4 from each of them and returns how many
+of them are even"), each step one of three or four with its parameter: harder, for a model that solves `code`.
+
 The held-out split is by task, not by row: synthetic.split_of decides each task's split from its family and
 parameters, so a test task (divisible by 7, say) never appears in the train split with any inputs; its family
 does, with other parameters. The answer is a test program, not a solution: these rows are for code_tests, not
@@ -40,6 +44,7 @@ class Family:
     params: Callable[[random.Random], tuple]  # a random parameter tuple
     make_input: Callable[[random.Random], tuple]  # a random argument tuple
     solve: Callable[..., Any]  # (params, *args) → the expected value
+    lead: str = "returns "  # the prompt's verb before the description ("" when the description has its own)
 
 
 def _ints(rng: random.Random, low: int = -20, high: int = 20) -> tuple[list[int]]:
@@ -113,12 +118,47 @@ FAMILIES: tuple[Family, ...] = (
 )
 
 
+# Harder tasks (generator `code_composed`): keep some numbers, change each, combine them. Three choices of three
+# or four, each with its parameter: the model must follow every clause of the prompt.
+_KEEP = (("that are divisible by {}", lambda k, x: x % k == 0, (2, 5)),
+         ("that are greater than {}", lambda t, x: x > t, (-5, 5)),
+         ("that are less than {}", lambda t, x: x < t, (-5, 5)))
+_CHANGE = (("multiplies each of them by {}", lambda m, x: x * m, (2, 5)),
+           ("adds {} to each of them", lambda a, x: x + a, (1, 9)),
+           ("subtracts {} from each of them", lambda a, x: x - a, (1, 9)))
+_COMBINE = (("returns their sum", lambda _, ys: sum(ys), (0, 0)),
+            ("returns how many of them are even", lambda _, ys: sum(y % 2 == 0 for y in ys), (0, 0)),
+            ("returns the largest of them, or {} if there are none", lambda d, ys: max(ys, default=d), (-9, -1)),
+            ("returns the sum of their absolute values modulo {}", lambda p, ys: sum(abs(y) for y in ys) % p, (7, 13)))
+
+
+def _composed_params(rng: random.Random) -> tuple:
+    picks = (rng.randrange(len(_KEEP)), rng.randrange(len(_CHANGE)), rng.randrange(len(_COMBINE)))
+    steps = (_KEEP[picks[0]], _CHANGE[picks[1]], _COMBINE[picks[2]])
+    return tuple(x for pick, (_, _, (low, high)) in zip(picks, steps) for x in (pick, rng.randint(low, high)))
+
+
+def _composed_text(keep: int, k: int, change: int, c: int, combine: int, r: int) -> str:
+    return (f"keeps the numbers of the list xs {_KEEP[keep][0].format(k)}, {_CHANGE[change][0].format(c)} and "
+            f"{_COMBINE[combine][0].format(r)}")
+
+
+def _composed_solve(keep: int, k: int, change: int, c: int, combine: int, r: int, xs: list[int]):
+    changed = [_CHANGE[change][1](c, x) for x in xs if _KEEP[keep][1](k, x)]
+    return _COMBINE[combine][1](r, changed)
+
+
+COMPOSED_FAMILIES: tuple[Family, ...] = (
+    Family("keep_change_combine", "xs", _composed_text, _composed_params, _ints, _composed_solve, lead=""),
+)
+
+
 def task_key(family: Family, params: tuple) -> str:
     return f"{family.name}{params}"
 
 
 def prompt_of(family: Family, params: tuple) -> str:
-    return (f"Write a Python function `{family.name}({family.args})` that returns {family.describe(*params)}. "
+    return (f"Write a Python function `{family.name}({family.args})` that {family.lead}{family.describe(*params)}. "
             "Reply with the function in one ```python block.")
 
 
@@ -131,13 +171,14 @@ def hidden_tests(family: Family, params: tuple, rng: random.Random, count: int =
     return "\n".join(lines)
 
 
-def generate_rows(split: str, num_samples: int, seed: int, split_of: Callable[[str, str], str]) -> list[dict]:
+def generate_rows(split: str, num_samples: int, seed: int, split_of: Callable[[str, str], str],
+                  families: tuple[Family, ...] = FAMILIES) -> list[dict]:
     """`num_samples` alpaca rows of tasks in `split` (split_of(task, key): synthetic.py's rule)."""
-    rng = random.Random(f"code:{split}:{seed}")
+    rng = random.Random(f"code:{split}:{seed}:{families[0].name}")
     rows = []
     for _ in range(num_samples):
         for _ in range(MAX_TRIES_PER_ROW):
-            family = rng.choice(FAMILIES)
+            family = rng.choice(families)
             params = family.params(rng)
             if split_of("code", task_key(family, params)) == split:
                 break

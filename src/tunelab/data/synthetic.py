@@ -357,6 +357,8 @@ GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "preference": _preference,
     "shapes": _shapes,
     "code": lambda split, num_samples, seed: code_tasks.generate_rows(split, num_samples, seed, split_of),
+    "code_composed": lambda split, num_samples, seed: code_tasks.generate_rows(
+        split, num_samples, seed, split_of, code_tasks.COMPOSED_FAMILIES),
 }
 
 
