@@ -59,9 +59,31 @@ def test_grpo_trains_logs_and_saves(sft_model_dir, tmp_path, precision):
     assert model.config.vocab_size == 864
 
 
+@pytest.mark.slow
+def test_grpo_with_executed_rewards_and_rloo_trains_and_scores_the_held_out_answers(tmp_path):
+    # The embedded tiny model writes no Python: every run fails (0), the loop goes on, the log counts the runs and
+    # the results hold the held-out code_tests score before and after.
+    out = tmp_path / "grpo_code"
+    config = tmp_path / "grpo_code.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": "tiny", "stage": "grpo", "finetuning_type": "full", "template": "chatml",
+        "dataset": "demo_code", "max_samples": 8, "eval_dataset": "demo_code_test", "eval_generation": True,
+        "eval_generation_samples": 2, "cutoff_len": 128, "max_new_tokens": 6, "reward_funcs": "code_tests",
+        "advantage_estimator": "rloo", "num_generations": 2, "per_device_train_batch_size": 2, "max_steps": 1,
+        "logging_steps": 1, "seed": 0, "disable_tqdm": True, "plot_loss": False, "output_dir": str(out),
+    }))
+    assert main(["train", str(config)]) == 0
+    (record,) = read_log(out)
+    assert record["reward/code_tests"] == 0.0 and record["reward/code_tests/runs"] == 4.0
+    assert record["reward/code_tests/timeouts"] == 0.0
+    metrics = json.loads((out / "all_results.json").read_text())
+    assert metrics["code_tests_before"] == metrics["code_tests_solved_after"] == 0.0
+
+
 def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bool = False) -> GRPO:
     finetuning = SimpleNamespace(
         num_generations=2, kl_coef=0.0, epsilon=0.2, num_iterations=1, loss_type=loss_type, scale_rewards="none",
+        advantage_estimator="grpo",
         epsilon_high=None, importance_sampling_level="token", mask_truncated_completions=False,
         dynamic_sampling=dynamic_sampling, top_entropy_quantile=1.0, finetuning_type="full",
         rollout_merge_adapter=True,

@@ -90,7 +90,7 @@ def test_reward_function_errors(tmp_path):
     (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
     (tmp_path / "broken.py").write_text("raise RuntimeError('boom')\n")
     cases = {
-        "exact": "reward_funcs: 'exact' is not a built-in reward (exact_match, format, item_match); "
+        "exact": "reward_funcs: 'exact' is not a built-in reward (exact_match, format, item_match, code_tests); "
                  "name your own as path/to/file.py:function or package.module:function",
         "missing.py:fn": "reward_funcs: file missing.py does not exist; give a path relative to the working "
                          "directory or the config file",

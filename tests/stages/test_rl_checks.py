@@ -25,6 +25,10 @@ def test_grpo_and_ppo_configs_that_pass(tmp_path):
                               "loss_type": "dapo", "scale_rewards": "batch", "epsilon_high": "0.28",
                               "importance_sampling_level": "sequence", "mask_truncated_completions": "true",
                               "dynamic_sampling": "true", "top_entropy_quantile": "0.2"})
+    rloo = load_config(None, {"stage": "grpo", "template": "chatml", "dataset": "demo_sort",
+                              "output_dir": str(tmp_path / "b"), "reward_funcs": "code_tests",
+                              "advantage_estimator": "rloo"})
+    assert rloo.finetuning.advantage_estimator == "rloo"
     ft = grpo.finetuning
     assert ft.top_entropy_quantile == 0.2
     assert (ft.loss_type, ft.scale_rewards, ft.epsilon_high, ft.importance_sampling_level,
@@ -44,7 +48,8 @@ def test_rl_check_messages(tmp_path):
          "reward_funcs: stage grpo needs reward functions; set reward_funcs: exact_match,format (built-ins) or "
          "path/to/file.py:function"),
         ({"reward_funcs": "exact_match,accuracy"},
-         "reward_funcs: 'accuracy' is not a built-in reward (exact_match, format, item_match); name your own as "
+         "reward_funcs: 'accuracy' is not a built-in reward (exact_match, format, item_match, code_tests); "
+         "name your own as "
          "path/to/file.py:function or package.module:function"),
         ({"reward_funcs": "nowhere/rewards.py:score"},
          "reward_funcs: file nowhere/rewards.py does not exist; give a path relative to the working directory or "
@@ -81,6 +86,13 @@ def test_rl_check_messages(tmp_path):
          "epsilon_high only applies to stage grpo (got stage: sft): remove it"),
         ({"stage": "sft", "reward_funcs": None, "mask_truncated_completions": "true"},
          "mask_truncated_completions only applies to stage grpo (got stage: sft): remove it"),
+        ({"advantage_estimator": "rloo", "scale_rewards": "none"},
+         "scale_rewards only applies to advantage_estimator: grpo (got rloo): remove it"),
+        ({"advantage_estimator": "reinforce"},
+         "advantage_estimator: 'reinforce' is not one of grpo, rloo, reinforce_plus_plus, "
+         "reinforce_plus_plus_baseline"),
+        ({"stage": "sft", "reward_funcs": None, "advantage_estimator": "rloo"},
+         "advantage_estimator only applies to stage grpo (got stage: sft): remove it"),
         ({"stage": "dpo", "reward_funcs": None, "scale_rewards": "none"},
          "scale_rewards only applies to stage grpo (got stage: dpo): remove it"),
         ({"stage": "sft", "reward_funcs": None, "importance_sampling_level": "sequence"},

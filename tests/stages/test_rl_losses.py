@@ -7,8 +7,8 @@ import math
 import torch
 
 from tunelab.train.rl.losses import (
-    GRPO_LOSS_TYPES, clipped_value_loss, gae, grpo_loss, group_advantages, high_entropy_mask, kl_k3, masked_whiten,
-    zero_spread_groups,
+    ADVANTAGE_ESTIMATORS, GRPO_LOSS_TYPES, clipped_value_loss, estimate_advantages, gae, grpo_loss, group_advantages,
+    high_entropy_mask, kl_k3, masked_whiten, zero_spread_groups,
 )
 from tunelab.train.rl.ppo import token_rewards
 
@@ -21,6 +21,38 @@ def test_group_advantages_normalise_within_each_group():
     a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
     expected = torch.tensor([a, -a, -a, a, 0.0, 0.0, 0.0, 0.0])
     torch.testing.assert_close(group_advantages(rewards, 4), expected, rtol=0, atol=1e-7)
+
+
+def test_rloo_advantages_by_hand():
+    # G = 3. Group 1 [1, 0, 0]: 1 - (0 + 0) / 2, 0 - (1 + 0) / 2 twice. Group 2 [3, 1, 2]: 3 - 1.5, 1 - 2.5, 2 - 2.
+    # (grpo with scale_rewards none would give 2/3, -1/3, -1/3, 1, -1, 0.)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 1.0, 2.0])
+    mask = torch.ones(6, 2)
+    got = estimate_advantages("rloo", rewards, 3, mask)
+    torch.testing.assert_close(got, torch.tensor([1.0, -0.5, -0.5, 1.5, -1.5, 0.0]), rtol=0, atol=1e-6)
+
+
+def test_reinforce_plus_plus_advantages_by_hand():
+    # Rewards [1, 0 | 3, 1] (G = 2), completions of 2, 1, 1, 2 tokens. Each token's return is its completion's
+    # reward: 1 1 | 0 | 3 | 1 1, mean 7/6, population variance 29/36, so (return - 7/6) / (sqrt(29) / 6).
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    expected = torch.tensor([[-1.0, -1.0], [-7.0, 0.0], [11.0, 0.0], [-1.0, -1.0]]) / 6 / (math.sqrt(29) / 6 + 1e-4)
+    got = estimate_advantages("reinforce_plus_plus", rewards, 2, mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    # _baseline: the group means first, 0.5 -0.5 | 1 -1, then per token 0.5 0.5 | -0.5 | 1 | -1 -1: mean -1/12,
+    # population variance 89/144.
+    expected = torch.tensor([[7.0, 7.0], [-5.0, 0.0], [13.0, 0.0], [-11.0, -11.0]]) / 12 / (math.sqrt(89) / 12 + 1e-4)
+    got = estimate_advantages("reinforce_plus_plus_baseline", rewards, 2, mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_every_estimator_gives_zero_to_a_batch_of_equal_rewards_and_grpo_is_the_default_path():
+    rewards, mask = torch.full((4,), 0.7), torch.ones(4, 3)
+    for estimator in ADVANTAGE_ESTIMATORS:
+        assert estimate_advantages(estimator, rewards, 2, mask).abs().max() < 1e-5, estimator
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0])
+    torch.testing.assert_close(estimate_advantages("grpo", rewards, 2, mask, "none"), torch.tensor([0.5, -0.5, 0, 0]))
 
 
 def test_k3_kl_by_hand():

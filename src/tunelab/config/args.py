@@ -326,7 +326,8 @@ class FinetuningArguments:
     reward_funcs: list[str] | None = _help(
         "grpo: reward functions, comma separated: built-ins exact_match (1 when the answer equals the dataset's "
         "reference), format (1 when it ends at the end-of-turn token with the reference's shape) and item_match (the "
-        "share of list items in the reference's positions), or your own "
+        "share of list items in the reference's positions), code_tests (runs the answer's code against the "
+        "reference, a program of assert statements, in a sandbox: the share that pass), or your own "
         "path/to/file.py:fn / package.module:fn with fn(prompts, completions, references) -> list[float].",
         default=None, applies=GRPO,
     )
@@ -373,7 +374,14 @@ class FinetuningArguments:
     scale_rewards: Literal["group", "batch", "none"] = _help(
         "grpo: what the advantages (reward - group mean) are divided by: the group's reward std, the batch's, or "
         "none (Dr. GRPO).",
-        default="group", applies=GRPO,
+        default="group", applies=(GRPO, Applies("advantage_estimator", ("grpo",))),
+    )
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _help(
+        "grpo: how rewards become advantages (verl's adv_estimator names). grpo: reward - group mean, divided as "
+        "scale_rewards says; rloo: reward - the mean of the group's other rewards (RLOO); reinforce_plus_plus: each "
+        "token gets its completion's reward, whitened over the batch's tokens (REINFORCE++); "
+        "reinforce_plus_plus_baseline: the same after subtracting the group mean.",
+        default="grpo", applies=GRPO,
     )
     epsilon_high: float | None = _help(
         "grpo: upper clip range, the ratio is clipped to [1 - epsilon, 1 + epsilon_high] (DAPO's clip-higher, "

@@ -132,7 +132,8 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
 def _check_applicability(config: RunConfig, purpose: str) -> None:
     """Options set where they do not act (their `applies` metadata): LoRA options without LoRA always; stage
     options unless the command only serves the model."""
-    keys = ("finetuning_type",) if purpose == "serve" else ("finetuning_type", "stage", "pref_loss")
+    deciding = ("finetuning_type", "stage", "pref_loss", "advantage_estimator")
+    keys = ("finetuning_type",) if purpose == "serve" else deciding
     check_applicability([config.model, config.data, config.finetuning, config.generation], keys)
 
 

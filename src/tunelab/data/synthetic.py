@@ -14,6 +14,8 @@ Row formats:
   sharegpt    {"conversations": [{"from", "value"}...], "system"}   multiturn
   ranking     {"instruction", "input", "chosen", "rejected"}  preference
   alpaca + images  {"instruction": "<image>question", "input": "", "output", "images": [{"bytes", "path"}]}  shapes
+  alpaca, output = hidden tests  {"instruction", "input": "", "output": "assert f(...) == ..."}  code (code_tasks.py,
+                                 split by task)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tunelab.data import code_tasks
 from tunelab.errors import DataError
 
 SPLITS = ("train", "test")
@@ -353,6 +356,9 @@ GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "multiturn": _multiturn,
     "preference": _preference,
     "shapes": _shapes,
+    "code": lambda split, num_samples, seed: code_tasks.generate_rows(split, num_samples, seed, split_of),
+    "code_composed": lambda split, num_samples, seed: code_tasks.generate_rows(
+        split, num_samples, seed, split_of, code_tasks.COMPOSED_FAMILIES),
 }
 
 

@@ -46,7 +46,7 @@ from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.run_data import RunData, pack_rows
 from tunelab.data.templates import Template, get_template
 from tunelab.data.vision import save_processor_files, token_type_key, vision_collator, vision_inputs
-from tunelab.infer.generate import held_out_exact_match, held_out_rows, stop_token_ids
+from tunelab.infer.generate import exact_match, generate_predictions, held_out_rows, stop_token_ids
 from tunelab.model import skeleton
 from tunelab.model.resolve import resolve_dtype
 from tunelab.model.tokenizer import load_processor, load_tokenizer
@@ -126,18 +126,31 @@ class Recipe:
 
     def exact_match_before(self, model: nn.Module, rows, metrics: dict, vision=None) -> None:
         if rows is not None:
-            metrics["exact_match_before"] = held_out_exact_match(model, self.tokenizer, self.template, rows,
-                                                                 self.config, vision)
+            metrics.update(self.held_out_scores(model, rows, "before", vision))
 
     def exact_match_after(self, model: nn.Module, rows, metrics: dict, vision=None) -> None:
         if rows is None:
             return
-        metrics["exact_match_after"] = held_out_exact_match(model, self.tokenizer, self.template, rows, self.config,
-                                                            vision)
+        metrics.update(self.held_out_scores(model, rows, "after", vision))
         logger.info(
             "exact match on %d held-out rows: %.1f%% before training → %.1f%% after",
             len(rows), 100 * metrics["exact_match_before"], 100 * metrics["exact_match_after"],
         )
+
+    def held_out_scores(self, model: nn.Module, rows, when: str, vision=None) -> dict[str, float]:
+        """Greedy answers to `rows` with the run's generation settings, scored: exact match, then what the stage
+        adds (score_answers)."""
+        config = self.config
+        predictions = generate_predictions(
+            model, self.tokenizer, self.template, rows, max_new_tokens=config.generation.max_new_tokens,
+            batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
+            vision=vision,
+        )
+        return {f"exact_match_{when}": exact_match(predictions), **self.score_answers(predictions, when)}
+
+    def score_answers(self, predictions, when: str) -> dict[str, float]:
+        """The stage's own scores of the held-out greedy answers beside exact match (none here)."""
+        return {}
 
     # ---- the rows: conversations, as sft trains on them (pt and the pair stages read their own) ----------------
 
@@ -358,8 +371,11 @@ class RLRecipe(Recipe):
 
     tokenizer + template → prompts (the shared pipeline, rendered with the generation prompt) → the stage's scorer →
     policy (+ adapters) and reference → [exact match before] → the loop (rl/loop.py with the stage's algorithm) →
-    save → [exact match after] → metrics. `tunelab data` reads their rows as sft does (each prompt with its
+    save → [exact match after] → metrics. The held-out greedy answers are also scored by the reward functions that
+    can score them (code_tests: pass@1 before → after). `tunelab data` reads their rows as sft does (each prompt with its
     reference answer, which held-out exact match compares with)."""
+
+    _held_out_rewards: tuple = ()  # the reward functions score_answers uses, chosen in run()
 
     def encode(self, data_args) -> DatasetBundle:
         # A ranking set's rows (an eval set, say) hold their reference as the chosen answer: it is their last turn.
@@ -385,6 +401,12 @@ class RLRecipe(Recipe):
     def after_save(self, loop) -> None:
         """What the stage saves beside the model."""
 
+    def score_answers(self, predictions, when: str) -> dict[str, float]:
+        """The reward functions' scores of the held-out greedy answers (code_tests: pass@1), set by run()."""
+        from tunelab.train.rl import workflow  # noqa: PLC0415  (as in run())
+
+        return workflow.reward_metrics(predictions, self._held_out_rewards, when)
+
     def run(self) -> dict:
         # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
         from tunelab.model.adapters import is_quantized  # noqa: PLC0415
@@ -399,6 +421,7 @@ class RLRecipe(Recipe):
         prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed)
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
         scorer = self.scorer(accelerator.device)
+        self._held_out_rewards = workflow.held_out_rewards(scorer)
 
         model = self.model()
         if not is_quantized(model):  # bitsandbytes places quantized weights itself and refuses .to()
@@ -415,6 +438,8 @@ class RLRecipe(Recipe):
         trained = workflow.save_policy(loop, tokenizer, template, config)
         self.after_save(loop)
         self.exact_match_after(trained, rows, metrics)
+        if rows is not None:
+            workflow.log_reward_metrics(self._held_out_rewards, metrics, len(rows))
         workflow.finish(loop, metrics, config)
         return metrics
 

@@ -5,7 +5,9 @@ Per batch of B prompts:
   1. sample G = num_generations completions of each prompt (B·G rows, group by group);
   2. reward each: the weighted sum of the reward functions (rewards.py);
   3. advantage of each completion: (reward - group mean) / (group std + 1e-4), one per completion,
-     shared by all its tokens (scale_rewards: the batch's std, or none);
+     shared by all its tokens (scale_rewards: the batch's std, or none); advantage_estimator picks another
+     estimator by verl's names: rloo (leave-one-out baseline), reinforce_plus_plus (per token, whitened over
+     the batch), reinforce_plus_plus_baseline (the same after the group mean) (losses.estimate_advantages);
   4. loss: per token -min(ratio·A, clip(ratio, 1 - ε, 1 + ε_high)·A) + kl_coef·k3(policy ‖ reference),
      reduced as loss_type says (grpo, dapo, dr_grpo, bnpo: losses.grpo_loss); the ratio per token or,
      with importance_sampling_level sequence (GSPO), per completion.
@@ -27,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from tunelab.train.rl import merged_sampling
-from tunelab.train.rl.losses import grpo_loss, group_advantages, high_entropy_mask, zero_spread_groups
-from tunelab.train.rl.rewards import RewardFunction, score_completions
+from tunelab.train.rl.losses import estimate_advantages, grpo_loss, high_entropy_mask, zero_spread_groups
+from tunelab.train.rl.rewards import RewardFunction, reward_run_stats, score_completions
 from tunelab.train.rl.rollout import (
     Rollout, completion_log_probs, generate_rollout, reference_log_probs, select_rows,
 )
@@ -41,7 +43,7 @@ ZERO_SPREAD_WARN_AFTER = 3  # rounds in a row in which no group had any reward s
 @dataclass
 class GRPOBatch:
     rollout: Rollout
-    advantages: torch.Tensor  # B·G, one per completion
+    advantages: torch.Tensor  # B·G, one per completion; B·G × C per token (the reinforce_plus_plus estimators)
     loss_mask: torch.Tensor  # B·G × C: the completion mask, less truncated completions (mask_truncated_completions)
     # and, with dynamic_sampling, empty when every group of the batch had zero spread
     all_zero_spread: bool  # every group's rewards are equal: this batch teaches nothing
@@ -57,6 +59,7 @@ class GRPO:
         self.num_iterations = ft.num_iterations
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
         self.loss_type, self.scale_rewards, self.epsilon_high = ft.loss_type, ft.scale_rewards, ft.epsilon_high
+        self.advantage_estimator = ft.advantage_estimator
         self.importance_sampling_level, self.mask_truncated = ft.importance_sampling_level, ft.mask_truncated_completions
         self.dynamic_sampling, self.top_entropy_quantile = ft.dynamic_sampling, ft.top_entropy_quantile
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
@@ -88,6 +91,7 @@ class GRPO:
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
             "zero_spread_groups": zero_spread.float().mean(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in per_function.items()},
+            **reward_run_stats(self.rewards),
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
         })
@@ -109,7 +113,8 @@ class GRPO:
             loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
         if self.dynamic_sampling and all_zero_spread:
             loss_mask = torch.zeros_like(loss_mask)
-        advantages = group_advantages(rewards, self.group_size, self.scale_rewards)
+        advantages = estimate_advantages(self.advantage_estimator, rewards, self.group_size, loss_mask,
+                                         self.scale_rewards)
         return GRPOBatch(rollout, advantages, loss_mask, all_zero_spread, old, ref)
 
     def begin_round(self, batches: list[GRPOBatch]) -> None:

@@ -46,6 +46,51 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return centred.reshape(-1)
 
 
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # verl's names
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each reward minus the mean of the other G - 1 rewards of its group,
+    which is G / (G - 1) · (reward - group mean). Not divided by any spread. One per completion."""
+    grouped = rewards.view(-1, group_size)
+    others = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, group_size: int | None = None, eps: float = 1e-4
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, as verl computes it with gamma 1): every token of a completion gets its reward as
+    its return, and the returns are whitened over all masked tokens of the batch: (return - mean) / (std + eps),
+    population std, so a long completion weighs in the statistics by its tokens. With group_size
+    (verl's reinforce_plus_plus_baseline) each reward first loses its group's mean. Per token: N × C, 0 off
+    the mask."""
+    if group_size is not None:
+        grouped = rewards.view(-1, group_size)
+        rewards = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+    # Statistics in float64: equal rewards must give 0, not float32's rounding of their mean divided by eps.
+    returns, weights = rewards[:, None].double().expand_as(mask), mask.double()
+    mean = masked_mean(returns, weights)
+    std = masked_mean((returns - mean) ** 2, weights).sqrt()
+    return ((returns - mean) / (std + eps) * weights).to(mask.dtype)
+
+
+def estimate_advantages(
+    estimator: str, rewards: torch.Tensor, group_size: int, mask: torch.Tensor, scale: str = "group"
+) -> torch.Tensor:
+    """The advantages `estimator` (option advantage_estimator) gives: one per completion (grpo, rloo) or one
+    per token (the reinforce_plus_plus pair). `scale` (scale_rewards) acts on grpo only."""
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, scale)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, group_size)
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(rewards, mask)
+    if estimator == "reinforce_plus_plus_baseline":
+        return reinforce_plus_plus_advantages(rewards, mask, group_size)
+    raise ValueError(f"unknown advantage_estimator {estimator!r} ({', '.join(ADVANTAGE_ESTIMATORS)})")
+
+
 def zero_spread_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per group, whether all its rewards are equal (bool, one per group): such a group has advantage 0
     whatever the scaling, so it adds nothing to the policy gradient."""

@@ -10,23 +10,32 @@ A reward function scores a batch of completions:
 
 A function that also names a parameter `finished` (or takes **kwargs) receives
 `finished: list[bool]`: whether each completion ended at the end-of-turn token rather than at
-max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`), `path/to/file.py:fn`
+max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`, `code_tests`),
+`path/to/file.py:fn`
 or `package.module:fn` (imported by the opt-in rule of tunelab/user_code.py); `reward_weights` weighs
 them (default 1 each), and a completion's reward is the weighted sum.
+
+A reward function may also have `pop_stats() -> dict[str, float]`: counts of what happened since the last call
+(code_tests: timeouts and crashes), logged as reward/<name>/<key>.
 
 This module owns naming, loading and calling reward functions; it knows nothing of models or tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunelab.errors import ConfigError
+from tunelab.errors import ConfigError, DataError
+from tunelab.train.rl.code_sandbox import CodeRunner, extract_code, split_tests
 from tunelab.user_code import import_user_module, is_user_spec, split_user_spec
+
+logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -70,9 +79,60 @@ def item_match_reward(prompts: list[str], completions: list[str], references: li
     return scores
 
 
+class CodeTestsReward:
+    """Executed reward: the completion's code (its first ```python block, else the whole text) runs against the
+    row's hidden tests, its reference answer: a Python program of assert statements (data/code_tasks.py writes
+    them). The score is the share of the asserts that pass; a run that times out or crashes scores 0
+    (code_sandbox.py says what a run may do). Runs go to a pool of child processes, one per CPU core."""
+
+    def __init__(self, runner: CodeRunner | None = None):
+        self._runner = runner
+        self.stats = {"runs": 0, "timeouts": 0, "crashes": 0}
+
+    @property
+    def runner(self) -> CodeRunner:
+        if self._runner is None:  # made when first scoring: loading a config must not start threads
+            self._runner = CodeRunner()
+        return self._runner
+
+    def __call__(self, prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+        jobs = [(extract_code(completion), _parsed_tests(reference))
+                for completion, reference in zip(completions, references)]
+        results = self.runner.run_many(jobs)
+        timeouts = sum(r.status == "timeout" for r in results)
+        crashes = sum(r.status == "crash" for r in results)
+        self.stats["runs"] += len(results)
+        self.stats["timeouts"] += timeouts
+        self.stats["crashes"] += crashes
+        if timeouts or crashes:
+            logger.info("code_tests: %d of %d runs timed out, %d crashed (each scored 0)",
+                        timeouts, len(results), crashes)
+        return [r.score for r in results]
+
+    def pop_stats(self) -> dict[str, float]:
+        stats, self.stats = self.stats, {"runs": 0, "timeouts": 0, "crashes": 0}
+        return {key: float(value) for key, value in stats.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_tests(reference: str) -> list[tuple[str, bool]]:
+    try:
+        tests = split_tests(reference)
+    except SyntaxError as error:
+        raise DataError(
+            f"code_tests: a row's reference answer is not a Python test program (line {error.lineno}: {error.msg}): "
+            f"{reference[:80]!r}; code_tests reads each row's answer as the assert statements its code must pass"
+        ) from None
+    if not any(is_assert for _, is_assert in tests):
+        raise DataError(f"code_tests: a row's reference answer has no assert statement: {reference[:80]!r}")
+    return tests
+
+
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward, "format": format_reward, "item_match": item_match_reward,
 }
+# Built-ins that keep state (a process pool, counts): one instance per run, made when resolved.
+STATEFUL_REWARDS: dict[str, Callable[[], RewardFn]] = {"code_tests": CodeTestsReward}
 
 
 @dataclass(frozen=True)
@@ -108,9 +168,11 @@ def resolve_reward_fn(spec: str, base_dir: str | Path | None = None) -> RewardFn
     ConfigError naming the fix otherwise."""
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
+    if spec in STATEFUL_REWARDS:
+        return STATEFUL_REWARDS[spec]()
     if not is_user_spec(spec):
         raise ConfigError(
-            f"reward_funcs: '{spec}' is not a built-in reward ({', '.join(BUILTIN_REWARDS)}); "
+            f"reward_funcs: '{spec}' is not a built-in reward ({', '.join([*BUILTIN_REWARDS, *STATEFUL_REWARDS])}); "
             "name your own as path/to/file.py:function or package.module:function"
         )
     where, name = split_user_spec(spec)
@@ -144,3 +206,13 @@ def score_completions(
         sum(f.weight * per_function[f.name][i] for f in functions) for i in range(len(completions))
     ]
     return totals, per_function
+
+
+def reward_run_stats(functions: Sequence[RewardFunction]) -> dict[str, float]:
+    """What the functions that count things (pop_stats) counted since the last call, as reward/<name>/<key>."""
+    stats = {}
+    for function in functions:
+        pop = getattr(function.fn, "pop_stats", None)
+        if pop is not None:
+            stats.update({f"reward/{function.name}/{key}": value for key, value in pop().items()})
+    return stats

@@ -1,5 +1,6 @@
 """What the generating stages' workflow (train/recipe.py's RLRecipe: grpo, ppo) is made of besides the loop: the
-reference model, saving the policy, the run's closing metrics. Everything written lands in output_dir."""
+reference model, the reward scores of held-out greedy answers, saving the policy, the run's closing metrics.
+Everything written lands in output_dir."""
 
 from __future__ import annotations
 
@@ -13,8 +14,43 @@ from tunelab import run_folder
 from tunelab.config.args import RunConfig
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
+from tunelab.train.rl.rewards import RewardFunction
 
 logger = logging.getLogger(__name__)
+
+
+def held_out_rewards(scorer) -> list[RewardFunction]:
+    """The reward functions that held-out greedy answers can be scored with: those that do not ask whether an answer
+    finished (greedy generation does not report it). A reward model (ppo's scorer) is not one."""
+    if not isinstance(scorer, list):
+        return []
+    return [f for f in scorer if isinstance(f, RewardFunction) and not f.wants_finished]
+
+
+def reward_metrics(predictions, rewards: list[RewardFunction], when: str) -> dict[str, float]:
+    """Each reward function's mean over the greedy answers, and the share it scores 1 (code_tests: the share that
+    pass every hidden test, pass@1)."""
+    prompts, answers = [p.prompt for p in predictions], [p.prediction for p in predictions]
+    references = [p.reference for p in predictions]
+    metrics = {}
+    for function in rewards:
+        scores = function(prompts, answers, references, finished=[])
+        metrics[f"{function.name}_{when}"] = sum(scores) / max(len(scores), 1)
+        metrics[f"{function.name}_solved_{when}"] = sum(s >= 1.0 for s in scores) / max(len(scores), 1)
+        function_stats = getattr(function.fn, "pop_stats", None)
+        if function_stats is not None:
+            function_stats()  # the held-out runs are not the training log's
+    return metrics
+
+
+def log_reward_metrics(rewards: list[RewardFunction], metrics: dict, rows: int) -> None:
+    for function in rewards:
+        name = function.name
+        logger.info(
+            "%s of the greedy answers to %d held-out rows: mean %.3f before training → %.3f after; scoring 1: "
+            "%.1f%% → %.1f%%", name, rows, metrics[f"{name}_before"], metrics[f"{name}_after"],
+            100 * metrics[f"{name}_solved_before"], 100 * metrics[f"{name}_solved_after"],
+        )
 
 
 def build_reference(model: nn.Module, kl_coef: float, device) -> nn.Module | None:
