@@ -18,7 +18,7 @@ A snapshot folder names its repo and commit (…/models--org--name/snapshots/<co
 folder is all the rest of tunelab carries: `snapshot_of` reads the repo id and commit back for the run's
 records. Custom modelling code (*.py) is fetched only with trust_remote_code; pickle weights (*.bin) only with
 allow_pickle_weights. Dataset repos (dataset_info.json `hf_hub_url`) come through `fetch_dataset`; choosing
-their files is data/registry.py's. Every failure is one line naming the key, the repo and the fix.
+their files is data/hub_datasets.py's. Every failure is one line naming the key, the repo and the fix.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from tunelab.data import pipeline
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import to_canonical
 from tunelab.data.pipeline import LARGE_SET_ROWS, encode_dataset, encode_workers
-from tunelab.data.registry import load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import load_registry
 from tunelab.data.templates import get_template
 
 

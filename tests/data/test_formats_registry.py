@@ -13,7 +13,8 @@ from tests.official import official_render
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import ConversionStats, template_messages, to_canonical
 from tunelab.data.pairwise import PairwiseEncoder
-from tunelab.data.registry import DatasetSpec, load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import DatasetSpec, load_registry
 from tunelab.data.templates import get_template
 from tunelab.errors import ConfigError, DataError
 

@@ -105,7 +105,8 @@ def test_hub_datasets_read_from_the_cache(tmp_path):
     folder = registry(tmp_path / "data", entries)
     outcomes = run_python(f"""
 import json
-from tunelab.data.registry import describe, load_registry, load_rows, resolve_files
+from tunelab.data.dataset_files import describe, load_rows, resolve_files
+from tunelab.data.registry import load_registry
 from tunelab.errors import TunelabError
 
 specs = load_registry({str(folder)!r})

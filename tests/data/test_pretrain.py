@@ -18,7 +18,8 @@ import pytest
 from tunelab.config.args import DataArguments
 from tunelab.data import pretrain
 from tunelab.data.pretrain import build_pretrain_datasets, plan_windows
-from tunelab.data.registry import load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import load_registry
 from tunelab.errors import ConfigError, DataError
 
 EOS = 2

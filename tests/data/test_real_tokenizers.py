@@ -526,8 +526,9 @@ def write_dataset(folder: Path, rows: list[dict[str, Any]]) -> Path:
 def test_a_row_the_template_cannot_train_is_one_line_naming_it(tmp_path, case_name: str, name: str) -> None:
     # The conversion path every row takes (formats._Converter, as datasets.map runs it in to_canonical): the row is
     # left out with its reason and the one-line message that names its file and line.
+    from tunelab.data.dataset_files import load_rows  # noqa: PLC0415
     from tunelab.data.formats import _Converter  # noqa: PLC0415
-    from tunelab.data.registry import load_registry, load_rows  # noqa: PLC0415
+    from tunelab.data.registry import load_registry  # noqa: PLC0415
 
     path = write_dataset(tmp_path, [CONVERSATIONS["chat"], CONVERSATIONS[name]])
     spec = load_registry(str(tmp_path))["r"]

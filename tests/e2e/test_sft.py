@@ -16,7 +16,8 @@ from tunelab.cli import main
 from tunelab.data.collate import SupervisedCollator
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import to_canonical
-from tunelab.data.registry import load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import load_registry
 from tunelab.data.templates import get_template
 from tunelab.run_folder import read_log
 from tunelab.train.losses import causal_lm_loss

@@ -18,7 +18,8 @@ from tunelab.config.args import DataArguments
 from tunelab.data.collate import PairedCollator
 from tunelab.data.formats import to_canonical
 from tunelab.data.pairwise import preference_encoder
-from tunelab.data.registry import load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import load_registry
 from tunelab.data.templates import get_template
 from tunelab.model.reward import load_reward_model
 from tunelab.run_folder import read_log

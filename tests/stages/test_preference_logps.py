@@ -20,7 +20,8 @@ from tunelab.data.collate import PackedCollator, PaddingFreeCollator, PairedColl
 from tunelab.data.encode import IGNORE_INDEX
 from tunelab.data.formats import to_canonical
 from tunelab.data.pairwise import PAIR_COLUMNS, preference_encoder
-from tunelab.data.registry import load_registry, load_rows
+from tunelab.data.dataset_files import load_rows
+from tunelab.data.registry import load_registry
 from tunelab.data.templates import get_template
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.preference_trainer import (

@@ -30,7 +30,8 @@ import datasets
 
 from tunelab import __version__
 from tunelab.data.pipeline import DatasetBundle
-from tunelab.data.registry import _generator_module, load_registry, resolve_files
+from tunelab.data.dataset_files import generator_module, resolve_files
+from tunelab.data.registry import load_registry
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def files_fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
 def generator_fingerprint(spec) -> str:
     """sha256 of the source file of the module that generates a generator dataset's rows."""
 
-    return hashlib.sha256(Path(_generator_module(spec).__file__).read_bytes()).hexdigest()
+    return hashlib.sha256(Path(generator_module(spec).__file__).read_bytes()).hexdigest()
 
 
 def fingerprint(inputs: dict[str, Any]) -> str:

@@ -1,6 +1,6 @@
 """A built-in plain-text corpus for pretraining the tiny model (stage pt): `"generator": "corpus"`.
 
-This module owns the `corpus` generator that registry.py resolves beside synthetic.py's task
+This module owns the `corpus` generator that dataset_files.py runs beside synthetic.py's task
 generators. Rows are `{"text": document}`; a document is a few English-like sentences about the
 synthetic tasks (reversing letters, sorting and adding numbers), drawn from a small grammar so the
 tiny model's loss falls within a few steps. Deterministic: the same (split, num_samples, seed)

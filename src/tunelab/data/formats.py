@@ -51,9 +51,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tunelab.data.registry import (
-    IMAGE_COLUMN, UNSUPPORTED_MEDIA_COLUMNS, DatasetSpec, RowLocator, describe_files, resolve_files,
-)
+from tunelab.data.dataset_files import RowLocator, describe_files, resolve_files
+from tunelab.data.registry import IMAGE_COLUMN, UNSUPPORTED_MEDIA_COLUMNS, DatasetSpec
 from tunelab.errors import DataError, TemplateError
 
 if TYPE_CHECKING:

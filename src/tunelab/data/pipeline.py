@@ -34,7 +34,8 @@ from tunelab.data.encode import (
 )
 from tunelab.data.formats import IDENTICAL_PAIR, to_canonical
 from tunelab.data.packing import log_packing, pack_dataset
-from tunelab.data.registry import describe, describe_files, load_registry, load_rows
+from tunelab.data.dataset_files import describe, describe_files, load_rows
+from tunelab.data.registry import load_registry
 from tunelab.data.templates import Template
 from tunelab.data.trainable import TrainableRow
 from tunelab.data.vision import VisionEncoder
@@ -52,7 +53,7 @@ class DatasetBundle:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-UNREADABLE_LINE = "unreadable_line"  # skip reason of JSON-lines lines that do not parse (registry.load_rows)
+UNREADABLE_LINE = "unreadable_line"  # skip reason of JSON-lines lines that do not parse (dataset_files.load_rows)
 
 
 def _load_canonical(

@@ -67,7 +67,8 @@ from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, _Tokens
 from tunelab.config.metric_names import VAL_SPLIT_NAME
 from tunelab.data.pipeline import DatasetBundle, _mix, split_validation
-from tunelab.data.registry import DatasetSpec, describe, load_registry, load_rows
+from tunelab.data.dataset_files import describe, load_rows
+from tunelab.data.registry import DatasetSpec, load_registry
 from tunelab.errors import ConfigError, DataError
 
 logger = logging.getLogger(__name__)

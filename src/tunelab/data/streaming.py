@@ -72,7 +72,8 @@ from tunelab.data.pretrain import (
     TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, _keep_document, _load_documents, _packed_report,
     _window_report, document_bos_id, resolve_text_columns,
 )
-from tunelab.data.registry import FILE_TYPES, DatasetSpec, check_utf8, describe, load_registry, load_rows, resolve_files
+from tunelab.data.dataset_files import check_utf8, describe, load_rows, resolve_files
+from tunelab.data.registry import FILE_TYPES, DatasetSpec, load_registry
 from tunelab.data.trainable import TrainableRow
 from tunelab.errors import ConfigError, DataError
 
@@ -130,7 +131,7 @@ def plan_shards(
 
 
 def stream_rows(spec: DatasetSpec, files: tuple[str, ...], data_args: DataArguments) -> datasets.IterableDataset:
-    """Raw rows of one part, as registry.load_rows gives them (num_samples, then max_samples), read lazily."""
+    """Raw rows of one part, as dataset_files.load_rows gives them (num_samples, then max_samples), read lazily."""
     if spec.generator:  # built in memory by design (small); streamed for uniformity
         rows = load_rows(spec).to_iterable_dataset()
     else:
