@@ -30,7 +30,7 @@ from tunelab.config import stages
 from tunelab.config.stages import Stage, stage_row
 
 # The toy's recipe: sft's rows and Trainer (SupervisedRecipe); what differs is one held-out metric beside exact match.
-TOY_MODULE = '''"""A toy supervised stage: the conversations and token loss of sft, its held-out answers also scored by length."""
+TOY_MODULE = '''"""A toy supervised stage: sft's rows and token loss; its held-out answers also scored by length."""
 
 from tunelab import run_folder
 from tunelab.data.cache import cached_bundle
@@ -71,7 +71,8 @@ TOY_CONFIG = {
     "model_name_or_path": "tiny", "stage": "toy", "finetuning_type": "full", "template": "chatml",
     "dataset": "demo_sort", "max_samples": 24, "val_size": 4, "cutoff_len": 64, "per_device_train_batch_size": 4,
     "per_device_eval_batch_size": 4, "max_steps": 2, "logging_steps": 1, "eval_generation": True,
-    "eval_generation_samples": 2, "max_new_tokens": 4, "report_to": "none", "bf16": False, "disable_tqdm": True, "plot_loss": False,
+    "eval_generation_samples": 2, "max_new_tokens": 4, "report_to": "none", "bf16": False,
+    "disable_tqdm": True, "plot_loss": False,
 }
 
 
