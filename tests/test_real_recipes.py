@@ -27,7 +27,9 @@ def test_each_recipe_names_its_gguf_file_in_the_cache(recipe, item):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["qwen2.5-coder-0.5b_sft_lora", "qwen2.5-coder-1.5b_sft_lora"])
+# The 1.5B recipe differs only in its file (the same tokenizer and template) and its config parse costs the suite
+# about two minutes more: the test above checks the file it names.
+@pytest.mark.parametrize("recipe", ["qwen2.5-coder-0.5b_sft_lora"])
 def test_the_qwen_recipes_pass_data_verify_with_the_real_file(recipe, tmp_path, capsys):
     path = real(RECIPES[recipe])
     assert main(["data", "verify", str(EXAMPLES / f"{recipe}.yaml"), f"model_name_or_path={path}",
