@@ -114,10 +114,15 @@ def held_out_rows(eval_rows: dict, config):
     return rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
 
 
-def held_out_exact_match(model, tokenizer, template: Template, rows, config, vision=None) -> float:
-    """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
-    return exact_match(generate_predictions(
+def held_out_predictions(model, tokenizer, template: Template, rows, config, vision=None) -> list[Prediction]:
+    """Greedy answers to `rows` with the run's generation settings (config: a RunConfig)."""
+    return generate_predictions(
         model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
         batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
         vision=vision,
-    ))
+    )
+
+
+def held_out_exact_match(model, tokenizer, template: Template, rows, config, vision=None) -> float:
+    """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
+    return exact_match(held_out_predictions(model, tokenizer, template, rows, config, vision))

@@ -46,7 +46,7 @@ from tunelab.data.prompts import build_prompt_datasets
 from tunelab.data.run_data import RunData, pack_rows
 from tunelab.data.templates import Template, get_template
 from tunelab.data.vision import save_processor_files, token_type_key, vision_collator, vision_inputs
-from tunelab.infer.generate import exact_match, generate_predictions, held_out_rows, stop_token_ids
+from tunelab.infer.generate import exact_match, held_out_predictions, held_out_rows, stop_token_ids
 from tunelab.model import skeleton
 from tunelab.model.resolve import resolve_dtype
 from tunelab.model.tokenizer import load_processor, load_tokenizer
@@ -140,12 +140,7 @@ class Recipe:
     def held_out_scores(self, model: nn.Module, rows, when: str, vision=None) -> dict[str, float]:
         """Greedy answers to `rows` with the run's generation settings, scored: exact match, then what the stage
         adds (score_answers)."""
-        config = self.config
-        predictions = generate_predictions(
-            model, self.tokenizer, self.template, rows, max_new_tokens=config.generation.max_new_tokens,
-            batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
-            vision=vision,
-        )
+        predictions = held_out_predictions(model, self.tokenizer, self.template, rows, self.config, vision)
         return {f"exact_match_{when}": exact_match(predictions), **self.score_answers(predictions, when)}
 
     def score_answers(self, predictions, when: str) -> dict[str, float]:
