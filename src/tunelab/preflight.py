@@ -32,11 +32,13 @@ Which of them a command runs depends on its purpose (train, data, estimate, eval
 checks: only a training run checks its output_dir and imports its callbacks, export and serve read no dataset. The
 messages are the layers' own, one line each (ConfigError). The config the plan holds is the resolved one: local
 folders for Hub ids, the checkpoint folder for `resume_from_checkpoint: true`, the group size QAT and quantized
-exports use.
+exports use. Each is a new value (dataclasses.replace; the option groups are frozen): a check returns what it
+resolved and nothing is changed in place, so the config built from the file stays as it was read.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import os
@@ -99,13 +101,12 @@ def plan_run(
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
-        # TrainingArguments are set in place: dataclasses.replace would run transformers' __post_init__ again.
-        config.training.report_to = check_trackers(config.training.report_to)
+        config = _with_training(config, report_to=check_trackers(config.training.report_to))
         _check_liger_package(config)
         outputs.check_output_dir(config)
         found = resume.check_resume(config.training, outputs.run_options(config))
         if found is not None:
-            config.training.resume_from_checkpoint = found
+            config = _with_training(config, resume_from_checkpoint=found)
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
         check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
@@ -123,6 +124,16 @@ def load_config(
 ) -> RunConfig:
     """The resolved config of `plan_run`, for commands that need nothing else of the plan."""
     return plan_run(path, overrides, purpose, warn).config
+
+
+def _with_training(config: RunConfig, **changes: Any) -> RunConfig:
+    """The config with new TrainingArguments values, the given ones left as they were. A copy set after its
+    construction: dataclasses.replace would run transformers' __post_init__ again (the accelerate state, the
+    DeepSpeed file), and the values set here are ones it has already normalised."""
+    training = copy.copy(config.training)
+    for name, value in changes.items():
+        setattr(training, name, value)
+    return dataclasses.replace(config, training=training)
 
 
 def _config_dir(config: RunConfig) -> Path | None:
