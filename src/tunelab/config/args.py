@@ -14,7 +14,7 @@ from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.applicability import LORA_ONLY, Applies
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
 from tunelab.config.stages import DEFAULT_STAGE, STAGE_NAMES, applies_where
-from tunelab.config.training_options import _help
+from tunelab.config.training_options import option_help as _help  # args.py's short name: every field below
 from tunelab.config.training_values import TrainingValues
 
 if TYPE_CHECKING:

@@ -74,7 +74,7 @@ from tunelab.data.run_data import supervised_counts, token_lengths
 from tunelab.errors import DataError, TemplateError
 from tunelab.model.adapters import (
     LORA_LAYER_TYPES,
-    _checkpointing,
+    checkpointing_settings,
     decoder_layers,
     trained_skeleton,
 )
@@ -305,7 +305,7 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
-        checkpointing=_checkpointing(config.training)[0],
+        checkpointing=checkpointing_settings(config.training)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
     )
