@@ -164,7 +164,7 @@ def _cmd_data(ns: argparse.Namespace) -> int:
     setup_logging(is_main_process=False)  # warnings only: the report below is the output
     data = recipe_for(plan).inspection()
     if ns.action == "stats":
-        lines = stats.stats_report(data, Path(out) if out else stats.default_stats_dir(plan.config))
+        lines = stats.stats_report(data, Path(out) if out else stats.default_stats_dir(plan.config.training.output_dir))
     elif ns.action == "verify":
         problem, lines = verify.verify_report(data, max_batches)
         if problem:

@@ -32,18 +32,20 @@ Which of them a command runs depends on its purpose (train, data, estimate, eval
 checks: only a training run checks its output_dir and imports its callbacks, export and serve read no dataset. The
 messages are the layers' own, one line each (ConfigError). The config the plan holds is the resolved one: local
 folders for Hub ids, the checkpoint folder for `resume_from_checkpoint: true`, the group size QAT and quantized
-exports use.
+exports use. Each is a new value (dataclasses.replace; the option groups are frozen): a check returns what it
+resolved and nothing is changed in place, so the config built from the file stays as it was read.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tunelab.config.args import RunConfig
+from tunelab.config.args import FinetuningArguments, RunConfig
 from tunelab.config.loader import Purpose, build_config, read_values
 from tunelab.config.stages import stage_row
 from tunelab.data import dedup
@@ -57,6 +59,9 @@ from tunelab.train import launch, optimizers, outputs, resume
 from tunelab.train.plan import RunPlan
 from tunelab.train.rl.rewards import RewardFunction, load_reward_functions
 from tunelab.train.trackers import check_trackers
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 
 def plan_run(
@@ -74,7 +79,7 @@ def plan_run(
     config = dataclasses.replace(config, model=dataclasses.replace(
         config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder, gguf_file=None,
     ))  # a GGUF given as folder / Hub id + gguf_file is its file's path from here on
-    config = dataclasses.replace(config, model=rope.resolve_rope_scaling(config))
+    config = dataclasses.replace(config, model=rope.resolve_rope_scaling(config.model, config.data))
     if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
         group_size = qat.check_quantized_layers(config)
         config = dataclasses.replace(config, finetuning=dataclasses.replace(config.finetuning,
@@ -82,7 +87,7 @@ def plan_run(
     reads_data = purpose not in ("export", "serve")
     if reads_data:
         check_template(config)
-    registry = check_datasets(config) if reads_data else None
+    registry = check_datasets(config.data, config.finetuning.stage) if reads_data else None
     if reads_data:
         dedup.check_dedup_available(config.data)
     if purpose in ("train", "estimate"):
@@ -90,22 +95,21 @@ def plan_run(
     reward_functions: tuple[RewardFunction, ...] = ()
     if purpose != "serve":
         config = _with_reward_model_folder(config)
-        reward_functions = _reward_functions(config)
+        reward_functions = _reward_functions(config.finetuning, _config_dir(config))
     if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
         sharding.check_cpu_fsdp(config.training, processes, config.finetuning.stage)
-    user_callbacks = _user_callbacks(config) if purpose == "train" else ()
+    user_callbacks = _user_callbacks(config.training, _config_dir(config)) if purpose == "train" else ()
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
-        # TrainingArguments are set in place: dataclasses.replace would run transformers' __post_init__ again.
-        config.training.report_to = check_trackers(config.training.report_to)
-        _check_liger_package(config)
-        outputs.check_output_dir(config)
+        config = _with_training(config, report_to=check_trackers(config.training.report_to))
+        _check_liger_package(config.training)
+        outputs.check_output_dir(config.training)
         found = resume.check_resume(config.training, outputs.run_options(config))
         if found is not None:
-            config.training.resume_from_checkpoint = found
+            config = _with_training(config, resume_from_checkpoint=found)
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
         check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
@@ -125,6 +129,16 @@ def load_config(
     return plan_run(path, overrides, purpose, warn).config
 
 
+def _with_training(config: RunConfig, **changes: Any) -> RunConfig:
+    """The config with new TrainingArguments values, the given ones left as they were. A copy set after its
+    construction: dataclasses.replace would run transformers' __post_init__ again (the accelerate state, the
+    DeepSpeed file), and the values set here are ones it has already normalised."""
+    training = copy.copy(config.training)
+    for name, value in changes.items():
+        setattr(training, name, value)
+    return dataclasses.replace(config, training=training)
+
+
 def _config_dir(config: RunConfig) -> Path | None:
     """The config file's folder: relative reward-function and callback files are also looked up there."""
     return Path(config.source).parent if config.source else None
@@ -139,26 +153,24 @@ def _with_reward_model_folder(config: RunConfig) -> RunConfig:
     return dataclasses.replace(config, finetuning=dataclasses.replace(ft, reward_model=folder))
 
 
-def _reward_functions(config: RunConfig) -> tuple[RewardFunction, ...]:
+def _reward_functions(ft: FinetuningArguments, config_dir: Path | None) -> tuple[RewardFunction, ...]:
     """A stage scored by reward functions (grpo): them, imported (a missing file or function fails now)."""
-    ft = config.finetuning
     if stage_row(ft.stage).scorer != "reward_functions":
         return ()
-    return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
+    return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, config_dir))
 
 
-def _check_liger_package(config: RunConfig) -> None:
+def _check_liger_package(args: TrainingArguments) -> None:
     """use_liger_kernel: transformers applies Liger's kernels with the liger-kernel package (the GPU itself is checked
     as the config is read: config/loader.py)."""
-    if config.training.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+    if args.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
         raise ConfigError("use_liger_kernel: the liger-kernel package is not installed: pip install 'tunelab[liger]', "
                           "or remove it", key="use_liger_kernel")
 
 
-def _user_callbacks(config: RunConfig) -> tuple[tuple[type, dict[str, Any]], ...]:
-    args = config.training
+def _user_callbacks(args: TrainingArguments, config_dir: Path | None) -> tuple[tuple[type, dict[str, Any]], ...]:
     if not args.callbacks:
         return ()
     from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415 - start-up time: imports the Trainer's
 
-    return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, _config_dir(config)))
+    return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, config_dir))

@@ -399,7 +399,7 @@ def test_liger_kernels_where_they_cannot_act(tmp_path, base):
         config = build_config(read_values(write(tmp_path, {**base, "use_liger_kernel": True}), None, "train",
                                           machine(has_cuda=True)))
         with pytest.raises(ConfigError) as info:
-            check_liger_package(config)
+            check_liger_package(config.training)
         assert str(info.value) == (
             "use_liger_kernel: the liger-kernel package is not installed: pip install 'tunelab[liger]', or remove it"
         )

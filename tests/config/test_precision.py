@@ -11,7 +11,10 @@ import torch
 
 from tunelab.model import device
 from tunelab.preflight import load_config
-from tunelab.config.precision import CpuProbe, DeviceFacts, PrecisionChoice, choose_precision, resolve_flags
+from tunelab.config.loader import read_values
+from tunelab.config.precision import (
+    CpuProbe, DeviceFacts, Machine, PrecisionChoice, choose_precision, resolve_flags,
+)
 
 from .configs import write
 
@@ -90,6 +93,24 @@ def test_the_config_records_the_choice_and_explicit_values_win(tmp_path) -> None
     off = load_config(write(tmp_path, {**base, "bf16": False, "fp16": False}))
     assert (off.training.bf16, off.training.fp16, off.precision) == (False, False, None)
     assert load_config(write(tmp_path, base), purpose="serve").precision is None
+
+
+def test_the_launcher_decides_for_the_cpu_from_the_machine_it_is_given_not_from_the_environment(monkeypatch) -> None:
+    """ACCELERATE_USE_CPU (the launching process sets it: train/launch.py) comes in as Machine.accelerate_use_cpu,
+    read by model/device.py `machine`: config/ reads no environment."""
+    def facts(use_cpu: bool) -> DeviceFacts:
+        return DeviceFacts("cpu", XEON) if use_cpu else DeviceFacts("cuda", "NVIDIA H100", (9, 0))
+
+    def precision(**machine) -> str | None:
+        overrides = {"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_sort"}
+        return read_values(None, overrides, "data", Machine(True, True, facts, **machine)).precision
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    assert precision().startswith("bf16 (auto)")  # the GPU's facts: the environment is not config/'s to read
+    assert precision(accelerate_use_cpu=True).startswith("fp32 (auto)")
+    assert device.machine().accelerate_use_cpu is True
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "0")
+    assert device.machine().accelerate_use_cpu is False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU branch: this machine trains on its GPU")

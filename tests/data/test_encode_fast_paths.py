@@ -12,8 +12,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from tests.data.test_template_spans import family_tokenizer, tiny_tokenizer
-from tunelab.data.encode import _direct_backend, _Tokens
-from tunelab.data.formats import CANONICAL_FEATURES, _Converter, to_canonical
+from tunelab.data.encode import PieceTokenizer, _direct_backend
+from tunelab.data.formats import CANONICAL_FEATURES, RowConverter, to_canonical
 from tunelab.data.registry import DatasetSpec
 from tunelab.data.templates import TEMPLATE_NAMES, get_template
 from tunelab.data.templates.spans import assistant_spans
@@ -32,7 +32,7 @@ def expected(tokenizer, texts):
 
 
 def tokenize(tokenizer, texts):
-    return _Tokens(tokenizer)._raw(texts)
+    return PieceTokenizer(tokenizer)._raw(texts)
 
 
 @pytest.mark.parametrize("which", ["tiny", "word", *sorted(TEMPLATE_NAMES)])
@@ -102,7 +102,7 @@ def test_batched_conversion_equals_per_row_conversion():
     spec = DatasetSpec(name="d", columns={"system": "system"})
     converted, stats = to_canonical(dataset, spec)
     per_row = dataset.map(
-        _Converter(spec, dataset.column_names), with_indices=True, remove_columns=dataset.column_names,
+        RowConverter(spec, dataset.column_names), with_indices=True, remove_columns=dataset.column_names,
         features=CANONICAL_FEATURES,
     )
     assert (stats.total_dropped, stats.empty_answers) == (0, 6)

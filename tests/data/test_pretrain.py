@@ -365,14 +365,15 @@ def _legacy_sentencepiece_tokenizer():
 
 @pytest.mark.parametrize("name", ["byte-level BPE (tiny)", "legacy SentencePiece (cuts change tokens)"])
 def test_a_long_document_is_tokenised_in_pieces_exactly(tiny_tokenizer, monkeypatch, name):
-    from tunelab.data.encode import _Tokens
+    from tunelab.data.encode import PieceTokenizer
 
     tokenizer = tiny_tokenizer if "tiny" in name else _legacy_sentencepiece_tokenizer()
     document = _prose(3000)  # ~22,000 characters
     monkeypatch.setattr(pretrain, "LONG_DOCUMENT_CHARS", 2048)  # ~10 pieces
     longest = []
-    raw = _Tokens._raw
-    monkeypatch.setattr(_Tokens, "_raw", lambda self, texts: longest.append(max(map(len, texts))) or raw(self, texts))
+    raw = PieceTokenizer._raw
+    monkeypatch.setattr(PieceTokenizer, "_raw",
+                        lambda self, texts: longest.append(max(map(len, texts))) or raw(self, texts))
     function = pretrain.DocumentTokenizer(tokenizer, ("text",), 1, "corpus")
     out = function({"text": [document, "short one"]})
     whole = tokenizer([document.strip(), "short one"], add_special_tokens=False)["input_ids"]

@@ -524,16 +524,16 @@ def write_dataset(folder: Path, rows: list[dict[str, Any]]) -> Path:
 
 @pytest.mark.parametrize(("case_name", "name"), sorted(FAULT_MESSAGES))
 def test_a_row_the_template_cannot_train_is_one_line_naming_it(tmp_path, case_name: str, name: str) -> None:
-    # The conversion path every row takes (formats._Converter, as datasets.map runs it in to_canonical): the row is
+    # The conversion path every row takes (formats.RowConverter, as datasets.map runs it in to_canonical): the row is
     # left out with its reason and the one-line message that names its file and line.
     from tunelab.data.dataset_files import load_rows  # noqa: PLC0415
-    from tunelab.data.formats import _Converter  # noqa: PLC0415
+    from tunelab.data.formats import RowConverter  # noqa: PLC0415
     from tunelab.data.registry import load_registry  # noqa: PLC0415
 
     path = write_dataset(tmp_path, [CONVERSATIONS["chat"], CONVERSATIONS[name]])
     spec = load_registry(str(tmp_path))["r"]
     rows = load_rows(spec)
-    converter = _Converter(spec, rows.column_names, skip_bad_rows=True, row_check=TrainableRow(encoder(case_name)))
+    converter = RowConverter(spec, rows.column_names, skip_bad_rows=True, row_check=TrainableRow(encoder(case_name)))
     converted = converter.convert_batch(rows[:], [0, 1])
     assert converted["drop_reason"] == ["", CASES[case_name].faults[name]]
     assert converted["drop_message"] == ["", f"dataset 'r' row 1 ({path}:2): {FAULT_MESSAGES[case_name, name]}"]

@@ -248,11 +248,12 @@ def test_a_huge_message_encodes_exactly_as_uncut(tiny_tokenizer, monkeypatch, to
 
 def test_a_huge_row_costs_a_few_cutoff_lengths(tiny_tokenizer, monkeypatch) -> None:
     """Characters handed to the tokenizer for one row with a 4 MB answer: bounded by the cutoff, not the row."""
-    from tunelab.data.encode import LONG_TEXT_CHARS_PER_TOKEN, LONG_TEXT_MARGIN, _Tokens
+    from tunelab.data.encode import LONG_TEXT_CHARS_PER_TOKEN, LONG_TEXT_MARGIN, PieceTokenizer
 
     seen = []
-    raw = _Tokens._raw
-    monkeypatch.setattr(_Tokens, "_raw", lambda self, texts: seen.append(sum(map(len, texts))) or raw(self, texts))
+    raw = PieceTokenizer._raw
+    monkeypatch.setattr(PieceTokenizer, "_raw",
+                        lambda self, texts: seen.append(sum(map(len, texts))) or raw(self, texts))
     huge = HUGE * 100  # 4 MB
     (example,) = encode(tiny_tokenizer, row([("Reverse: abc", huge)]), cutoff_len=64)
     bound = LONG_TEXT_CHARS_PER_TOKEN * (64 + LONG_TEXT_MARGIN)  # the first prefix tried: 1,024 characters

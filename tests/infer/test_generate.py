@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import datasets
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.assets import TINY_MODEL_DIR
+from tunelab.config.args import GenerationArguments
 from tunelab.data.templates import get_template
 from tunelab.infer.generate import generate_predictions, held_out_rows
 
@@ -33,8 +32,8 @@ def test_ranking_rows_are_scored_against_their_chosen_answer():
     assert supervised.prediction == ranking.prediction == bare.prediction
 
 
-def _config(eval_generation: bool, samples: int):
-    return SimpleNamespace(generation=SimpleNamespace(eval_generation=eval_generation, eval_generation_samples=samples))
+def _config(eval_generation: bool, samples: int) -> GenerationArguments:
+    return GenerationArguments(eval_generation=eval_generation, eval_generation_samples=samples)
 
 
 def test_held_out_rows_are_the_first_rows_of_the_first_eval_set():

@@ -69,7 +69,7 @@ def test_linear_scaling_divides_the_positions_by_the_factor(tmp_path):
 def test_preflight_resolves_the_factor_into_new_values_leaving_the_read_config_as_read(tmp_path):
     read = read_values(config_file(tmp_path, rope_scaling="linear", cutoff_len=1024), None, "train", device.machine())
     config = build_config(read, False)
-    resolved = rope.resolve_rope_scaling(config)
+    resolved = rope.resolve_rope_scaling(config.model, config.data)
     assert (resolved.rope_scaling, resolved.rope_factor) == ("linear", 2.0)
     assert config.model.rope_factor is None  # the config it was given is as it was read
 

@@ -103,7 +103,7 @@ def test_sft_noise_only_while_training(tmp_path):
     # After training the hook is removed: tunelab's held-out generation embeds clean ids...
     model, before = trainer.model, len(recorder.records)
     held_out_exact_match(model, recipe.tokenizer, recipe.template,
-                         held_out_rows(recipe.datasets().eval_rows, recipe.config), recipe.config)
+                         held_out_rows(recipe.datasets().eval_rows, recipe.config.generation), recipe.config)
     assert len(recorder.records) > before and all(torch.count_nonzero(n) == 0 for *_, n in recorder.records[before:])
     recorder.handle.remove()
     embedding = model.get_input_embeddings()

@@ -7,6 +7,7 @@ a new output_dir, must give the uninterrupted run's losses and weights exactly, 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -74,8 +75,8 @@ def test_layerwise_galore_steps_each_weight_as_the_whole_optimizer_would(tmp_pat
     runs = []
     for layerwise in (True, False):
         model = tiny_model()
-        ft.galore_layerwise = layerwise
-        runs.append(steps(model, build_optimizer(model, training_args(tmp_path), ft), 3))
+        options = dataclasses.replace(ft, galore_layerwise=layerwise)
+        runs.append(steps(model, build_optimizer(model, training_args(tmp_path), options), 3))
     assert runs[0] == runs[1]
     assert runs[0][-1] < runs[0][0] - 2.0, runs
 
@@ -91,7 +92,7 @@ def test_the_rl_loop_takes_the_optimizer_from_the_same_place(tmp_path) -> None:
         "model_name_or_path": "tiny", "output_dir": str(tmp_path / "out"), "use_muon": True,
     })
     assert isinstance(loop_optimizer(tiny_model(), config), MuonWithAdamW)
-    config.finetuning.use_muon = False
+    config = dataclasses.replace(config, finetuning=dataclasses.replace(config.finetuning, use_muon=False))
     default = loop_optimizer(tiny_model(), config)
     assert type(default) is torch.optim.AdamW
     assert [len(g["params"]) for g in default.param_groups] == [29, 9]  # the matrices, then the norms (no decay)

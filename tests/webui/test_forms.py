@@ -176,10 +176,10 @@ def test_a_field_shows_exactly_where_its_option_acts():
             continue
         for decider in deciding:
             for value in fields[decider].choices:
-                groups = {group: group() for group in groups_of}
+                groups = {group: group() for group in groups_of}  # (frozen: each change is a new value)
                 if value:
-                    setattr(groups[owner[decider]], decider, value)
-                setattr(groups[owner[key]], key, _changed(declared[key][2]))
+                    groups[owner[decider]] = dataclasses.replace(groups[owner[decider]], **{decider: value})
+                groups[owner[key]] = dataclasses.replace(groups[owner[key]], **{key: _changed(declared[key][2])})
                 shows = all(value in allowed for k, allowed in field.shows_for.items() if k == decider)
                 try:
                     check_applicability(list(groups.values()), deciding)

@@ -1,6 +1,6 @@
-"""Where an option acts, declared on the option itself (`_help(..., applies=...)` in config/args.py) and checked by
-one function: an option set away from its default under a stage or method it does nothing for is refused, with one
-line naming it and the fix, instead of being silently ignored.
+"""Where an option acts, declared on the option itself (`option_help(..., applies=...)`, `_help` in config/args.py) and
+checked by one function: an option set away from its default under a stage or method it does nothing for is refused,
+with one line naming it and the fix, instead of being silently ignored.
 """
 
 from __future__ import annotations

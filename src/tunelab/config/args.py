@@ -14,7 +14,7 @@ from tunelab.assets import EMBEDDED_MODELS
 from tunelab.config.applicability import LORA_ONLY, Applies
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, GGUF_TYPES
 from tunelab.config.stages import DEFAULT_STAGE, STAGE_NAMES, applies_where
-from tunelab.config.training_options import _help
+from tunelab.config.training_options import option_help as _help  # args.py's short name: every field below
 from tunelab.config.training_values import TrainingValues
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ FULL_OR_FREEZE = Applies("finetuning_type", ("full", "freeze"), grouped=True)
 FULL_ONLY = Applies("finetuning_type", ("full",), grouped=True)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArguments:
     model_name_or_path: str = _help(
         "A Hugging Face model folder (config.json + weights), a Hub id (org/name) fetched into the Hugging Face "
@@ -111,10 +111,11 @@ class ModelArguments:
 
     def __post_init__(self):
         if self.model_name_or_path in EMBEDDED_MODELS:
-            self.model_name_or_path = str(EMBEDDED_MODELS[self.model_name_or_path])
+            # (frozen: the name is resolved as the value is made)
+            object.__setattr__(self, "model_name_or_path", str(EMBEDDED_MODELS[self.model_name_or_path]))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataArguments:
     template: str | None = _help(
         "Chat template: a built-in name or LlamaFactory alias (tunelab template list), or 'model' for the "
@@ -206,7 +207,7 @@ class DataArguments:
     overwrite_cache: bool = _help("Rebuild tokenised datasets even if a cached copy exists.", default=False)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinetuningArguments:
     stage: Literal[STAGE_NAMES] = _help("Training stage.", default=DEFAULT_STAGE)
     finetuning_type: Literal["lora", "oft", "vera", "freeze", "full"] = _help(
@@ -537,7 +538,7 @@ class FinetuningArguments:
         return "pissa" if self.pissa_init else self.init_lora_weights
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationArguments:
     eval_generation: bool = _help(
         "Before and after training, generate greedy answers for eval rows and report exact-match accuracy.",
@@ -562,7 +563,7 @@ class GenerationArguments:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportArguments:
     export_dir: str | None = _help(
         "tunelab export: folder for the plain model (LoRA merged into its base), tokenizer, chat template and "
@@ -640,9 +641,11 @@ def option_groups(purpose: str = "train") -> tuple[type, ...]:
     """The option groups a config is read into, in RunConfig's order."""
     return ModelArguments, DataArguments, FinetuningArguments, GenerationArguments, training_group(purpose), ExportArguments
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
-    """Everything a run decided, resolved and checked."""
+    """Everything a run decided, resolved and checked. Frozen, as are the option groups: a step that resolves a value
+    makes a new one (dataclasses.replace); transformers' TrainingArguments, which tunelab does not freeze, is copied
+    and set the same way (preflight.py `_with_training`), never changed in place."""
 
     model: ModelArguments
     data: DataArguments

@@ -20,7 +20,7 @@ from tunelab.config.applicability import check_applicability
 from tunelab.config.args import NONZERO_LORA_INITS, DataArguments, RunConfig
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, check_gguf_type
 from tunelab.config.metric_names import eval_metric_names
-from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, check_scheme
+from tunelab.config.qat_schemes import check_scheme
 from tunelab.config.stages import REFERENCE_FREE_LOSSES, stage_row, uses_reference
 from tunelab.errors import ConfigError
 
@@ -349,8 +349,6 @@ def _check_qat(config: RunConfig) -> None:
         raise ConfigError(f"qat applies to stages pt and sft (got stage: {config.finetuning.stage}): remove qat")
     if ft.qat_start_step < 0:
         raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
-    if ft.qat_group_size is None:
-        ft.qat_group_size = DEFAULT_GROUP_SIZE  # the resolved config records the group size trained with
 
 
 def _check_data(config: RunConfig) -> None:

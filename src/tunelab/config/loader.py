@@ -13,10 +13,10 @@ enable_liger_kernel) are refused for training on a machine without a CUDA GPU. A
 Early stopping and load_best_model_at_end watch `eval_loss` unless metric_for_best_model says otherwise (perplexity:
 lower is better).
 
-Two steps, `read_values` then `build_config`, with nothing but values between them; what needs the files, the
-environment or the layers above (the model folder, the datasets, the DeepSpeed file...) is tunelab/preflight.py's,
-which runs these two and then those checks. The hardware a default depends on comes in as a `Machine`
-(config/precision.py), read by preflight.
+Two steps, `read_values` then `build_config`, with nothing but values between them. The config's YAML is the one
+file read here; what needs other files, the environment or the layers above (the model folder, the datasets, the
+DeepSpeed file...) is tunelab/preflight.py's, which runs these two and then those checks. The hardware a default
+depends on, and ACCELERATE_USE_CPU, come in as a `Machine` (config/precision.py), read by preflight.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import dataclasses
 import difflib
 import json
 import logging
-import os
 import types
 import typing
 from dataclasses import dataclass
@@ -319,7 +318,7 @@ def _auto_precision(training_values: dict[str, Any], purpose: str, machine: Mach
         return None
     # The launching process of a multi-process run keeps its hands off the GPUs (train/launch.py): it decides
     # for the CPU, only to check the config; each worker decides again for its own device.
-    use_cpu = bool(training_values.get("use_cpu")) or os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    use_cpu = bool(training_values.get("use_cpu")) or machine.accelerate_use_cpu
     facts = machine.facts(use_cpu)
     choice = choose_precision(facts)
     if choice.mode == "bf16" and facts.kind == "cpu" and not use_cpu:

@@ -111,3 +111,6 @@ class Machine:
     has_cuda: bool
     has_accelerator: bool
     facts: Callable[[bool], DeviceFacts]  # use_cpu -> the facts of the device training would use
+    # ACCELERATE_USE_CPU is set: transformers will not select a device. The launching process of a multi-process run
+    # sets it while it checks the config (train/launch.py), and decides for the CPU; each worker decides again.
+    accelerate_use_cpu: bool = False

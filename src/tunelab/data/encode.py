@@ -142,7 +142,7 @@ class _Result:
     consistent: bool
 
 
-class _Tokens:
+class PieceTokenizer:
     """How the encoder tokenises pieces: the first of a text alone, the others as text after a special token.
 
     ``sentinel`` is a special token that is one id and splits the text (the eos, else another special);
@@ -230,10 +230,10 @@ class SupervisedEncoder:
     train_on_prompt: bool = False
     mask_history: bool = False
     template_vars: dict[str, Any] = field(default_factory=dict, hash=False)
-    _tokens: _Tokens = field(init=False, repr=False, compare=False, hash=False)
+    _tokens: PieceTokenizer = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_tokens", _Tokens(self.tokenizer))
+        object.__setattr__(self, "_tokens", PieceTokenizer(self.tokenizer))
 
     # ---- rendering ---------------------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ class SupervisedEncoder:
         """The template variables one canonical row renders with."""
         tok = self.tokenizer
         return {
-            "tools": _parse_tools(row.get("tools") or None),
+            "tools": parse_tools(row.get("tools") or None),
             "bos_token": tok.bos_token or "",
             "eos_token": tok.eos_token or "",
             **self.template_vars,
@@ -581,7 +581,9 @@ def _direct_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def _parse_tools(tools: str | None) -> list[Any] | None:
+def parse_tools(tools: str | None) -> list[Any] | None:
+    """A row's `tools` column (JSON text) as the list of tool definitions a template renders; None when absent or
+    unreadable."""
     if not tools:
         return None
     try:

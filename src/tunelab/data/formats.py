@@ -141,7 +141,7 @@ class _Where:
     """Where a row is, for messages: "dataset 'name' row i (file:line)", the file part looked up only when a
     message is written (formats the first time an error names a row, never for rows that convert)."""
 
-    def __init__(self, converter: _Converter, index: int, suffix: str = ""):
+    def __init__(self, converter: RowConverter, index: int, suffix: str = ""):
         self.converter, self.index, self.suffix = converter, index, suffix
 
     def turn(self, number: int) -> _Where:
@@ -410,7 +410,7 @@ def _reasoning(turn: dict, where: str) -> str:
     return ""
 
 
-class _Converter:
+class RowConverter:
     """Row converter for one dataset spec (a class so datasets.map can pickle it).
 
     `skip_bad_rows`: a structurally wrong row is left out (its reason and message in the drop columns)
@@ -763,7 +763,7 @@ def to_canonical(
     is left out and counted per reason; ranking rows with identical answers are always left out and counted.
     """
     _refuse_media(dataset, spec, images)
-    converter = _Converter(spec, list(dataset.column_names), skip_bad_rows, row_check, images=images)
+    converter = RowConverter(spec, list(dataset.column_names), skip_bad_rows, row_check, images=images)
     features = {**CANONICAL_FEATURES, **_DROP_COLUMNS}
     if "kto_tag" in converter.present:
         features["kto_tag"] = datasets.Value("bool")

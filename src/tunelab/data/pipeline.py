@@ -56,7 +56,7 @@ class DatasetBundle:
 UNREADABLE_LINE = "unreadable_line"  # skip reason of JSON-lines lines that do not parse (dataset_files.load_rows)
 
 
-def _load_canonical(
+def load_canonical(
     names: list[str], data_args: DataArguments, report: dict, encoder: SupervisedEncoder | None = None,
     images: bool = False,
 ) -> list[datasets.Dataset]:
@@ -119,7 +119,8 @@ def _load_canonical(
     return loaded
 
 
-def _mix(parts: list[datasets.Dataset], data_args: DataArguments, seed: int) -> datasets.Dataset:
+def mix_sources(parts: list[datasets.Dataset], data_args: DataArguments, seed: int) -> datasets.Dataset:
+    """The train datasets as one, by mix_strategy: concatenated, or interleaved (interleave_probs, seeded)."""
     if len(parts) == 1:
         return parts[0]
     if data_args.mix_strategy == "concat":
@@ -266,16 +267,16 @@ def build_datasets(
     if images and data_args.dedup != "none":
         raise ConfigError(f"dedup: {data_args.dedup} compares the rows' text, not their images; set dedup: none for a "
                           "vision-language model")
-    sources = _load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)
+    sources = load_canonical(data_args.dataset or [], data_args, report, sft_encoder, images)
     if data_args.dedup != "none":  # before mixing and the val split: no duplicate straddles train and val
         sources, dedup = deduplicate_training_rows(sources, data_args, encoder)
         report["dedup"] = dedup.as_dict()
-    train_rows = _mix(sources, data_args, seed)
+    train_rows = mix_sources(sources, data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report, sft_encoder, images)
+        (eval_rows[name],) = load_canonical([name], data_args, report, sft_encoder, images)
 
     train, stats = encode_dataset(train_rows, encoder, "train", num_proc)
     report["train"] = stats.__dict__
@@ -312,10 +313,11 @@ def load_canonical_splits(
     `build_datasets` does, for stages that render prompts instead of encoding conversations (grpo, ppo).
     `encoder`: the run's sft encoder, to check the rows as training does (data/trainable.py: with skip_bad_rows
     the same rows are left out), for callers that encode them again (`tunelab data verify`)."""
-    train_rows = _mix(_load_canonical(data_args.dataset or [], data_args, report, encoder, images), data_args, seed)
+    sources = load_canonical(data_args.dataset or [], data_args, report, encoder, images)
+    train_rows = mix_sources(sources, data_args, seed)
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report, encoder, images)
+        (eval_rows[name],) = load_canonical([name], data_args, report, encoder, images)
     return train_rows, eval_rows

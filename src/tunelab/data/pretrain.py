@@ -64,9 +64,9 @@ import numpy as np
 from datasets.fingerprint import Hasher
 
 from tunelab.config.args import DataArguments
-from tunelab.data.encode import IGNORE_INDEX, _Tokens
+from tunelab.data.encode import IGNORE_INDEX, PieceTokenizer
 from tunelab.config.metric_names import VAL_SPLIT_NAME
-from tunelab.data.pipeline import DatasetBundle, _mix, split_validation
+from tunelab.data.pipeline import DatasetBundle, mix_sources, split_validation
 from tunelab.data.dataset_files import describe, load_rows
 from tunelab.data.registry import DatasetSpec, load_registry
 from tunelab.errors import ConfigError, DataError
@@ -188,7 +188,7 @@ class DocumentTokenizer:
     Picklable, so datasets.map can run it in worker processes.
 
     A document longer than LONG_DOCUMENT_CHARS is cut before word starts (" x") into pieces of about that size,
-    each tokenised as the text that follows the previous one (encode.py's `_Tokens`); the ids are the whole
+    each tokenised as the text that follows the previous one (encode.py's `PieceTokenizer`); the ids are the whole
     document's when every cut changes nothing, which is checked: the text around each cut is tokenised whole and
     cut, and on any difference the document is tokenised whole after all (exact first, bounded where it can be).
     A piece's encoding (ids, offsets, token strings: tens of bytes a token) is freed before the next one.
@@ -199,10 +199,10 @@ class DocumentTokenizer:
     min_length: int
     source: str
     bos_token_id: int | None = None
-    _tokens: _Tokens = field(init=False, repr=False, compare=False, hash=False)
+    _tokens: PieceTokenizer = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_tokens", _Tokens(self.tokenizer))
+        object.__setattr__(self, "_tokens", PieceTokenizer(self.tokenizer))
 
     def _long_ids(self, text: str) -> np.ndarray:
         """A long document's ids (an int64 array, 8 bytes a token instead of a Python int's 28 + 8), tokenised in
@@ -278,7 +278,8 @@ def _int_column(dataset: datasets.Dataset, name: str) -> np.ndarray:
     return np.asarray(dataset.select_columns([name]).with_format("numpy")[:][name], dtype=np.int64)
 
 
-def _keep_document(num_tokens: list[int], min_length: int) -> list[bool]:
+def keep_document(num_tokens: list[int], min_length: int) -> list[bool]:
+    """A batch's filter: the documents of at least min_length tokens (and never an empty one)."""
     return [n >= max(min_length, 1) for n in num_tokens]
 
 
@@ -305,7 +306,7 @@ def tokenize_documents(
     tokenized = tokenized.remove_columns("text_column")
     if stats.kept < stats.documents:
         tokenized = tokenized.filter(
-            _keep_document, input_columns="num_tokens", batched=True, fn_kwargs={"min_length": data_args.min_length},
+            keep_document, input_columns="num_tokens", batched=True, fn_kwargs={"min_length": data_args.min_length},
             num_proc=data_args.preprocessing_num_workers, load_from_cache_file=reuse,
             desc=f"Dropping empty/short documents of {spec.name}",
         )
@@ -369,7 +370,7 @@ def cut_windows(
     return windows, plan
 
 
-def _load_documents(
+def load_documents(
     names: list[str], data_args: DataArguments, tokenizer, report: dict
 ) -> list[datasets.Dataset]:
     registry = load_registry(data_args.dataset_dir)
@@ -396,7 +397,8 @@ def _load_documents(
     return loaded
 
 
-def _window_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+def window_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+    """A dataset's documents cut into cutoff_len windows (stride, tail), its counts written to report[name]."""
     windows, plan = cut_windows(documents, data_args, name)
     stride = data_args.stride or data_args.cutoff_len
     report[name] = {
@@ -428,7 +430,8 @@ def document_chunks(documents: datasets.Dataset, cutoff_len: int) -> datasets.Da
     )
 
 
-def _packed_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+def packed_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
+    """A dataset's documents cut into chunks and packed into cutoff_len rows, its counts written to report[name]."""
     from tunelab.data.packing import log_packing, pack_dataset  # noqa: PLC0415 - packing imports pipeline modules
 
     chunks = document_chunks(documents, data_args.cutoff_len)
@@ -446,14 +449,14 @@ def build_pretrain_datasets(data_args: DataArguments, tokenizer, seed: int) -> D
             "add eos_token to its tokenizer_config.json"
         )
     report: dict[str, Any] = {}
-    train_docs = _mix(_load_documents(data_args.dataset or [], data_args, tokenizer, report), data_args, seed)
+    train_docs = mix_sources(load_documents(data_args.dataset or [], data_args, tokenizer, report), data_args, seed)
     eval_docs: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:  # split by whole documents: no val text is trained on
         train_docs, eval_docs[VAL_SPLIT_NAME] = split_validation(train_docs, data_args.val_size, seed, "documents")
     for name in data_args.eval_dataset or []:
-        (eval_docs[name],) = _load_documents([name], data_args, tokenizer, report)
+        (eval_docs[name],) = load_documents([name], data_args, tokenizer, report)
 
-    cut = _packed_report if data_args.packing else _window_report
+    cut = packed_report if data_args.packing else window_report
     train = cut("train", train_docs, data_args, report)
     evals = {name: cut(f"eval:{name}", docs, data_args, report) for name, docs in eval_docs.items()}
     return DatasetBundle(train=train, eval=evals, eval_rows={}, report=report)

@@ -23,7 +23,7 @@ from typing import Any
 import datasets
 
 from tunelab.config.args import DataArguments
-from tunelab.data.encode import _parse_tools
+from tunelab.data.encode import parse_tools
 from tunelab.data.formats import prompt_and_reference
 from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
@@ -53,7 +53,7 @@ class PromptEncoder:
     def __call__(self, row: dict) -> dict:
         messages, reference = prompt_and_reference(row, self.template)
         prompt = self.template.prompt(
-            messages, _parse_tools(row.get("tools") or None),
+            messages, parse_tools(row.get("tools") or None),
             bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "", **self.template_vars,
         )
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tunelab import hub
+from tunelab.config.args import DataArguments
 from tunelab.config.stages import stage_row
 from tunelab.errors import ConfigError
 
@@ -183,11 +184,10 @@ def _registry(source: tuple[str, str, int, int] | None) -> Registry:
     return Registry(entries)
 
 
-def check_datasets(config) -> Registry:
+def check_datasets(data: DataArguments, stage: str) -> Registry:
     """The run's registry, its datasets checked against the stage before anything is read: each named dataset
     exists; stage pt reads raw documents and every other stage conversations; sft no ranking sets; rm, dpo and kto
     ranking sets (kto: or a kto_tag column). ConfigError naming the key and the dataset."""
-    data, stage = config.data, config.finetuning.stage
     row = stage_row(stage)
     registry = load_registry(data.dataset_dir)
     named = [(key, name) for key in ("dataset", "eval_dataset") for name in getattr(data, key) or []]

@@ -17,8 +17,8 @@ import datasets
 import numpy as np
 import pyarrow.compute as pc
 
-from tunelab.config.args import RunConfig
-from tunelab.config.stages import stage_row
+from tunelab.config.args import DataArguments
+from tunelab.config.stages import Stage, stage_row
 from tunelab.data.collate import (
     padding_free_layout,
 )
@@ -176,11 +176,10 @@ def source_line(source: dict[str, Any]) -> str:
     return f"rows ({source['name']}): {', '.join(parts)}"
 
 
-def pipeline_lines(report: dict[str, Any], config: RunConfig) -> list[str]:
-    """What the pipeline dropped or cut, and why, from its report."""
-    data = config.data
+def pipeline_lines(report: dict[str, Any], data: DataArguments, row: Stage) -> list[str]:
+    """What the pipeline dropped or cut, and why, from its report (`row`: the stage's, whose data it read)."""
     lines = []
-    if stage_row(config.finetuning.stage).reads == "text":
+    if row.reads == "text":
         for source in report.get("sources", []):
             lines.append(
                 f"documents ({source['name']}): {source['documents']} read, {source['kept']} kept; dropped "
@@ -265,7 +264,7 @@ def stats_report(data: RunData, out_dir: Path | None) -> list[str]:
     if data.vision is not None:
         image_lines, result["images"] = image_stats(data.train, data.vision[0])
         lines += image_lines
-    lines += pipeline_lines(data.report, config)
+    lines += pipeline_lines(data.report, config.data, stage_row(config.finetuning.stage))
     for name, dataset in data.evals.items():
         eval_lengths = sequence_arrays(dataset, data.sides)[0].reshape(-1)
         lines.append(
@@ -315,7 +314,7 @@ def image_stats(dataset: datasets.Dataset, processor: Any) -> tuple[list[str], d
     return lines, stats
 
 
-def default_stats_dir(config: RunConfig) -> Path | None:
+def default_stats_dir(output_dir: str | None) -> Path | None:
     """output_dir/data_stats, or None without an output_dir. A subfolder the output_dir check ignores, so training
     into output_dir still works afterwards."""
-    return Path(config.training.output_dir) / DATA_STATS_DIR if config.training.output_dir else None
+    return Path(output_dir) / DATA_STATS_DIR if output_dir else None

@@ -65,12 +65,12 @@ import numpy as np
 
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, SupervisedEncoder
-from tunelab.data.formats import CANONICAL_FEATURES, _Converter
+from tunelab.data.formats import CANONICAL_FEATURES, RowConverter
 from tunelab.data.packing import PackingStats, pack_dataset
-from tunelab.data.pipeline import DatasetBundle, _load_canonical, _mix, encode_dataset
+from tunelab.data.pipeline import DatasetBundle, encode_dataset, load_canonical, mix_sources
 from tunelab.data.pretrain import (
-    TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, _keep_document, _load_documents, _packed_report,
-    _window_report, document_bos_id, resolve_text_columns,
+    TOKENIZE_BATCH, DocumentStats, DocumentTokenizer, document_bos_id, keep_document, load_documents, packed_report,
+    resolve_text_columns, window_report,
 )
 from tunelab.data.dataset_files import check_utf8, describe, load_rows, resolve_files
 from tunelab.data.registry import FILE_TYPES, DatasetSpec, load_registry
@@ -256,7 +256,7 @@ class PretrainStream:
         columns = self.source_columns[part.source]
         tokenized = rows.map(counter, batched=True, batch_size=TOKENIZE_BATCH, remove_columns=columns)
         return tokenized.filter(
-            _keep_document, input_columns="num_tokens", batched=True, batch_size=TOKENIZE_BATCH,
+            keep_document, input_columns="num_tokens", batched=True, batch_size=TOKENIZE_BATCH,
             fn_kwargs={"min_length": self.data_args.min_length},
         )
 
@@ -276,7 +276,7 @@ class PretrainStream:
 
         for shard in shards:
             if shard.mixed:  # map-style mixes cleaned documents, so the drops go before the mix
-                mixed = _mix([self.documents(part, counter(part)) for part in shard.parts], data, self.seed)
+                mixed = mix_sources([self.documents(part, counter(part)) for part in shard.parts], data, self.seed)
                 for batch in mixed.iter(batch_size=TOKENIZE_BATCH):
                     yield batch["input_ids"]
                 continue
@@ -314,7 +314,7 @@ class PretrainStream:
 def _shard_streams(shard: Shard, open_part, data_args: DataArguments, seed: int) -> Iterator[datasets.IterableDataset]:
     """A shard's streams in reading order: each part in turn (opened lazily), or one stream interleaving them all."""
     if shard.mixed:
-        yield _mix([open_part(part) for part in shard.parts], data_args, seed)
+        yield mix_sources([open_part(part) for part in shard.parts], data_args, seed)
     else:
         for part in shard.parts:
             yield open_part(part)
@@ -429,7 +429,7 @@ class SupervisedStream:
         # As map-style: a structurally wrong row is an error naming it (skip_bad_rows is not for streams),
         # an empty answer trains the end-of-turn, and a row must train what it says (data/trainable.py).
         files = [Path(f) for f in part.files] or None
-        converter = _Converter(spec, columns, row_check=TrainableRow(self.encoder), files=files)
+        converter = RowConverter(spec, columns, row_check=TrainableRow(self.encoder), files=files)
         return rows.map(converter, with_indices=True, remove_columns=columns, features=CANONICAL_FEATURES)
 
     def examples(self, shards: list[Shard], counter: _CountingEncoder) -> Iterator[dict[str, np.ndarray]]:
@@ -483,7 +483,7 @@ def supervised_stream(
     for spec in specs:
         files = tuple(str(p) for p in resolve_files(spec)) if not spec.generator else ()
         columns[spec.name] = column_names(stream_rows(spec, files, data_args), spec.name)
-        _Converter(spec, columns[spec.name])  # a missing mapped column fails now, not in a DataLoader worker
+        RowConverter(spec, columns[spec.name])  # a missing mapped column fails now, not in a DataLoader worker
     generator = SupervisedStream(encoder, data_args, {s.name: s for s in specs}, columns, seed)
     shards = plan_shards(specs, data_args, readers, seed if shuffle_files else None)
     return datasets.IterableDataset.from_generator(generator, gen_kwargs={"shards": shards})
@@ -528,10 +528,10 @@ def build_streaming_pretrain(data_args: DataArguments, tokenizer, args) -> Datas
     prepare_training_args(args)
     stream = pretrain_stream(data_args, tokenizer, args.seed, readers=readers_of(args), shuffle_files=True)
     report = _stream_report(data_args, stream.n_shards)
-    cut = _packed_report if data_args.packing else _window_report
+    cut = packed_report if data_args.packing else window_report
     evals = {}
     for name in data_args.eval_dataset or []:
-        (documents,) = _load_documents([name], data_args, tokenizer, report)
+        (documents,) = load_documents([name], data_args, tokenizer, report)
         evals[name] = cut(f"eval:{name}", documents, data_args, report)
     train = shuffled(stream, data_args.buffer_size, args.seed)
     return DatasetBundle(train=train, eval=evals, eval_rows={}, report=report)
@@ -549,7 +549,7 @@ def build_streaming_supervised(data_args: DataArguments, tokenizer, template, ar
     )
     eval_rows, evals = {}, {}
     for name in data_args.eval_dataset or []:
-        (eval_rows[name],) = _load_canonical([name], data_args, report, encoder)
+        (eval_rows[name],) = load_canonical([name], data_args, report, encoder)
         num_proc = data_args.preprocessing_num_workers
         evals[name], stats = encode_dataset(eval_rows[name], encoder, f"eval:{name}", num_proc)
         report[f"eval:{name}"] = asdict(stats)

@@ -57,7 +57,7 @@ from transformers import (
 from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab import run_folder
-from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.config.args import ExportArguments, ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.config.stages import stage_row
 from tunelab.data.formats import prompt_and_reference
@@ -186,7 +186,7 @@ def export_model(config: RunConfig) -> Exported:
     model = merge_adapter(model)
     out.mkdir(parents=True, exist_ok=True)
     if check_only:
-        path, kind = (_gguf_path(config, out), "gguf") if gguf else (out, "hf")
+        path, kind = (_gguf_path(config.export, out), "gguf") if gguf else (out, "hf")
     elif gguf:
         path, kind = _write_gguf(config, model, tokenizer, template, template_vars, out), "gguf"
     else:
@@ -209,16 +209,16 @@ def export_model(config: RunConfig) -> Exported:
     return Exported(path, report)
 
 
-def _gguf_path(config: RunConfig, out: Path) -> Path:
-    return out / f"model-{config.export.export_gguf_type}.gguf"
+def _gguf_path(export: ExportArguments, out: Path) -> Path:
+    return out / f"model-{export.export_gguf_type}.gguf"
 
 
-def _check_existing_export(config: RunConfig, out: Path) -> None:
+def _check_existing_export(export: ExportArguments, out: Path) -> None:
     """--check-only needs the export the same options would write, and the check switched on."""
-    if not config.export.export_parity:
+    if not export.export_parity:
         raise ConfigError("--check-only runs the export check, but export_parity is false: remove one of them")
-    if config.export.export_format == "gguf":
-        wanted, what = _gguf_path(config, out), f"export_gguf_type {config.export.export_gguf_type}"
+    if export.export_format == "gguf":
+        wanted, what = _gguf_path(export, out), f"export_gguf_type {export.export_gguf_type}"
     else:
         wanted, what = out / "config.json", "export_format hf"
     if not wanted.is_file():
@@ -278,7 +278,7 @@ def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: 
     adapter = config.model.adapter_name_or_path
     run_name = Path(str(adapter).split(",")[-1].rstrip("/")).name if adapter else None
     source = source_provenance(config.model.model_name_or_path)
-    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config, out), tensor_type,
+    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config.export, out), tensor_type,
                       name=run_name, source=source)
     stop_words = list(template.stop_words) if template is not None else None
     write_modelfile(path, tokenizer, _template(template), template_vars, stop_words=stop_words)
@@ -354,7 +354,7 @@ def check_export_dir(config: RunConfig) -> None:
     export these options write."""
     out = Path(config.export.export_dir)
     if config.export.export_check_only:
-        _check_existing_export(config, out)
+        _check_existing_export(config.export, out)
     elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
         raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
     if config.export.export_format == "gguf":

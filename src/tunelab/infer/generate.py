@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tunelab.config.args import GenerationArguments
 from tunelab.data.formats import IMAGE_PLACEHOLDER, prompt_and_reference
 from tunelab.data.templates import Template
 from tunelab.data.vision import expansions, image_inputs, prepare_images
@@ -105,13 +106,13 @@ def exact_match(predictions: list[Prediction]) -> float:
     return sum(p.exact_match for p in predictions) / max(len(predictions), 1)
 
 
-def held_out_rows(eval_rows: dict, config):
+def held_out_rows(eval_rows: dict, generation: GenerationArguments):
     """The canonical rows the stages' before/after exact match is measured on: the first
     eval_generation_samples rows of the first eval set (None without eval_generation or an eval set)."""
-    if not config.generation.eval_generation or not eval_rows:
+    if not generation.eval_generation or not eval_rows:
         return None
     rows = next(iter(eval_rows.values()))
-    return rows.select(range(min(config.generation.eval_generation_samples, len(rows))))
+    return rows.select(range(min(generation.eval_generation_samples, len(rows))))
 
 
 def held_out_predictions(model, tokenizer, template: Template, rows, config, vision=None) -> list[Prediction]:

@@ -368,7 +368,7 @@ def _setup_lora(
     if new_token_ids:  # the added tokens' rows train as peft trainable tokens, saved with the adapter (LoRA only)
         config.trainable_token_indices = {name: list(new_token_ids) for name in _embedding_layers(model)}
     if is_quantized(model):
-        checkpointing, checkpoint_kwargs = _checkpointing(training_args)
+        checkpointing, checkpoint_kwargs = checkpointing_settings(training_args)
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=checkpointing, gradient_checkpointing_kwargs=checkpoint_kwargs
         )
@@ -471,7 +471,7 @@ def _grow_for_trainable_tokens(model: nn.Module, path: str) -> None:
         model.resize_token_embeddings(max(ids) + 1, mean_resizing=False)  # the adapter overwrites these rows
 
 
-def _checkpointing(training_args: TrainingArguments) -> tuple[bool, dict]:
+def checkpointing_settings(training_args: TrainingArguments) -> tuple[bool, dict]:
     """(on, checkpoint kwargs); transformers 5.x renamed gradient_checkpointing* to activation_checkpointing*."""
     if hasattr(training_args, "activation_checkpointing"):
         on, kwargs = training_args.activation_checkpointing, training_args.activation_checkpointing_kwargs

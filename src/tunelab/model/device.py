@@ -118,7 +118,9 @@ def device_facts(use_cpu: bool) -> DeviceFacts:
 
 
 def machine() -> Machine:
-    """This machine for config loading: accelerators present, and its device facts on demand."""
+    """This machine for config loading: accelerators present, its device facts on demand, and whether this process
+    was told to keep off them (ACCELERATE_USE_CPU)."""
     has_cuda = torch.cuda.is_available()
     has_accelerator = has_cuda or (hasattr(torch, "xpu") and torch.xpu.is_available()) or torch.backends.mps.is_available()
-    return Machine(has_cuda, has_accelerator, device_facts)
+    accelerate_use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+    return Machine(has_cuda, has_accelerator, device_facts, accelerate_use_cpu)

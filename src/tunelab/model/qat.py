@@ -182,7 +182,8 @@ def check_quantization_sources(config) -> None:
 
 def check_quantized_layers(config) -> int | None:
     """The group size fits every quantized layer (read from config.json); no QAT on already-quantized weights. Returns
-    the group size the run quantizes with (an export without one: the one the model trained with), or None."""
+    the group size the run quantizes with (qat without one: DEFAULT_GROUP_SIZE; an export without one: the one the
+    model trained with), or None."""
     ft, export_scheme, model = config.finetuning, config.export.export_quantization, config.model
     if is_torchao_quantized(model.model_name_or_path):  # (tunelab eval / chat / api load it: not checked there)
         raise ConfigError(
@@ -194,7 +195,9 @@ def check_quantized_layers(config) -> int | None:
     if export_scheme and is_sequence_classification(model):
         raise ConfigError("export_quantization: reward models (sequence classification) export in full precision; remove it")
     group_size = ft.qat_group_size
-    if export_scheme and group_size is None:
+    if group_size is None and ft.qat:
+        group_size = DEFAULT_GROUP_SIZE  # the resolved config records the group size trained with
+    if group_size is None:  # an export alone: the group size the model trained with
         trained, trained_group = trained_scheme(model.adapter_name_or_path or model.model_name_or_path)
         group_size = trained_group if trained and trained_group else DEFAULT_GROUP_SIZE
     check_group_size("qat_group_size", group_size, layer_widths(model.model_name_or_path, model.trust_remote_code))

@@ -30,7 +30,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from tunelab.config.args import ModelArguments, RunConfig
+from tunelab.config.args import DataArguments, ModelArguments
 from tunelab.errors import ConfigError
 from tunelab.model import gguf
 from tunelab.model.text_config import text_config
@@ -98,10 +98,10 @@ def recorded_rope(folder: str | Path | None) -> RopeScaling | None:
     return RopeScaling(kind, float(factor)) if isinstance(kind, str) and isinstance(factor, (int, float)) else None
 
 
-def resolve_rope_scaling(config: RunConfig) -> ModelArguments:
-    """Preflight: rope_scaling checked against the model; the model options with its factor resolved into rope_factor
-    (so the run records it). Without rope_scaling, an adapter trained with one brings it (its tunelab_config.yaml)."""
-    model = config.model
+def resolve_rope_scaling(model: ModelArguments, data: DataArguments) -> ModelArguments:
+    """Preflight: rope_scaling checked against the model and cutoff_len; the model options with its factor resolved
+    into rope_factor (so the run records it). Without rope_scaling, an adapter trained with one brings it (its
+    tunelab_config.yaml)."""
     recorded = recorded_rope(model.adapter_name_or_path)
     if model.rope_scaling is None and recorded is not None:
         model = dataclasses.replace(model, rope_scaling=recorded.kind, rope_factor=recorded.factor)
@@ -111,7 +111,7 @@ def resolve_rope_scaling(config: RunConfig) -> ModelArguments:
         return model
     base = gguf.load_config(model.model_name_or_path, trust_remote_code=model.trust_remote_code)
     where = f"model_name_or_path {model.model_name_or_path}"
-    factor = check_rope_scaling(base, model.rope_scaling, model.rope_factor, config.data.cutoff_len, where)
+    factor = check_rope_scaling(base, model.rope_scaling, model.rope_factor, data.cutoff_len, where)
     model = dataclasses.replace(model, rope_factor=factor)
     if recorded is not None and (recorded.kind, recorded.factor) != (model.rope_scaling, model.rope_factor):
         logger.warning("rope_scaling: %s, factor %g differs from what the adapter %s trained with (%s, factor %g)",

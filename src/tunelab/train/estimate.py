@@ -67,14 +67,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tunelab.config.args import RunConfig
-from tunelab.config.stages import stage_row
+from tunelab.config.args import DataArguments, RunConfig
+from tunelab.config.stages import Stage, stage_row
 from tunelab.data.collate import build_collator
 from tunelab.data.run_data import supervised_counts, token_lengths
 from tunelab.errors import DataError, TemplateError
 from tunelab.model.adapters import (
     LORA_LAYER_TYPES,
-    _checkpointing,
+    checkpointing_settings,
     decoder_layers,
     trained_skeleton,
 )
@@ -305,7 +305,7 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
-        checkpointing=_checkpointing(config.training)[0],
+        checkpointing=checkpointing_settings(config.training)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
     )
@@ -318,8 +318,8 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     it stands for a training process only when this runs as its own process (`tunelab estimate`).
     read_data=False assumes cutoff_len rows without reading the dataset.
     """
-    import_training_stack(config)
-    lengths, train = row_lengths(config) if read_data else (cutoff_lengths(config, "read_data=False"), None)
+    import_training_stack(stage_row(config.finetuning.stage))
+    lengths, train = row_lengths(config) if read_data else (cutoff_lengths(config.data, "read_data=False"), None)
     baseline = rss_bytes()["VmRSS"]
     reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
     model = trained_skeleton(config)
@@ -347,15 +347,15 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
 # ---- the data: the lengths training will see ---------------------------------------------------------------
 
 
-def import_training_stack(config: RunConfig) -> None:
+def import_training_stack(row: Stage) -> None:
     """Import what `tunelab train` imports for this stage, so the measured baseline holds the same libraries."""
     import importlib  # noqa: PLC0415
 
-    importlib.import_module(stage_row(config.finetuning.stage).recipe_module)
+    importlib.import_module(row.recipe_module)
 
 
-def cutoff_lengths(config: RunConfig, why: str) -> RowLengths:
-    return RowLengths(config.data.cutoff_len, f"every row cutoff_len = {config.data.cutoff_len} tokens ({why})", False)
+def cutoff_lengths(data_args: DataArguments, why: str) -> RowLengths:
+    return RowLengths(data_args.cutoff_len, f"every row cutoff_len = {data_args.cutoff_len} tokens ({why})", False)
 
 
 def row_lengths(config: RunConfig):
@@ -364,15 +364,15 @@ def row_lengths(config: RunConfig):
 
     stage = config.finetuning.stage
     if not stage_row(stage).token_loss:
-        return cutoff_lengths(config, f"stage {stage}: its rows are not read"), None
+        return cutoff_lengths(config.data, f"stage {stage}: its rows are not read"), None
     if config.data.streaming:
-        return cutoff_lengths(config, "streaming: the data is not read ahead"), None
+        return cutoff_lengths(config.data, "streaming: the data is not read ahead"), None
     try:
         train = recipe_for(RunPlan(config, "estimate")).datasets().train
     except (DataError, TemplateError) as exc:
-        return cutoff_lengths(config, f"the dataset could not be read: {exc}"), None
+        return cutoff_lengths(config.data, f"the dataset could not be read: {exc}"), None
     if train is None or len(train) == 0:
-        return cutoff_lengths(config, "no training rows"), None
+        return cutoff_lengths(config.data, "no training rows"), None
     lengths = token_lengths(train)
     supervised = supervised_counts(train)
     names = ", ".join(config.data.dataset or [])

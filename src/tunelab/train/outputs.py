@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -33,6 +33,9 @@ from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.plots import plot_loss
 from tunelab.train.resume import clear_previous_run
 from tunelab.versions import versions
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 
 def run_options(config: RunConfig) -> dict[str, Any]:
@@ -136,12 +139,12 @@ def finish(trainer, metrics: dict, config: RunConfig) -> None:
         plot_loss(out)
 
 
-def check_output_dir(config: RunConfig) -> None:
+def check_output_dir(args: TrainingArguments) -> None:
     """output_dir can be written, and holds no earlier run unless this one overwrites or resumes it (what `tunelab
     data stats` wrote there does not count)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return  # rank 0 checked it and may already be writing there; other ranks would see it non-empty
-    out = Path(config.training.output_dir)
+    out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir: {out} exists and is not a folder")
     existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
@@ -149,7 +152,7 @@ def check_output_dir(config: RunConfig) -> None:
         what = "" if existing == out.absolute() else f" (it would be created in {existing})"
         raise ConfigError(f"output_dir: {out} is not writable{what}; choose a folder you can write to")
     if out.is_dir() and any(p.name != run_folder.DATA_STATS_DIR for p in out.iterdir()):
-        if not (config.training.overwrite_output_dir or config.training.resume_from_checkpoint):
+        if not (args.overwrite_output_dir or args.resume_from_checkpoint):
             raise ConfigError(
                 f"output_dir: {out} is not empty; set overwrite_output_dir: true, resume_from_checkpoint, "
                 "or choose another folder"

@@ -122,7 +122,7 @@ class Recipe:
 
     def held_out_rows(self, data: DatasetBundle):
         """The rows exact match is measured on (the first eval set's first eval_generation_samples), or None."""
-        return held_out_rows(data.eval_rows, self.config)
+        return held_out_rows(data.eval_rows, self.config.generation)
 
     def exact_match_before(self, model: nn.Module, rows, metrics: dict, vision=None) -> None:
         if rows is not None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tunelab.data.encode import _parse_tools
+from tunelab.data.encode import parse_tools
 from tunelab.model.reward import sequence_rewards
 from tunelab.model.text_config import text_config
 from tunelab.train.rl import merged_sampling
@@ -90,7 +90,7 @@ class RewardModelScorer:
         texts = [
             self.template.render(
                 [*json.loads(row["messages"]), {"role": "assistant", "content": completion}],
-                _parse_tools(row["tools"] or None), bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+                parse_tools(row["tools"] or None), bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
                 **self.template_vars,
             )
             for row, completion in zip(rows, completions)
