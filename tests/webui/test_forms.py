@@ -127,7 +127,7 @@ def test_kind_choices_hint_and_help_are_what_the_option_declares():
 
 def test_fields_spot_checks():
     fields = {f.key: f for f in forms.form_fields()}
-    assert fields["stage"].choices == ("", "pt", "sft", "rm", "dpo", "kto", "grpo", "ppo")
+    assert fields["stage"].choices == ("", "pt", "sft", "rm", "dpo", "kto", "grpo", "ppo", "kd")
     assert (fields["stage"].hint, fields["finetuning_type"].hint) == ("sft", "lora")
     assert fields["logging_steps"].hint == "10"  # tunelab's default, not transformers' 500
     assert (fields["num_train_epochs"].hint, fields["learning_rate"].hint, fields["val_size"].hint) == ("3", "5e-05", "0")
