@@ -13,7 +13,7 @@ import datasets
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tunelab.assets import TINY_MODEL_DIR
 from tunelab.cli import main
@@ -23,7 +23,7 @@ from tunelab.data.packing import pack_dataset
 from tunelab.errors import ConfigError
 from tunelab.preflight import load_config
 from tunelab.train.distillation_losses import distillation_loss
-from tunelab.train.distillation_trainer import DistillationTrainer
+from tunelab.train.distillation_trainer import DistillationTrainer, last_answer_start, split_examples
 
 # ---- the loss against a hand computation -------------------------------------------------------------------
 
@@ -209,7 +209,7 @@ def test_the_options_checks(tmp_path):
     cases = {
         "teacher_model_name_or_path: stage kd needs a teacher": {"teacher_model_name_or_path": None},
         "beta must be in [0, 1]": {"beta": "1.5"},
-        "lmbda: 0.5: stage kd trains on the dataset's answers only": {"lmbda": "0.5"},
+        "lmbda must be in [0, 1]": {"lmbda": "1.5"},
         "beta only applies to stage kd (got stage: sft)": {"stage": "sft", "teacher_model_name_or_path": None,
                                                            "beta": "0.1"},
         "teacher_model_name_or_path only applies to stage kd": {"stage": "sft"},
@@ -218,3 +218,46 @@ def test_the_options_checks(tmp_path):
         with pytest.raises(ConfigError) as info:
             load_config(None, {k: v for k, v in {**base, **overrides}.items() if v is not None})
         assert message in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- on-policy examples (lmbda > 0) ------------------------------------------------------------------------------
+
+
+def test_the_examples_of_padded_padding_free_and_packed_batches_come_back_whole(trainer):
+    rows = _samples()
+    packed = PackedCollator.for_model(trainer.model, pad_token_id=0)
+    packed_rows, _ = pack_dataset(datasets.Dataset.from_list(rows), 64)
+    expected = sorted((tuple(r["input_ids"]), tuple(r["labels"])) for r in rows)
+    for batch in (SupervisedCollator(0)(rows), PaddingFreeCollator(packed)(rows), packed(packed_rows.to_list())):
+        found = sorted((tuple(e["input_ids"]), tuple(e["labels"])) for e in split_examples(batch))
+        assert found == expected
+
+
+def test_lmbda_one_trains_every_example_on_the_students_own_answer(tmp_path):
+    student = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32)
+    student.config.use_cache = False
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, save_strategy="no",
+                             remove_unused_columns=False, disable_tqdm=True)
+    trainer = DistillationTrainer(model=student, args=args, teacher=_teacher_of(student), beta=0.5, temperature=1.0,
+                                  lmbda=1.0, stop_ids=[4], max_new_tokens=5, data_collator=SupervisedCollator(0),
+                                  processing_class=AutoTokenizer.from_pretrained(TINY_MODEL_DIR))
+    rows = _samples()
+    student.train()
+    batch, drawn = trainer.with_student_answers(student, SupervisedCollator(0)(rows))
+    assert drawn == len(rows) == trainer.on_policy_examples and student.training
+    for old, new in zip(rows, split_examples(batch)):
+        start = last_answer_start(old["labels"])
+        assert new["input_ids"][:start] == old["input_ids"][:start] and new["labels"][:start] == old["labels"][:start]
+        answer = new["input_ids"][start:]
+        assert 1 <= len(answer) <= 5 and new["labels"][start:] == answer  # the sampled tokens are the ones trained
+        assert 4 not in answer[:-1]  # nothing after the end-of-turn token
+    trainer._own_mean = True
+    loss = trainer.compute_loss(student, batch)
+    assert torch.isfinite(loss) and loss.item() > 0
+
+
+def test_a_run_with_lmbda_trains_on_some_of_the_students_own_answers(tmp_path):
+    config = _write(tmp_path, teacher_model_name_or_path="tiny", lmbda=0.5, max_steps=2, val_size=0, max_samples=64)
+    assert main(["train", config]) == 0
+    results = json.loads((tmp_path / "run" / "all_results.json").read_text())
+    assert 0 < results["on_policy_examples"] < 2 * 16

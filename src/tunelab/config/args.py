@@ -419,8 +419,9 @@ class FinetuningArguments:
         default=None, applies=KD,
     )
     lmbda: float = _help(
-        "kd: the share of batches trained on the student's own sampled answers (GKD's on-policy data) instead of the "
-        "dataset's; only 0 for now (the dataset's answers).",
+        "kd: the share of training examples answered by the student itself (GKD's on-policy data): each example is "
+        "drawn with this probability and its last answer replaced by the student's sample (temperature, "
+        "max_new_tokens); 0 trains on the dataset's answers only.",
         default=0.0, applies=KD,
     )
     beta: float = _help(
@@ -575,7 +576,7 @@ class GenerationArguments:
     max_new_tokens: int = _help("Tokens generated per answer at most.", default=64)
     temperature: float = _help(
         "Sampling temperature of the completions grpo / ppo generate while training (evaluation stays greedy); kd: "
-        "the temperature both models' logits are divided by in the divergence.",
+        "the temperature both models' logits are divided by in the divergence, and the student's samples' (lmbda).",
         default=1.0,
     )
 

@@ -507,7 +507,7 @@ def _check_rl(config: RunConfig) -> None:
 
 def _check_distillation(config: RunConfig) -> None:
     """A stage that learns from a teacher (kd): the teacher (its folder and tokenizer are the recipe's checks, before
-    any weights load), beta, and lmbda 0: the students' own samples are not trained on yet."""
+    any weights load), beta and lmbda."""
     ft, stage = config.finetuning, config.finetuning.stage
     if not stage_row(stage).teacher:
         return
@@ -519,11 +519,9 @@ def _check_distillation(config: RunConfig) -> None:
     if not 0.0 <= ft.beta <= 1.0:
         raise ConfigError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL, between: JSD), got {ft.beta}",
                           key="beta")
-    if ft.lmbda != 0:
-        raise ConfigError(
-            f"lmbda: {ft.lmbda}: stage {stage} trains on the dataset's answers only (lmbda 0); on-policy distillation "
-            "on the student's own samples is not implemented yet: set lmbda: 0", key="lmbda", fix="set lmbda: 0",
-        )
+    if not 0.0 <= ft.lmbda <= 1.0:
+        raise ConfigError(f"lmbda must be in [0, 1] (the share of examples the student answers itself), got "
+                          f"{ft.lmbda}", key="lmbda")
 
 
 def _check_streaming(config: RunConfig) -> None:

@@ -8,8 +8,9 @@ outside the optimizer) → [divergence to the teacher and exact match on held-ou
 
 Each batch goes through both models with the same inputs (padded, packed or padding-free: the position ids and
 sequence boundaries the collator made), both keep logits only where a label is supervised, and the loss is the
-generalised JSD of train/distillation_losses.py, per supervised token (TRL's GKD names: beta, temperature). The
-students' own samples (GKD's on-policy share, lmbda > 0) are not trained on yet: config/checks.py refuses them.
+generalised JSD of train/distillation_losses.py, per supervised token (TRL's GKD names: beta, temperature). With
+lmbda > 0 that share of the examples is answered by the student itself first (GKD's on-policy data:
+train/distillation_trainer.py).
 The rows, collator and held-out exact match are train/recipe.py's, the Trainer its SupervisedRecipe's.
 """
 
@@ -26,6 +27,7 @@ from tunelab.data.cache import cached_bundle
 from tunelab.data.pipeline import DatasetBundle
 from tunelab.data.streaming import build_streaming_supervised
 from tunelab.errors import ConfigError, ModelError
+from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.predict import predict
 from tunelab.model.folder import resolve_model_folders
 from tunelab.model.tokenizer import load_tokenizer
@@ -130,9 +132,10 @@ class DistillationRecipe(SupervisedRecipe):
         from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
         from tunelab.train.distillation_trainer import DistillationTrainer  # noqa: PLC0415
 
-        ft = self.config.finetuning
+        ft, generation = self.config.finetuning, self.config.generation
         return DistillationTrainer(
-            teacher=teacher, beta=ft.beta, temperature=self.config.generation.temperature,
+            teacher=teacher, beta=ft.beta, temperature=generation.temperature, lmbda=ft.lmbda,
+            stop_ids=stop_token_ids(self.tokenizer, self.template), max_new_tokens=generation.max_new_tokens,
             model=model, args=self.config.training, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
             data_collator=self.collator(model), processing_class=self.tokenizer,
             callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks), finetuning=ft,
@@ -162,6 +165,10 @@ class DistillationRecipe(SupervisedRecipe):
         self.exact_match_before(trainer.model, rows, metrics)
 
         metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
+        if config.finetuning.lmbda > 0:
+            metrics["on_policy_examples"] = trainer.on_policy_examples
+            logger.info("lmbda %g: %d training examples answered by the student itself", config.finetuning.lmbda,
+                        trainer.on_policy_examples)
         outputs.save_model(trainer, tokenizer, template, config)
 
         if data.eval:
