@@ -58,6 +58,10 @@ def test_roots_resolve_and_confine(tmp_path):
         roots.resolve("../other", "output_dir")
     roots.check_options({"model_name_or_path": "tiny", "adapter_name_or_path": "Qwen/Qwen3-0.6B",
                          "resume_from_checkpoint": "true"})  # not paths of this machine
+    roots.check_options({"teacher_model_name_or_path": "tiny"})
+    roots.check_options({"teacher_model_name_or_path": "Qwen/Qwen2.5-Coder-1.5B-Instruct"})
+    with pytest.raises(ConfigError, match=r"^teacher_model_name_or_path: \.\./other is outside"):
+        roots.check_options({"teacher_model_name_or_path": "../other"})  # a teacher on disk: inside the roots
     assert Roots.of(inside, [str(outside)]).resolve(outside / "x") == outside / "x"
 
 
