@@ -127,7 +127,7 @@ def test_train_help_lists_every_option_with_tunelab_defaults_and_choices(capsys)
         main(["train", "--help"])
     lines = capsys.readouterr().out.splitlines()
     expected = [
-        "    stage (default 'sft'; one of pt, sft, rm, dpo, kto, grpo, ppo): Training stage.",
+        "    stage (default 'sft'; one of pt, sft, rm, dpo, kto, grpo, ppo, kd): Training stage.",
         "    finetuning_type (default 'lora'; one of lora, oft, vera, freeze, full): Which parameters train: lora "
         "(low-rank adapters, peft), oft (orthogonal rotations of the adapted layers, peft OFT), vera (two scaling "
         "vectors per layer over frozen random projections shared by all layers, peft VeRA), freeze (the last or first "

@@ -71,7 +71,7 @@ def test_bad_yaml_names_line(tmp_path):
         ({"finetuning_type": "full", "use_dora": True, "lora_target": "q_proj"},
          "lora_target, use_dora only apply to finetuning_type: lora (got 'full'): remove them or set finetuning_type: lora"),
         ({"cutoff_len": 1}, "cutoff_len must be at least 2, got 1"),
-        ({"stage": "foo"}, "stage: 'foo' is not one of pt, sft, rm, dpo, kto, grpo, ppo"),
+        ({"stage": "foo"}, "stage: 'foo' is not one of pt, sft, rm, dpo, kto, grpo, ppo, kd"),
         ({"train_on_prompt": True, "mask_history": True},
          "train_on_prompt and mask_history contradict each other: keep one"),
         ({"eval_strategy": "steps"}, "eval_strategy needs an eval set: set eval_dataset or val_size"),
@@ -172,7 +172,9 @@ def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix()
     assert declared["kl_coef"] == (("stage", ("grpo", "ppo")),)
     assert declared["loss_type"] == (("stage", ("grpo",)),)
     assert declared["rollout_merge_adapter"] == (("stage", ("grpo", "ppo")), ("finetuning_type", ("lora",)))
-    assert len(declared) == 75  # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 19 grpo / ppo, 24 optimizers
+    assert declared["beta"] == (("stage", ("kd",)),)
+    # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 19 grpo / ppo, 3 kd, 24 optimizers
+    assert len(declared) == 78
     with pytest.raises(ConfigError) as caught:
         load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
                            "output_dir": "unused"})

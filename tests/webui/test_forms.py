@@ -58,6 +58,10 @@ def test_roots_resolve_and_confine(tmp_path):
         roots.resolve("../other", "output_dir")
     roots.check_options({"model_name_or_path": "tiny", "adapter_name_or_path": "Qwen/Qwen3-0.6B",
                          "resume_from_checkpoint": "true"})  # not paths of this machine
+    roots.check_options({"teacher_model_name_or_path": "tiny"})
+    roots.check_options({"teacher_model_name_or_path": "Qwen/Qwen2.5-Coder-1.5B-Instruct"})
+    with pytest.raises(ConfigError, match=r"^teacher_model_name_or_path: \.\./other is outside"):
+        roots.check_options({"teacher_model_name_or_path": "../other"})  # a teacher on disk: inside the roots
     assert Roots.of(inside, [str(outside)]).resolve(outside / "x") == outside / "x"
 
 
@@ -127,7 +131,7 @@ def test_kind_choices_hint_and_help_are_what_the_option_declares():
 
 def test_fields_spot_checks():
     fields = {f.key: f for f in forms.form_fields()}
-    assert fields["stage"].choices == ("", "pt", "sft", "rm", "dpo", "kto", "grpo", "ppo")
+    assert fields["stage"].choices == ("", "pt", "sft", "rm", "dpo", "kto", "grpo", "ppo", "kd")
     assert (fields["stage"].hint, fields["finetuning_type"].hint) == ("sft", "lora")
     assert fields["logging_steps"].hint == "10"  # tunelab's default, not transformers' 500
     assert (fields["num_train_epochs"].hint, fields["learning_rate"].hint, fields["val_size"].hint) == ("3", "5e-05", "0")

@@ -29,6 +29,7 @@ DPO_KTO = applies_where(lambda row: row.reference in ("pref_loss", "always"))  #
 GRPO = applies_where(lambda row: row.scorer == "reward_functions")
 PPO = applies_where(lambda row: row.scorer == "reward_model")
 RL = applies_where(lambda row: row.rl)
+KD = applies_where(lambda row: row.teacher)  # distillation from a teacher model
 # The peft methods other than LoRA (model/adapters.py); modules trained in full beside an adapter act under each.
 OFT_ONLY, VERA_ONLY = Applies("finetuning_type", ("oft",), grouped=True), Applies("finetuning_type", ("vera",), grouped=True)
 ADAPTER_TYPES = Applies("finetuning_type", ("lora", "oft", "vera"), grouped=True)
@@ -412,6 +413,23 @@ class FinetuningArguments:
     ppo_vf_coef: float = _help("ppo: weight of the value loss beside the policy loss.", default=0.1, applies=PPO)
     ppo_gamma: float = _help("ppo: discount factor of the per-token rewards (GAE gamma).", default=1.0, applies=PPO)
     ppo_lam: float = _help("ppo: GAE lambda, the bias-variance trade-off of the advantages.", default=0.95, applies=PPO)
+    # Distillation, by TRL's GKDConfig names and meanings (train/distillation_losses.py, docs/stages.md).
+    teacher_model_name_or_path: str | None = _help(
+        "kd: the teacher, as model_name_or_path takes a model (a folder, a Hub id or a GGUF file); loaded frozen with "
+        "the student's model options (dtype, attention, quantization). Its tokenizer must equal the student's.",
+        default=None, applies=KD,
+    )
+    lmbda: float = _help(
+        "kd: the share of training examples answered by the student itself (GKD's on-policy data): each example is "
+        "drawn with this probability and its last answer replaced by the student's sample (temperature, "
+        "max_new_tokens); 0 trains on the dataset's answers only.",
+        default=0.0, applies=KD,
+    )
+    beta: float = _help(
+        "kd: the generalised Jensen-Shannon divergence's interpolation: 0 is the forward KL(teacher || student), 1 "
+        "the reverse KL(student || teacher), in between the JSD with mixture beta * teacher + (1 - beta) * student.",
+        default=0.5, applies=KD,
+    )
     # Memory-saving optimizers, by LlamaFactory's names and defaults (train/optimizers.py, docs/training.md).
     use_galore: bool = _help(
         "GaLore: the gradients of the targeted weight matrices are projected to galore_rank before AdamW, so their "
@@ -558,7 +576,8 @@ class GenerationArguments:
     )
     max_new_tokens: int = _help("Tokens generated per answer at most.", default=64)
     temperature: float = _help(
-        "Sampling temperature of the completions grpo / ppo generate while training (evaluation stays greedy).",
+        "Sampling temperature of the completions grpo / ppo generate while training (evaluation stays greedy); kd: "
+        "the temperature both models' logits are divided by in the divergence, and the student's samples' (lmbda).",
         default=1.0,
     )
 

@@ -93,7 +93,8 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval)
     skipped = {
         "export": (_check_template_options, *without_data, *LOOP_CHECKS),
-        "serve": (_check_template_options, *without_data, _check_preference, _check_rl, *LOOP_CHECKS),
+        "serve": (_check_template_options, *without_data, _check_preference, _check_rl, _check_distillation,
+                  *LOOP_CHECKS),
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)
@@ -108,6 +109,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
         _check_stage_data,
         _check_preference,
         _check_rl,
+        _check_distillation,
         _check_streaming,
         _check_dedup,
         _check_eval,
@@ -499,6 +501,25 @@ def _check_rl(config: RunConfig) -> None:
         )
     if args.resume_from_checkpoint:
         raise ConfigError(f"resume_from_checkpoint is not supported by stage {stage} yet; remove it")
+
+
+def _check_distillation(config: RunConfig) -> None:
+    """A stage that learns from a teacher (kd): the teacher (its folder and tokenizer are the recipe's checks, before
+    any weights load), beta and lmbda."""
+    ft, stage = config.finetuning, config.finetuning.stage
+    if not stage_row(stage).teacher:
+        return
+    if not ft.teacher_model_name_or_path:
+        raise ConfigError(
+            f"teacher_model_name_or_path: stage {stage} needs a teacher; set it to a model folder, Hub id or GGUF file "
+            "whose tokenizer is the student's", key="teacher_model_name_or_path",
+        )
+    if not 0.0 <= ft.beta <= 1.0:
+        raise ConfigError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL, between: JSD), got {ft.beta}",
+                          key="beta")
+    if not 0.0 <= ft.lmbda <= 1.0:
+        raise ConfigError(f"lmbda must be in [0, 1] (the share of examples the student answers itself), got "
+                          f"{ft.lmbda}", key="lmbda")
 
 
 def _check_streaming(config: RunConfig) -> None:

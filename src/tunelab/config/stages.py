@@ -39,6 +39,7 @@ class Stage:
     rl: bool = False
     scorer: Literal["", "reward_functions", "reward_model"] = ""  # what scores an RL stage's samples
     head: Literal["", "reward", "value"] = ""  # a scalar head beside (value) or instead of (reward) the lm head
+    teacher: bool = False  # learns a frozen teacher model's next-token distributions (teacher_model_name_or_path)
     cpu_fsdp: bool = False  # its Trainer runs a model sharded at load on CPU (model/sharding.py)
     vision: bool = False  # trains vision-language models
     neftune: str = ""  # why neftune_noise_alpha does not act in it ("": it acts)
@@ -78,6 +79,7 @@ STAGES: tuple[Stage, ...] = (
           scorer="reward_functions", eval_metrics=("loss",), neftune=_OWN_LOOP),
     Stage("ppo", "ppo:PPORecipe", "prompts", token_loss=False, reference="kl_coef", rl=True, scorer="reward_model",
           head="value", eval_metrics=("loss",), neftune=_OWN_LOOP),
+    Stage("kd", "kd:DistillationRecipe", "supervised", token_loss=False, teacher=True, eval_metrics=("loss",)),
 )
 STAGE_NAMES = tuple(row.name for row in STAGES)
 DEFAULT_STAGE = "sft"

@@ -337,7 +337,7 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     if not stage_row(config.finetuning.stage).token_loss:
         result.notes.append(
             f"stage {config.finetuning.stage}: counted (and probed) as single sequences; pair stages run two per "
-            "row, and a reference or reward model adds its own weights"
+            "row, and a reference, reward or teacher model adds its own weights"
         )
     if probe_steps > 0:
         result.probe = probe(config, probe_steps, train)

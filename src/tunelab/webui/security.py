@@ -25,7 +25,10 @@ from tunelab.errors import ConfigError
 
 # Keys whose values are local paths that a run reads or writes.
 PATH_KEYS = ("model_name_or_path", "adapter_name_or_path", "dataset_dir", "output_dir", "export_dir",
-             "resume_from_checkpoint", "reward_model", "deepspeed", "tokenized_path", "cache_dir")
+             "resume_from_checkpoint", "reward_model", "deepspeed", "tokenized_path", "cache_dir",
+             "teacher_model_name_or_path")
+# The keys that name a model: an embedded model's name or a Hub id is not a path of this machine.
+MODEL_KEYS = ("model_name_or_path", "teacher_model_name_or_path")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -59,11 +62,11 @@ class Roots:
             if value is None or str(value).strip() == "" or isinstance(value, bool):
                 continue
             text = str(value).strip()
-            if key == "model_name_or_path" and text in EMBEDDED_MODELS:
+            if key in MODEL_KEYS and text in EMBEDDED_MODELS:
                 continue
             if key == "resume_from_checkpoint" and text.lower() in ("true", "false", "1", "0", "yes", "no"):
                 continue
-            if key in ("model_name_or_path", "adapter_name_or_path", "reward_model") and _HUB_ID.match(text) \
+            if key in (*MODEL_KEYS, "adapter_name_or_path", "reward_model") and _HUB_ID.match(text) \
                     and not (self.base / text).exists() and not Path(text).is_absolute():
                 continue  # a Hub id: read through the Hugging Face cache, not a path of this machine
             self.resolve(text, key)
