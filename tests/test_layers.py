@@ -71,5 +71,6 @@ def _reason_above(file: str, line: int) -> bool:
 # layers were untangled, most of them dodging circles). train/outputs.py's import of model/adapters.py (peft) for
 # saving a PiSSA / OLoRA / LoftQ adapter as a plain LoRA keeps `tunelab data`, which imports outputs, off peft.
 # 90 since the recipes have two levels: ppo's hooks (scorer, policy, after_save) each import rl/ppo.py when training,
-# and the RL recipe's score_answers imports rl/workflow.py (reward scores of held-out answers).
-EXPECTED_FUNCTION_LEVEL_IMPORTS = 90
+# and the RL recipe's score_answers imports rl/workflow.py (reward scores of held-out answers). 91: grpo's tool_use
+# imports rl/tool_rollout.py when a run has tools.
+EXPECTED_FUNCTION_LEVEL_IMPORTS = 91

@@ -17,6 +17,7 @@
       data/dedup.py                    datasketch for dedup: near
       train/optimizers.py              the package of use_galore / use_apollo / use_badam / use_adam_mini
       train/rl/rewards.py              the reward functions import                        → plan.reward_functions
+      train/rl/tools.py                the tools import and describe themselves           → plan.tools
       model/folder.py                  the reward model folder (ppo)
       model/sharding.py                what FSDP on CPU cannot do
       train/callbacks.py               the user's callback classes import and take their arguments
@@ -56,6 +57,7 @@ from tunelab.model.folder import resolve_model_folders, resolve_reward_model
 from tunelab.train import launch, optimizers, outputs, resume
 from tunelab.train.plan import RunPlan
 from tunelab.train.rl.rewards import RewardFunction, load_reward_functions
+from tunelab.train.rl.tools import Tool, load_tools
 from tunelab.train.trackers import check_trackers
 
 
@@ -88,9 +90,11 @@ def plan_run(
     if purpose in ("train", "estimate"):
         optimizers.check_optimizer_package(config.finetuning)
     reward_functions: tuple[RewardFunction, ...] = ()
+    tools: tuple[Tool, ...] = ()
     if purpose != "serve":
         config = _with_reward_model_folder(config)
         reward_functions = _reward_functions(config)
+        tools = _tools(config)
     if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
@@ -112,7 +116,7 @@ def plan_run(
         from tunelab.export.merge import check_export_dir  # noqa: PLC0415 - start-up time: merge imports peft
 
         check_export_dir(config)
-    return RunPlan(config, purpose, registry, reward_functions, user_callbacks)
+    return RunPlan(config, purpose, registry, reward_functions, user_callbacks, tools)
 
 
 def load_config(
@@ -145,6 +149,14 @@ def _reward_functions(config: RunConfig) -> tuple[RewardFunction, ...]:
     if stage_row(ft.stage).scorer != "reward_functions":
         return ()
     return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, _config_dir(config)))
+
+
+def _tools(config: RunConfig) -> tuple[Tool, ...]:
+    """grpo with tools: them, imported and described (a missing file, function or docstring fails now)."""
+    ft = config.finetuning
+    if stage_row(ft.stage).scorer != "reward_functions" or not ft.tools:
+        return ()
+    return load_tools(ft.tools, _config_dir(config))
 
 
 def _check_liger_package(config: RunConfig) -> None:
