@@ -16,6 +16,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "real"
 RECIPES = {  # recipe -> the fetch_real item whose file it loads
     "sft_lora": "smollm2", "sft_full": "smollm2", "dpo": "smollm2", "grpo": "smollm2",
     "qwen2.5-coder-0.5b_sft_lora": "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b_sft_lora": "qwen2.5-coder-1.5b",
+    "grpo_tools": "qwen2.5-coder-0.5b",
 }
 
 

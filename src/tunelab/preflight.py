@@ -17,6 +17,7 @@
       data/dedup.py                    datasketch for dedup: near
       train/optimizers.py              the package of use_galore / use_apollo / use_badam / use_adam_mini
       train/rl/rewards.py              the reward functions import                        → plan.reward_functions
+      train/rl/tools.py                the tools import and describe themselves           → plan.tools
       model/folder.py                  the reward model folder (ppo)
       model/sharding.py                what FSDP on CPU cannot do
       train/callbacks.py               the user's callback classes import and take their arguments
@@ -58,6 +59,7 @@ from tunelab.model.folder import resolve_model_folders, resolve_reward_model
 from tunelab.train import launch, optimizers, outputs, resume
 from tunelab.train.plan import RunPlan
 from tunelab.train.rl.rewards import RewardFunction, load_reward_functions
+from tunelab.train.rl.tools import Tool, load_tools
 from tunelab.train.trackers import check_trackers
 
 if TYPE_CHECKING:
@@ -93,9 +95,11 @@ def plan_run(
     if purpose in ("train", "estimate"):
         optimizers.check_optimizer_package(config.finetuning)
     reward_functions: tuple[RewardFunction, ...] = ()
+    tools: tuple[Tool, ...] = ()
     if purpose != "serve":
         config = _with_reward_model_folder(config)
         reward_functions = _reward_functions(config.finetuning, _config_dir(config))
+        tools = _tools(config.finetuning, _config_dir(config))
     if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
@@ -116,7 +120,7 @@ def plan_run(
         from tunelab.export.merge import check_export_dir  # noqa: PLC0415 - start-up time: merge imports peft
 
         check_export_dir(config)
-    return RunPlan(config, purpose, registry, reward_functions, user_callbacks)
+    return RunPlan(config, purpose, registry, reward_functions, user_callbacks, tools)
 
 
 def load_config(
@@ -158,6 +162,13 @@ def _reward_functions(ft: FinetuningArguments, config_dir: Path | None) -> tuple
     if stage_row(ft.stage).scorer != "reward_functions":
         return ()
     return tuple(load_reward_functions(ft.reward_funcs, ft.reward_weights, config_dir))
+
+
+def _tools(ft: FinetuningArguments, config_dir: Path | None) -> tuple[Tool, ...]:
+    """grpo with tools: them, imported and described (a missing file, function or docstring fails now)."""
+    if stage_row(ft.stage).scorer != "reward_functions" or not ft.tools:
+        return ()
+    return load_tools(ft.tools, config_dir)
 
 
 def _check_liger_package(args: TrainingArguments) -> None:

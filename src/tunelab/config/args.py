@@ -337,6 +337,19 @@ class FinetuningArguments:
         "grpo: one weight per reward function (default 1 each); a completion's reward is the weighted sum.",
         default=None, applies=GRPO,
     )
+    tools: list[str] | None = _help(
+        "grpo: tools the policy may call during a rollout, comma separated (TRL's GRPOTrainer tools): the built-in "
+        "python (runs the call's code in the code_tests sandbox and returns what it prints) or your own "
+        "path/to/file.py:fn / package.module:fn, described to the model by its type hints and Google-style docstring "
+        "(transformers' get_json_schema) and run in a child process of its own. The prompts render them; each call "
+        "and its result become turns of the rollout (train/rl/tool_rollout.py).",
+        default=None, applies=GRPO,
+    )
+    max_tool_turns: int = _help(
+        "grpo with tools: the most tool-calling turns of one rollout (TRL's max_tool_calling_iterations); a call "
+        "after the last is not run and ends the rollout.",
+        default=2, applies=GRPO,
+    )
     reward_model: str | None = _help(
         "ppo: the reward model folder a stage rm run wrote (a full model or a LoRA adapter).",
         default=None, applies=PPO,

@@ -467,6 +467,8 @@ def _check_rl(config: RunConfig) -> None:
                 f"epsilon_high must be >= epsilon (the ratio is clipped to [1 - epsilon, 1 + epsilon_high]), got "
                 f"{ft.epsilon_high} < {ft.epsilon}"
             )
+        if ft.max_tool_turns < 1:
+            raise ConfigError(f"max_tool_turns must be at least 1 (tool-calling turns per rollout), got {ft.max_tool_turns}")
         if not 0.0 <= ft.top_entropy_quantile <= 1.0:
             raise ConfigError(
                 f"top_entropy_quantile must be in [0, 1] (the share of tokens kept), got {ft.top_entropy_quantile}"

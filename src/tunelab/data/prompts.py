@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,28 +45,38 @@ class PromptEncoder:
     """Picklable row → {prompt, prompt_ids, reference, messages, tools}, for datasets.map.
 
     `messages` (the prompt's template messages as JSON) and `tools` let a reward model score the full
-    render of prompt + answer, as the rm stage trained it. `template_vars`: the run's template_kwargs."""
+    render of prompt + answer, as the rm stage trained it, and a tool-using rollout render the turns that follow.
+    `template_vars`: the run's template_kwargs. `tools`: the schemas of the run's own tools (grpo's option tools),
+    rendered after the row's own; the `tools` column then holds them all, as JSON."""
 
     tokenizer: Any
     template: Template
     template_vars: dict[str, Any] = field(default_factory=dict, hash=False)
+    tools: tuple[dict[str, Any], ...] = field(default=(), hash=False)
 
     def __call__(self, row: dict) -> dict:
         messages, reference = prompt_and_reference(row, self.template)
+        tools = parse_tools(row.get("tools") or None)
+        if self.tools:
+            tools = [*(tools or []), *self.tools]
         prompt = self.template.prompt(
-            messages, parse_tools(row.get("tools") or None),
+            messages, tools,
             bos_token=self.tokenizer.bos_token or "", eos_token=self.tokenizer.eos_token or "", **self.template_vars,
         )
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        rendered_tools = json.dumps(tools, ensure_ascii=False) if self.tools else row.get("tools") or ""
         return {"prompt": prompt, "prompt_ids": ids, "reference": reference,
-                "messages": json.dumps(messages, ensure_ascii=False), "tools": row.get("tools") or ""}
+                "messages": json.dumps(messages, ensure_ascii=False), "tools": rendered_tools}
 
 
-def build_prompt_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int) -> PromptBundle:
+def build_prompt_datasets(data_args: DataArguments, tokenizer, template: Template, seed: int,
+                          tools: Sequence[dict[str, Any]] = ()) -> PromptBundle:
+    """The prompts (rendered with the run's `tools` beside each row's own) and the held-out rows."""
     report: dict[str, Any] = {}
     train_rows, eval_rows = load_canonical_splits(data_args, seed, report)
     encoded = train_rows.map(
-        PromptEncoder(tokenizer, template, data_args.template_kwargs or {}), remove_columns=list(train_rows.column_names),
+        PromptEncoder(tokenizer, template, data_args.template_kwargs or {}, tuple(tools)),
+        remove_columns=list(train_rows.column_names),
         num_proc=data_args.preprocessing_num_workers, desc="Rendering prompts",
     )
     kept = encoded.filter(lambda row: len(row["prompt_ids"]) <= data_args.cutoff_len)

@@ -16,6 +16,7 @@ Row formats:
   alpaca + images  {"instruction": "<image>question", "input": "", "output", "images": [{"bytes", "path"}]}  shapes
   alpaca, output = hidden tests  {"instruction", "input": "", "output": "assert f(...) == ..."}  code (code_tasks.py,
                                  split by task)
+  alpaca      questions to compute (number answers)            tool_math (tool_tasks.py, for grpo with tools)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tunelab.data import code_tasks
+from tunelab.data import code_tasks, tool_tasks
 from tunelab.errors import DataError
 
 SPLITS = ("train", "test")
@@ -359,6 +360,7 @@ GENERATORS: dict[str, Callable[..., list[dict]]] = {
     "code": lambda split, num_samples, seed: code_tasks.generate_rows(split, num_samples, seed, split_of),
     "code_composed": lambda split, num_samples, seed: code_tasks.generate_rows(
         split, num_samples, seed, split_of, code_tasks.COMPOSED_FAMILIES),
+    "tool_math": lambda split, num_samples, seed: tool_tasks.generate_rows(split, num_samples, seed, split_of),
 }
 
 

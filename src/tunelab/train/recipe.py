@@ -389,6 +389,10 @@ class RLRecipe(Recipe):
         """What scores the samples (reward functions, a reward model)."""
         raise NotImplementedError
 
+    def tool_schemas(self) -> list[dict]:
+        """The schemas of the tools the prompts render beside each row's own (grpo's option tools)."""
+        return []
+
     def policy(self, model: nn.Module) -> nn.Module:
         """The module the loop trains."""
         return model
@@ -413,7 +417,7 @@ class RLRecipe(Recipe):
         transformers.set_seed(args.seed)
         accelerator = build_accelerator(config)
         tokenizer, template = self.tokenizer, self.template
-        prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed)
+        prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed, self.tool_schemas())
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
         scorer = self.scorer(accelerator.device)
         self._held_out_rewards = workflow.held_out_rewards(scorer)

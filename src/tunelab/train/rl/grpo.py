@@ -19,6 +19,9 @@ A group whose G rewards are all equal has advantage 0 and teaches nothing. The s
 logged (`zero_spread_groups`); when every group of every batch has zero spread for
 ZERO_SPREAD_WARN_AFTER rounds in a row, the run warns once with the likely cause and the fixes.
 dynamic_sampling (DAPO) takes such groups out of the batch, counted as `dropped_groups`.
+
+With tools (a ToolUse), step 1 is a tool-using rollout (tool_rollout.py): the completions call tools and read their
+results before their final answer; only the policy's own tokens are in the loss mask, and the log gains tools/...
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tunelab.train.rl.rewards import RewardFunction, reward_run_stats, score_com
 from tunelab.train.rl.rollout import (
     Rollout, completion_log_probs, generate_rollout, reference_log_probs, select_rows,
 )
+from tunelab.train.rl.tool_rollout import ToolUse, tool_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,10 @@ class GRPOBatch:
 
 
 class GRPO:
-    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], rewards: list[RewardFunction], config):
+    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], rewards: list[RewardFunction], config,
+                 tool_use: ToolUse | None = None):
         ft, gen = config.finetuning, config.generation
+        self.tool_use = tool_use
         self.loop, self.reference, self.tokenizer, self.stop_ids, self.rewards = loop, reference, tokenizer, stop_ids, rewards
         self.group_size, self.kl_coef, self.epsilon = ft.num_generations, ft.kl_coef, ft.epsilon
         self.num_iterations = ft.num_iterations
@@ -74,14 +80,22 @@ class GRPO:
     @torch.no_grad()
     def rollout(self, rows: list[dict]) -> GRPOBatch:
         group = [row for row in rows for _ in range(self.group_size)]
+        messages, tool_stats = None, {}
         with merged_sampling.sampling_weights(self.policy, self.merge_for_sampling):
-            rollout = generate_rollout(
-                self.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
-                self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id, group_size=self.group_size,
-            )
+            if self.tool_use is None:
+                rollout = generate_rollout(
+                    self.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
+                    self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id, group_size=self.group_size,
+                )
+            else:
+                used = tool_rollout(
+                    self.policy, self.tokenizer, self.tool_use, rows, self.stop_ids, self.max_new_tokens,
+                    self.temperature, self.tokenizer.pad_token_id, self.group_size,
+                )
+                rollout, messages, tool_stats = used.rollout, used.completion_messages, used.stats
         totals, per_function = score_completions(
             self.rewards, [row["prompt"] for row in group], rollout.completions,
-            [row["reference"] for row in group], rollout.finished,
+            [row["reference"] for row in group], rollout.finished, messages,
         )
         device = rollout.input_ids.device
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)
@@ -94,6 +108,7 @@ class GRPO:
             **reward_run_stats(self.rewards),
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
+            **tool_stats,
         })
         all_zero_spread = bool(zero_spread.all())
         if self.dynamic_sampling:

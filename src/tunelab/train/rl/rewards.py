@@ -10,7 +10,11 @@ A reward function scores a batch of completions:
 
 A function that also names a parameter `finished` (or takes **kwargs) receives
 `finished: list[bool]`: whether each completion ended at the end-of-turn token rather than at
-max_new_tokens. `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`, `code_tests`),
+max_new_tokens. With tools (grpo's option tools), `completions` are the rollouts' final answers, and a function
+that names a parameter `completion_messages` (or takes **kwargs) receives each rollout's whole exchange after the
+prompt as a list of messages: assistant turns (with their `tool_calls`), tool results (role tool) and the final
+answer (train/rl/tool_rollout.py). `reward_funcs` names them: a built-in (`exact_match`, `format`, `item_match`,
+`code_tests`),
 `path/to/file.py:fn`
 or `package.module:fn` (imported by the opt-in rule of tunelab/user_code.py); `reward_weights` weighs
 them (default 1 each), and a completion's reward is the weighted sum.
@@ -141,10 +145,13 @@ class RewardFunction:
     fn: RewardFn
     weight: float
     wants_finished: bool
+    wants_messages: bool = False  # names completion_messages (tool-using rollouts)
 
     def __call__(self, prompts: list[str], completions: list[str], references: list[str],
-                 finished: list[bool]) -> list[float]:
-        kwargs = {"finished": finished} if self.wants_finished else {}
+                 finished: list[bool], completion_messages: list[list[dict]] | None = None) -> list[float]:
+        kwargs: dict = {"finished": finished} if self.wants_finished else {}
+        if self.wants_messages and completion_messages is not None:
+            kwargs["completion_messages"] = completion_messages
         scores = self.fn(prompts, completions, references, **kwargs)
         scores = [float(s) for s in scores]
         if len(scores) != len(completions):
@@ -154,12 +161,12 @@ class RewardFunction:
         return scores
 
 
-def _accepts_finished(fn: RewardFn) -> bool:
+def _accepts(fn: RewardFn, name: str) -> bool:
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # builtins and C functions: call with the three lists only
         return False
-    return any(p.name == "finished" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def resolve_reward_fn(spec: str, base_dir: str | Path | None = None) -> RewardFn:
@@ -192,16 +199,17 @@ def load_reward_functions(
     out = []
     for spec, weight in zip(specs, weights):
         fn = resolve_reward_fn(spec, base_dir)
-        out.append(RewardFunction(name=spec, fn=fn, weight=float(weight), wants_finished=_accepts_finished(fn)))
+        out.append(RewardFunction(name=spec, fn=fn, weight=float(weight), wants_finished=_accepts(fn, "finished"),
+                                  wants_messages=_accepts(fn, "completion_messages")))
     return out
 
 
 def score_completions(
     functions: Sequence[RewardFunction], prompts: list[str], completions: list[str], references: list[str],
-    finished: list[bool],
+    finished: list[bool], completion_messages: list[list[dict]] | None = None,
 ) -> tuple[list[float], dict[str, list[float]]]:
     """(weighted total per completion, each function's raw scores by name)."""
-    per_function = {f.name: f(prompts, completions, references, finished) for f in functions}
+    per_function = {f.name: f(prompts, completions, references, finished, completion_messages) for f in functions}
     totals = [
         sum(f.weight * per_function[f.name][i] for f in functions) for i in range(len(completions))
     ]

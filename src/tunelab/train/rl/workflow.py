@@ -21,10 +21,11 @@ logger = logging.getLogger(__name__)
 
 def held_out_rewards(scorer) -> list[RewardFunction]:
     """The reward functions that held-out greedy answers can be scored with: those that do not ask whether an answer
-    finished (greedy generation does not report it). A reward model (ppo's scorer) is not one."""
+    finished or for a tool-using rollout's messages (the held-out answers do not report them). A reward model (ppo's
+    scorer) is not one."""
     if not isinstance(scorer, list):
         return []
-    return [f for f in scorer if isinstance(f, RewardFunction) and not f.wants_finished]
+    return [f for f in scorer if isinstance(f, RewardFunction) and not f.wants_finished and not f.wants_messages]
 
 
 def reward_metrics(predictions, rewards: list[RewardFunction], when: str) -> dict[str, float]:
