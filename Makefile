@@ -21,9 +21,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/tunelab train examples/quickstart.yaml overwrite_output_dir=true
 
-# pytest-xdist: one worker per core (at most 4), whole test files per worker (their shared fixtures stay together);
-# tests/conftest.py gives each worker one torch thread. A plain `pytest` runs serially.
-PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile
+# pytest-xdist: one worker per core (at most 4), whole test files per worker (their shared fixtures stay together),
+# in tests/conftest.py's order (the files of end-to-end tests first); it gives each worker one torch thread.
+# A plain `pytest` runs serially.
+PYTEST_PARALLEL ?= -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_PARALLEL)

@@ -94,6 +94,16 @@ def isolated_tokenized_cache(tmp_path_factory):
         os.environ["TUNELAB_CACHE"] = previous
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(config, items):
+    """Files holding an end-to-end (`slow`) test run first, the files of quick tests after them. `make test`'s
+    workers take whole files in this order (--no-loadscope-reorder; xdist's own order, most tests first, puts the
+    long files of few tests last, where one worker runs them alone while the other has finished): the many short
+    files at the end even the workers out."""
+    long_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in long_files)  # stable: each group keeps its collection order
+
+
 def pytest_sessionfinish(session, exitstatus):
     """scripts/record_golden_renders.py: write the official renders this session recorded (tests/official.py)."""
     from tests import official  # noqa: PLC0415

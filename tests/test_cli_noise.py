@@ -95,6 +95,7 @@ LIGHT_COMMANDS = [
 TRAINING_STACK = ("peft", "bitsandbytes", "transformers.trainer", "transformers.training_args")
 
 
+@pytest.mark.slow  # a fresh interpreter runs the commands: not make test-fast's
 def test_light_commands_import_no_training_stack(tmp_path) -> None:
     """One interpreter runs the commands in turn and lists the training modules loaded after each: sys.modules only
     grows, so the first command that imports one is the first line that names it (one start-up, not ten).

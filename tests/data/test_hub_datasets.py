@@ -74,6 +74,7 @@ def test_llamafactory_entries_with_several_hubs_read_the_hugging_face_one(tmp_pa
 # ---- reading them, offline ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_hub_datasets_read_from_the_cache(tmp_path):
     cache = tmp_path / "hub"
     lay_out(cache, "org/chat", {

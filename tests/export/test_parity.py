@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,21 +146,31 @@ def test_greedy_answers_parting_at_a_near_tie_are_reported_not_failed(tiny, tiny
     ]
 
 
-@pytest.mark.slow
-def test_smollm2_f16_and_q8_0_ggufs_match(tmp_path):
-    """SmolLM2-135M-Instruct (30 layers, grouped kv, its own template with a default system prompt), from the
-    weights transformers reads out of its Q4_1 GGUF: f16 gives the same ids, template and greedy answers within the
-    f16 tolerance; q8_0 stays within its own (this small model's outlier weights make it sensitive: about 0.4 sd).
-    Two probes (one with a system turn) and six answer tokens keep it to the reads themselves; all four probes and
-    every type: bench/export_parity.py."""
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> tuple[AutoModelForCausalLM, TokenizersBackend, Path]:
+    """SmolLM2-135M-Instruct as transformers reads it out of its Q4_1 GGUF, and its f16 export: read and written
+    once for both SmolLM2 tests (each read dequantises 135M weights)."""
     from tests.real_assets import real  # noqa: PLC0415
 
     path = real("smollm2")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)  # AutoTokenizer's pick for llama
+    f16 = write_gguf(model, tokenizer, tokenizer.chat_template, None,
+                     tmp_path_factory.mktemp("smollm2") / "smollm2-f16.gguf", "f16")
+    return model, tokenizer, f16
+
+
+@pytest.mark.slow
+def test_smollm2_f16_and_q8_0_ggufs_match(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct (30 layers, grouped kv, its own template with a default system prompt), from the
+    weights transformers reads out of its Q4_1 GGUF: f16 gives the same ids, template and greedy answers within the
+    f16 tolerance; q8_0 stays within its own (this small model's outlier weights make it sensitive: about 0.4 sd).
+    Two probes (one with a system turn) and six answer tokens keep it to the reads themselves; all four probes and
+    every type: bench/export_parity.py."""
+    model, tokenizer, f16 = smollm2
     for tensor_type in ("f16", "q8_0"):
-        out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / f"smollm2-{tensor_type}.gguf",
-                         tensor_type)
+        out = f16 if tensor_type == "f16" else write_gguf(model, tokenizer, tokenizer.chat_template, None,
+                                                          tmp_path / "smollm2-q8_0.gguf", tensor_type)
         report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=6,
                               probes=PROBES[:2], llama_cpp=False)
         (result,) = report.readers
@@ -179,17 +190,12 @@ def test_llama_cpp_reader_when_installed(tiny, tiny_gguf):
 
 
 @pytest.mark.slow
-def test_smollm2_f16_gguf_in_llama_cpp(tmp_path):
+def test_smollm2_f16_gguf_in_llama_cpp(smollm2):
     """SmolLM2's f16 export read by llama.cpp's own server (xllamacpp): its Jinja renders the four probes (emoji,
     Chinese, tabs, a system turn, two exchanges) as training did, its tokenizer gives the same ids, and its greedy
     answers are the trained model's."""
     pytest.importorskip("xllamacpp")
-    from tests.real_assets import real  # noqa: PLC0415
-
-    path = real("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
-    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "smollm2-f16.gguf", "f16")
+    model, tokenizer, out = smollm2
     report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", max_new_tokens=8,
                           llama_cpp=True, raise_on_mismatch=False)
     llama = report.readers[1]

@@ -294,6 +294,7 @@ def test_an_architecture_or_type_transformers_cannot_read_is_one_line(tmp_path, 
                                   "not start with the GGUF magic bytes)")
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_a_hub_id_with_gguf_file_resolves_through_the_cache(files, tmp_path):
     cache = tmp_path / "hf" / "hub"
     lay_out(cache, "org/tiny-GGUF", {"tiny-q8_0.gguf": files["q8_0"]}, HUB_COMMIT)

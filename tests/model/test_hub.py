@@ -97,6 +97,7 @@ def test_repo_ids_and_cache_folders():
 # ---- config time, offline --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_hub_ids_resolve_offline_and_fail_in_one_line(hub, tmp_path, tiny_llama_dir):
     cfg = str(write_config(tmp_path / "run"))
     shutil.copytree(tiny_llama_dir, tmp_path / "run" / "org" / "shadowed")  # a folder spelled like a cached Hub id
@@ -143,6 +144,7 @@ def test_hub_ids_resolve_offline_and_fail_in_one_line(hub, tmp_path, tiny_llama_
     }
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_weights_missing_from_the_cache_fail_when_the_model_loads(hub, tmp_path):
     """Offline, the config checks pass on a cache holding all but the weights (`tunelab data` needs no more);
     loading the model names what is missing."""
@@ -209,6 +211,7 @@ def refusing_hub():
     server.server_close()
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_the_hubs_refusals_are_one_line_each(hub, tmp_path, refusing_hub):
     key = {"key": "model_name_or_path"}
     outcomes = resolve_outcomes({
@@ -230,6 +233,7 @@ def test_the_hubs_refusals_are_one_line_each(hub, tmp_path, refusing_hub):
     }
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_an_unreachable_hub_is_one_line(hub, tmp_path):
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
@@ -245,6 +249,7 @@ def test_an_unreachable_hub_is_one_line(hub, tmp_path):
     }
 
 
+@pytest.mark.slow  # a fresh interpreter (Hub variables are read at import): not make test-fast's
 def test_a_run_folder_not_made_yet_is_no_hub_id(hub, tmp_path):
     """examples/kto.yaml before examples/sft_base.yaml: its model_name_or_path, saves/sft_base, is a run folder that
     an example writes, not a Hub id; nor is a typo in a folder where the examples write their runs."""

@@ -12,6 +12,7 @@ import pytest
 from tests.webui.server import QUICK_FORM, basic, call, run_cli, wait_for, webui_server
 
 pytest.importorskip("fastapi", reason="tunelab webui needs the webui extra (fastapi, uvicorn)")
+pytestmark = pytest.mark.slow  # every test runs `tunelab` processes (the server, its runs): not make test-fast's
 
 
 def test_non_loopback_address_needs_credentials(tmp_path):
