@@ -174,7 +174,7 @@ def test_applicability_is_declared_on_the_options_and_errors_carry_key_and_fix()
     assert declared["rollout_merge_adapter"] == (("stage", ("grpo", "ppo")), ("finetuning_type", ("lora",)))
     assert declared["beta"] == (("stage", ("kd",)),)
     # 5 pt, 12 LoRA, 1 any adapter, 4 OFT, 2 VeRA, 8 preference, 19 grpo / ppo, 3 kd, 24 optimizers
-    assert len(declared) == 78
+    assert len(declared) == 80
     with pytest.raises(ConfigError) as caught:
         load_config(None, {"stage": "sft", "finetuning_type": "full", "use_dora": True, "lora_rank": 4,
                            "output_dir": "unused"})
