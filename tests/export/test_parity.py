@@ -328,6 +328,26 @@ def test_llama_cpp_alone_reads_without_transformers_or_a_rounded_copy(tiny, tiny
                      probes=PROBES[:1], transformers=False, llama_cpp=False)
 
 
+def test_llama_cpp_renders_without_the_bos_text_its_tokenizer_adds():
+    """llama.cpp's chat code drops a template's leading BOS text when its tokenizer adds BOS (Gemma 3's template
+    starts with {{ bos_token }}): the check expects that render, not the trained text, and only then."""
+
+    class Reader:
+        def __init__(self, adds_bos: bool):
+            self.adds_bos = adds_bos
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [2, 9] if add_special_tokens and self.adds_bos else [9]
+
+    class Tokenizer:
+        bos_token, bos_token_id = "<bos>", 2
+
+    texts = ["<bos><start_of_turn>user\nHi<end_of_turn>\n", "no bos here"]
+    assert parity.llama_cpp_renders(texts, Tokenizer(), Reader(True)) == [
+        "<start_of_turn>user\nHi<end_of_turn>\n", "no bos here"]
+    assert parity.llama_cpp_renders(texts, Tokenizer(), Reader(False)) == texts
+
+
 def test_a_file_llama_cpp_cannot_load_fails_the_check(tiny, tiny_gguf, monkeypatch):
     def refuse(path):
         raise RuntimeError("failed to load model")

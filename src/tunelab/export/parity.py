@@ -595,9 +595,11 @@ def _compare(reference: TransformersReader, stored: TransformersReader | None, r
         # The exported template, rendered as that runtime would (llama.cpp's server: by its own Jinja engine),
         # gives the text training rendered.
         exported_texts, _, kept = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        expected_texts = texts
         if hasattr(reader, "render"):
             exported_texts = [reader.render(messages) for messages in kept]
-        if exported_texts != texts:
+            expected_texts = llama_cpp_renders(texts, tokenizer, reader)
+        if exported_texts != expected_texts:
             template_ok = False
             problems.append(f"{who} chat template renders the probes differently from the trained one")
 
@@ -714,6 +716,15 @@ def _first_token_gaps(reference: TransformersReader, stored: TransformersReader 
     return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
             "stored_gap": stored_gap,
             "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
+
+
+def llama_cpp_renders(texts: list[str], tokenizer: Any, reader: Any) -> list[str]:
+    """The trained prompts as llama.cpp's chat code returns them: where its tokenizer adds BOS itself, it drops the
+    BOS text a template writes first (Gemma's `{{ bos_token }}`) and adds the token back when it tokenizes the
+    prompt, so the model gets the same ids."""
+    bos = tokenizer.bos_token
+    adds_bos = bool(bos) and reader.encode("Hello world", True)[:1] == [tokenizer.bos_token_id]
+    return [text[len(bos):] if adds_bos and text.startswith(bos) else text for text in texts]
 
 
 def _held_out_prompts(rows: Sequence[tuple[list[Message], str]], chat_template: str,
