@@ -4,19 +4,23 @@ caught with one line naming what differs."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from peft import PeftModel
 from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, TokenizersBackend,
 )
 
+from tunelab.cli import main
 from tunelab.data.templates import Template, builtin_source
 from tunelab.export import gguf_writer, parity
-from tunelab.export.gguf_writer import write_gguf
+from tunelab.export.gguf_writer import source_provenance, write_gguf
+from tunelab.model import gguf as model_gguf
 from tunelab.errors import ExportError
 from tunelab.export.parity import PROBES, STORED_TOLERANCE, TOLERANCES, ParityError, check_parity
 
@@ -257,6 +261,12 @@ def test_qwen25_coder_tool_call_renders_alike_in_llama_cpp(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = AutoModelForCausalLM.from_config(config).eval()
     out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "qwen.gguf", "f16")
+    _assert_tool_call_renders_alike(out, tokenizer)
+
+
+def _assert_tool_call_renders_alike(out, tokenizer) -> None:
+    """llama.cpp's Jinja renders a tool-call conversation from the GGUF's template as tunelab renders it from the
+    trained one, and its tokenizer gives the trained ids."""
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": "Weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "e.g. Paris"}},
@@ -277,6 +287,70 @@ def test_qwen25_coder_tool_call_renders_alike_in_llama_cpp(tmp_path):
         assert reader.encode(ours) == tokenizer(ours, add_special_tokens=False)["input_ids"]
     finally:
         reader.close()
+
+
+@pytest.mark.slow
+def test_qwen25_coder_real_weights_trained_exported_and_read_by_llama_cpp(tmp_path):
+    """Qwen2.5-Coder-0.5B-Instruct's real weights (its Q4_K_M GGUF) trained two LoRA steps by `tunelab train` with
+    examples/real/qwen2.5-coder-0.5b_sft_lora.yaml, merged, written f16 and read by llama.cpp alone (three float32
+    copies of its 630M parameters are more than the check may hold here): template, ids and greedy answers are the
+    trained model's, and a tool-call conversation renders as tunelab renders it."""
+    pytest.importorskip("xllamacpp")
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("qwen2.5-coder-0.5b")
+    run = tmp_path / "run"
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "real" / "qwen2.5-coder-0.5b_sft_lora.yaml"
+    assert main(["train", str(recipe), f"model_name_or_path={path}", "max_steps=2", "max_samples=4",
+                 "per_device_train_batch_size=2", "eval_generation=false", "disable_tqdm=true", "plot_loss=false",
+                 f"output_dir={run}"]) == 0
+    gc.collect()  # the training run's model before the merge loads another
+    tokenizer = AutoTokenizer.from_pretrained(run)
+    base = model_gguf.from_pretrained(AutoModelForCausalLM, path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, run).merge_and_unload().eval()
+    out = write_gguf(model, tokenizer, tokenizer.chat_template, None, tmp_path / "qwen-f16.gguf", "f16",
+                     name="run", source=source_provenance(path))
+    report = check_parity(model, tokenizer, tokenizer.chat_template, None, out, "gguf", probes=PROBES[:2],
+                          max_new_tokens=8, transformers=False, raise_on_mismatch=False)
+    (llama,) = report.readers
+    assert llama.reader == "llama.cpp (xllamacpp server)" and report.ok, report.problems
+    assert llama.template_identical and llama.ids_identical and llama.special_tokens_identical
+    assert llama.greedy_identical and llama.max_logit_gap <= TOLERANCES["f16"]
+    _assert_tool_call_renders_alike(out, tokenizer)
+
+
+def test_llama_cpp_alone_reads_without_transformers_or_a_rounded_copy(tiny, tiny_gguf):
+    """transformers=False: llama.cpp is the one reader and no copy rounded as stored is made (a large model's check
+    holds one float32 copy, not three); asked without llama.cpp, it says what it needs."""
+    pytest.importorskip("xllamacpp")
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                          probes=PROBES[:1], transformers=False)
+    (llama,) = report.readers
+    assert llama.reader == "llama.cpp (xllamacpp server)" and report.ok and llama.greedy_identical
+    assert llama.stored_gap is None and "from the weights as stored" not in report.lines()[1]
+    with pytest.raises(ValueError, match="reads a GGUF with llama.cpp alone"):
+        check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                     probes=PROBES[:1], transformers=False, llama_cpp=False)
+
+
+def test_llama_cpp_renders_without_the_bos_text_its_tokenizer_adds():
+    """llama.cpp's chat code drops a template's leading BOS text when its tokenizer adds BOS (Gemma 3's template
+    starts with {{ bos_token }}): the check expects that render, not the trained text, and only then."""
+
+    class Reader:
+        def __init__(self, adds_bos: bool):
+            self.adds_bos = adds_bos
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [2, 9] if add_special_tokens and self.adds_bos else [9]
+
+    class Tokenizer:
+        bos_token, bos_token_id = "<bos>", 2
+
+    texts = ["<bos><start_of_turn>user\nHi<end_of_turn>\n", "no bos here"]
+    assert parity.llama_cpp_renders(texts, Tokenizer(), Reader(True)) == [
+        "<start_of_turn>user\nHi<end_of_turn>\n", "no bos here"]
+    assert parity.llama_cpp_renders(texts, Tokenizer(), Reader(False)) == texts
 
 
 def test_a_file_llama_cpp_cannot_load_fails_the_check(tiny, tiny_gguf, monkeypatch):

@@ -115,7 +115,7 @@ class ProbeResult:
     ids_identical: bool
     max_logit_gap: float  # from the model as trained, in reference standard deviations (see TOLERANCES)
     max_abs_logit_gap: float
-    stored_gap: float  # from the trained weights rounded as stored (see STORED_TOLERANCE)
+    stored_gap: float | None  # from the trained weights rounded as stored (STORED_TOLERANCE); None: not compared
     top1_agreement: float  # share of positions whose most likely next token is the same
     reference_answer: list[int]
     exported_answer: list[int]
@@ -141,7 +141,7 @@ class ReaderResult:
     max_logit_gap: float
     max_abs_logit_gap: float
     tolerance: float
-    stored_gap: float
+    stored_gap: float | None  # None: the check ran without a rounded copy (check_parity's transformers=False)
     stored_tolerance: float
     greedy_identical: bool
     greedy_required: bool
@@ -239,8 +239,8 @@ class ParityReport:
                 f"{'same' if r.ids_identical and r.special_tokens_identical else 'DIFFERENT'}, max logit gap "
                 f"{'' if r.gap_at == 'every position' else f'at the {r.gap_at} '}{r.max_logit_gap:.3g} sd "
                 f"({r.max_abs_logit_gap:.3g} abs; tolerance {r.tolerance:g}), "
-                f"{r.stored_gap:.2g} sd from the weights as stored, greedy answers "
-                f"{greedy}{speed}"
+                f"{'' if r.stored_gap is None else f'{r.stored_gap:.2g} sd from the weights as stored, '}"
+                f"greedy answers {greedy}{speed}"
             )
         if self.held_out is not None:
             h = self.held_out
@@ -267,6 +267,7 @@ def check_parity(
     held_out: tuple[str, Sequence[tuple[list[Message], str]]] | None = None,
     max_drop: float = 5.0,
     held_out_tokens: int = 64,
+    transformers: bool = True,
 ) -> ParityReport:
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
@@ -275,7 +276,9 @@ def check_parity(
     Writes the report to `report_path` when given, then raises ParityError if anything differs beyond tolerance
     (unless `raise_on_mismatch` is False). `held_out`: (name, [(prompt messages, reference answer)]) to score with
     exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
-    model is a problem.
+    model is a problem. `transformers=False` (a GGUF read by llama.cpp, which must then be installed): neither
+    transformers' reading nor the copy rounded as stored, two of the check's three float32 copies of the model, for
+    a model too large to hold them (its gaps are then from the model as trained only).
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
@@ -287,7 +290,10 @@ def check_parity(
     report = ParityReport(kind, str(exported), tensor_type, file_bytes, skipped_probes=skipped)
     stops = _stop_ids(tokenizer, chat_template)
     reference = TransformersReader("reference", reference_model, tokenizer, chat_template)
-    stored = _rounded_reference(reference_model, tokenizer, kind, tensor_type)
+    if not transformers and (kind != "gguf" or llama_cpp is False or not llama_cpp_available()):
+        raise ValueError("check_parity(transformers=False) reads a GGUF with llama.cpp alone: it needs kind 'gguf' "
+                         "and xllamacpp (or llama_cpp) installed")
+    stored = _rounded_reference(reference_model, tokenizer, kind, tensor_type) if transformers else None
     expected_template = chat_template
     if kind == "gguf":
         from tunelab.export.gguf_writer import embedded_chat_template  # noqa: PLC0415 - the gguf extra: GGUFs only
@@ -302,7 +308,7 @@ def check_parity(
         scored = _held_out_prompts(rows, chat_template, template_vars, tokenizer)
         report.held_out = HeldOut(name, len(rows), max_drop)
         report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
-    readers: list[Any] = [_transformers_reader(exported, kind)]
+    readers: list[Any] = [_transformers_reader(exported, kind)] if transformers else []
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
         try:
             readers.append(llama_cpp_reader(exported))
@@ -572,7 +578,7 @@ def _rounded_reference(model: torch.nn.Module, tokenizer: Any, kind: str, tensor
     return TransformersReader("as stored", rounded, tokenizer, None)
 
 
-def _compare(reference: TransformersReader, stored: TransformersReader, reader: Any, tokenizer: Any,
+def _compare(reference: TransformersReader, stored: TransformersReader | None, reader: Any, tokenizer: Any,
              texts: list[str], chat_template: str | None, expected_template: str | None, reader_vars: dict[str, Any],
              tensor_type: str, kind: str, stops: list[int], max_new_tokens: int,
              probes: Sequence[list[Message]] | None) -> ReaderResult:
@@ -589,9 +595,11 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
         # The exported template, rendered as that runtime would (llama.cpp's server: by its own Jinja engine),
         # gives the text training rendered.
         exported_texts, _, kept = _rendered_probes(reader.template, reader_vars, tokenizer, probes)
+        expected_texts = texts
         if hasattr(reader, "render"):
             exported_texts = [reader.render(messages) for messages in kept]
-        if exported_texts != texts:
+            expected_texts = llama_cpp_renders(texts, tokenizer, reader)
+        if exported_texts != expected_texts:
             template_ok = False
             problems.append(f"{who} chat template renders the probes differently from the trained one")
 
@@ -627,14 +635,14 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
             reference_text=reference.decode(ref_answer), exported_text=_safe_decode(reader, exp_answer),
         ))
     max_gap = max(r.max_logit_gap for r in results)
-    max_stored_gap = max(r.stored_gap for r in results)
+    max_stored_gap = None if stored is None else max(r.stored_gap for r in results)
     # llama.cpp's kernels also round activations (to q8 in quantized matmuls): from the stored weights it is held to
     # the type's tolerance only.
     stored_tolerance = STORED_TOLERANCE if reader.name.startswith("transformers") else tolerance
     # A torchao folder has no rounded reference (stored is the model as trained): its scheme's tolerance is all.
     if tensor_type == "torchao":
         stored_tolerance = tolerance
-    if max_stored_gap > stored_tolerance and tensor_type != "torchao":
+    if max_stored_gap is not None and max_stored_gap > stored_tolerance and tensor_type != "torchao":
         worst = max(results, key=lambda r: r.stored_gap)
         problems.append(
             f"{who} logits differ by up to {max_stored_gap:.3g} standard deviations from the trained weights rounded "
@@ -673,7 +681,7 @@ def _compare(reference: TransformersReader, stored: TransformersReader, reader: 
     )
 
 
-def _logit_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any,
+def _logit_gaps(reference: TransformersReader, stored: TransformersReader | None, reader: Any,
                 ids: list[int]) -> tuple[dict[str, float], str | None]:
     """Gaps at every position of `ids` between the reader's logits and the trained / as-stored model's."""
     ref_logits, exp_logits = reference.logits(ids), reader.logits(ids)
@@ -683,13 +691,13 @@ def _logit_gaps(reference: TransformersReader, stored: TransformersReader, reade
         exp_logits = exp_logits[..., : ref_logits.shape[-1]]
     gap = (ref_logits - exp_logits).abs()
     scale = ref_logits.std(dim=-1, keepdim=True).clamp_min(1e-6)
-    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)
+    stored_logits = None if stored is None else ref_logits if stored.model is reference.model else stored.logits(ids)
     return {"max_logit_gap": float((gap / scale).max()), "max_abs_logit_gap": float(gap.max()),
-            "stored_gap": float(((stored_logits - exp_logits).abs() / scale).max()),
+            "stored_gap": None if stored_logits is None else float(((stored_logits - exp_logits).abs() / scale).max()),
             "top1_agreement": float((ref_logits.argmax(-1) == exp_logits.argmax(-1)).float().mean())}, problem
 
 
-def _first_token_gaps(reference: TransformersReader, stored: TransformersReader, reader: Any, ids: list[int],
+def _first_token_gaps(reference: TransformersReader, stored: TransformersReader | None, reader: Any, ids: list[int],
                       max_new_tokens: int) -> tuple[dict[str, float], str | None]:
     """Gaps at the first answer token only, on the reader's top tokens: log-probabilities against the trained /
     as-stored model's log-softmax (a log-probability is the logit less one constant per position, so in sd of the
@@ -699,13 +707,24 @@ def _first_token_gaps(reference: TransformersReader, stored: TransformersReader,
     if max(top_ids) >= ref_logits.shape[-1]:
         return {"max_logit_gap": float("inf"), "max_abs_logit_gap": float("inf"), "stored_gap": float("inf"),
                 "top1_agreement": 0.0}, f"vocabulary has ids up to {max(top_ids)}, the model {ref_logits.shape[-1]}"
-    stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)[-1]
     scale = float(ref_logits.std().clamp_min(1e-6))
     gap = (torch.log_softmax(ref_logits, -1)[top_ids] - top_logprobs).abs()
-    stored_gap = (torch.log_softmax(stored_logits, -1)[top_ids] - top_logprobs).abs()
+    stored_gap = None
+    if stored is not None:
+        stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)[-1]
+        stored_gap = float((torch.log_softmax(stored_logits, -1)[top_ids] - top_logprobs).abs().max()) / scale
     return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
-            "stored_gap": float(stored_gap.max()) / scale,
+            "stored_gap": stored_gap,
             "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
+
+
+def llama_cpp_renders(texts: list[str], tokenizer: Any, reader: Any) -> list[str]:
+    """The trained prompts as llama.cpp's chat code returns them: where its tokenizer adds BOS itself, it drops the
+    BOS text a template writes first (Gemma's `{{ bos_token }}`) and adds the token back when it tokenizes the
+    prompt, so the model gets the same ids."""
+    bos = tokenizer.bos_token
+    adds_bos = bool(bos) and reader.encode("Hello world", True)[:1] == [tokenizer.bos_token_id]
+    return [text[len(bos):] if adds_bos and text.startswith(bos) else text for text in texts]
 
 
 def _held_out_prompts(rows: Sequence[tuple[list[Message], str]], chat_template: str,
