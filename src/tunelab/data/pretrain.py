@@ -66,6 +66,7 @@ from datasets.fingerprint import Hasher
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, _Tokens
 from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.pipeline import DatasetBundle, _mix, split_validation
 from tunelab.data.dataset_files import describe, load_rows
 from tunelab.data.registry import DatasetSpec, load_registry
@@ -429,8 +430,6 @@ def document_chunks(documents: datasets.Dataset, cutoff_len: int) -> datasets.Da
 
 
 def _packed_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
-    from tunelab.data.packing import log_packing, pack_dataset  # noqa: PLC0415 - packing imports pipeline modules
-
     chunks = document_chunks(documents, data_args.cutoff_len)
     rows, stats = pack_dataset(chunks, data_args.cutoff_len)
     report[name] = {"documents": len(documents), "chunks": len(chunks), "packing": stats.as_dict()}
