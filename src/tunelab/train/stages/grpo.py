@@ -9,7 +9,8 @@ class GRPORecipe(RLRecipe):
     stage = "grpo"
 
     def algorithm(self):
-        from tunelab.train.rl.grpo import GRPO  # noqa: PLC0415  (the training stack: imported when training)
+        # lazy: rl/grpo imports peft (7.8 s); `tunelab data` imports this module
+        from tunelab.train.rl.grpo import GRPO
 
         return GRPO
 
