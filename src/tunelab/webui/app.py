@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
-from tunelab.data.registry import load_registry
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.webui import forms, tryout
 from tunelab.run_folder import read_log
@@ -98,6 +97,9 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
     @app.get("/api/datasets")
     def datasets(dataset_dir: str = "") -> JSONResponse:
         """The names the dataset fields offer: the built-in datasets and those of dataset_dir/dataset_info.json."""
+        # lazy: the web UI starts without huggingface_hub (registry -> hub.py) and the data and training stacks
+        from tunelab.data.registry import load_registry
+
         try:
             folder = str(roots.resolve(dataset_dir, "dataset_dir")) if dataset_dir.strip() else None
             return JSONResponse({"names": list(load_registry(folder))})

@@ -31,7 +31,6 @@ from tunelab.config.args import (DataArguments, ExportArguments, FinetuningArgum
                                  ModelArguments)
 from tunelab.config.training_fields import OptionField, transformers_training_fields
 from tunelab.config.training_options import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingOptions
-from tunelab.data.templates import TEMPLATE_NAMES
 from tunelab.errors import ConfigError, TunelabError
 from tunelab.webui.security import Roots
 
@@ -188,6 +187,8 @@ def _shows_for(option: OptionField, options: dict[str, OptionField]) -> dict[str
 
 
 def template_choices() -> tuple[str, ...]:
+    from tunelab.data.templates import TEMPLATE_NAMES  # lazy: the web UI starts without the data stack
+
     return ("", "model", *TEMPLATE_NAMES)  # "model": the model folder's own chat_template
 
 

@@ -19,7 +19,6 @@ from typing import Any, Iterator
 from tunelab.errors import ConfigError
 from tunelab.infer.sampling import SamplingOptions
 from tunelab.run_folder import PREDICT_RESULTS, PREDICTIONS, RUN_RECORD, read_run_record
-from tunelab.train.plan import RunPlan
 
 IGNORE_INDEX = -100
 
@@ -39,6 +38,7 @@ def _segments(tokenizer, ids: list[int], labels: list[int]) -> list[dict[str, An
 def preview(config, count: int = 3) -> dict[str, Any]:
     # lazy: the web UI starts without torch, datasets and transformers (torch alone 2.8 s)
     from tunelab.data.stats import stats_report
+    from tunelab.train.plan import RunPlan
     from tunelab.train.recipe import recipe_for
 
     data = recipe_for(RunPlan(config, "data")).inspection()
