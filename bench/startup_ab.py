@@ -1,6 +1,6 @@
 """Start-up of the commands a user runs before training, for two source trees, launched interleaved.
 
-    python bench/startup_ab.py --before /work/main/src --after src [--launches 5]
+    python bench/startup_ab.py --before /work/main/src --after src [--launches 5] [--only 'data stats' ...]
 
 Each command (`tunelab --help`, `train --help`, `data stats` and `estimate --probe-steps 0`
 on the quickstart, 2,000 rows) runs `--launches` times per tree as bench/startup.py runs it (`main()` in a fresh
@@ -50,12 +50,15 @@ def main() -> None:
     parser.add_argument("--before", required=True, help="the src folder of the tree to compare against")
     parser.add_argument("--after", required=True, help="the src folder of the changed tree")
     parser.add_argument("--launches", type=int, default=5)
+    parser.add_argument("--only", action="append", help="run only this command (repeatable), e.g. --only 'data stats'")
     args = parser.parse_args()
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
     result: dict = {"python": sys.executable, "cpus": os.cpu_count(), "trees": trees,
                     "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "commands": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name, argv in commands(Path(tmp)).items():
+            if args.only and name not in args.only:
+                continue
             times: dict[str, list[float]] = {"before": [], "after": []}
             modules: dict[str, set[str]] = {}
             for tree in trees:  # a first launch each, not counted: the tokenized cache and the OS file cache filled
