@@ -19,23 +19,26 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import enum
 import logging
 import os
 import re
 import sys
+import types
 import typing
+import warnings
 
-from tunelab.errors import ConfigError, TunelabError
+from tunelab.errors import ConfigError, TemplateError, TrainingError, TunelabError
 from tunelab.infer.sampling import SamplingOptions
+
+# Each command imports its own modules when it runs (the `# lazy: command dispatch` blocks below), down to json and
+# pathlib: `tunelab --help` imports nothing it does not print. Importing them here would make it pay for preflight's
+# torch, datasets and transformers and the training stack (docs/benchmarks.md, "Start-up: imports at the top").
 
 
 def _choices(annotation, metadata) -> list[str]:
     """The values an option takes, when it is a choice: Literal members, an enum's values, or transformers'
     own `choices` metadata."""
-    import enum  # noqa: PLC0415
-    import types  # noqa: PLC0415
-    import typing  # noqa: PLC0415
-
     if metadata.get("choices"):
         return [str(c) for c in metadata["choices"]]
     members = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
@@ -49,12 +52,11 @@ def _choices(annotation, metadata) -> list[str]:
 
 def _options_help() -> str:
     """Every option with its default (tunelab's where it changes transformers') and, for choices, the values."""
-    import typing  # noqa: PLC0415
-
-    from tunelab.config.args import option_groups  # noqa: PLC0415
-    from tunelab.config.training_options import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingOptions  # noqa: PLC0415
-    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415
-    from tunelab.config.loader import ALIASES, PRECISION_KEYS  # noqa: PLC0415
+    # lazy: only `train --help` builds this text; TrainingArguments imports peft (and bitsandbytes)
+    from tunelab.config.args import option_groups
+    from tunelab.config.training_options import TRAINING_DEFAULTS, TRAINING_NOTES, TrainingOptions
+    from tunelab.config.training_args import TrainingArguments
+    from tunelab.config.loader import ALIASES, PRECISION_KEYS
 
     lines = ["options (in the YAML file, or as key=value / --key value; later wins):"]
     for group in option_groups("train"):
@@ -86,15 +88,18 @@ def _options_help() -> str:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from tunelab.train import launch  # noqa: PLC0415
+    # lazy: command dispatch
+    from tunelab.train import launch
 
     launch.check_node_shares()  # a torchrun worker whose nodes brought unequal shares: stop before the heavy imports
-    from tunelab.log import setup_logging  # noqa: PLC0415
-    from tunelab.preflight import plan_run  # noqa: PLC0415
-    from tunelab.train.recipe import recipe_for  # noqa: PLC0415
-    from tunelab.train.run import run  # noqa: PLC0415
-    from tunelab.train.checkpoints import NothingToTrain  # noqa: PLC0415
-    from tunelab.train.signals import TrainingInterrupted  # noqa: PLC0415
+    # lazy: command dispatch, after the check above (a worker that stops there imports no torch)
+    from tunelab.log import setup_logging
+    from tunelab.preflight import plan_run
+    from tunelab.train.recipe import recipe_for
+    from tunelab.train.run import run
+    from tunelab.train.checkpoints import NothingToTrain
+    from tunelab.train.oom import is_out_of_memory, out_of_memory_message
+    from tunelab.train.signals import TrainingInterrupted
 
     path, overrides = _config_and_overrides(ns)
     # nproc_per_node > 1: check the config once here, then run the same command under torchrun.
@@ -118,12 +123,8 @@ def _cmd_train(ns: argparse.Namespace) -> int:
             print(f"tunelab: {done}", file=sys.stderr)
         return 0
     except Exception as exc:
-        from tunelab.train.oom import is_out_of_memory  # noqa: PLC0415
-
         lost = launch.lost_peer_message(exc, config.training)
         if lost is not None:
-            from tunelab.errors import TrainingError  # noqa: PLC0415
-
             raise TrainingError(lost) from None
         if not is_out_of_memory(exc):
             raise
@@ -131,9 +132,6 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     else:
         launch.end_process_group()
     if out_of_memory is not None:  # outside the handler: the failed step's tensors are released by now
-        from tunelab.errors import TrainingError  # noqa: PLC0415
-        from tunelab.train.oom import out_of_memory_message  # noqa: PLC0415
-
         raise TrainingError(out_of_memory_message(config, out_of_memory))
     if config.training.process_index == 0:
         print("\n".join(recipe_for(plan).summary(metrics)))
@@ -142,21 +140,23 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 def resume_command(config_path: str | None, overrides: list[str]) -> str:
     """The command line that resumes this run: the same config and overrides, resume_from_checkpoint=true."""
-    import shlex  # noqa: PLC0415
+    # lazy: command dispatch (train's)
+    import shlex
 
-    from tunelab.config.loader import parse_overrides  # noqa: PLC0415
+    from tunelab.config.loader import parse_overrides
 
     kept = [f"{k}={v}" for k, v in parse_overrides(list(overrides)).items() if k != "resume_from_checkpoint"]
     return shlex.join(["tunelab", "train", *([config_path] if config_path else []), *kept, "resume_from_checkpoint=true"])
 
 
 def _cmd_data(ns: argparse.Namespace) -> int:
-    from pathlib import Path  # noqa: PLC0415
+    # lazy: command dispatch
+    from pathlib import Path
 
-    from tunelab.data import coverage, stats, verify  # noqa: PLC0415
-    from tunelab.log import setup_logging  # noqa: PLC0415
-    from tunelab.preflight import plan_run  # noqa: PLC0415
-    from tunelab.train.recipe import recipe_for  # noqa: PLC0415
+    from tunelab.data import coverage, stats, verify
+    from tunelab.log import setup_logging
+    from tunelab.preflight import plan_run
+    from tunelab.train.recipe import recipe_for
 
     path, overrides = _config_and_overrides(ns)
     out, max_batches = ns.out, ns.max_batches
@@ -177,10 +177,10 @@ def _cmd_data(ns: argparse.Namespace) -> int:
 
 
 def _cmd_template(ns: argparse.Namespace) -> int:
-    import json  # noqa: PLC0415
+    # lazy: command dispatch
+    import json
 
-    from tunelab.data.templates import TEMPLATE_ALIASES, TEMPLATE_NAMES, get_template, resolve_template_name  # noqa: PLC0415
-    from tunelab.errors import TemplateError  # noqa: PLC0415
+    from tunelab.data.templates import TEMPLATE_ALIASES, TEMPLATE_NAMES, get_template, resolve_template_name
 
     if ns.action == "list" or not ns.name:
         print("\n".join(TEMPLATE_NAMES))
@@ -231,10 +231,11 @@ def _config_and_overrides(ns: argparse.Namespace) -> tuple[str | None, list[str]
 
 
 def _cmd_eval(ns: argparse.Namespace) -> int:
-    from tunelab.preflight import load_config  # noqa: PLC0415
-    from tunelab.infer.predict import run_predict  # noqa: PLC0415
-    from tunelab.run_folder import PREDICTIONS  # noqa: PLC0415
-    from tunelab.log import setup_logging  # noqa: PLC0415
+    # lazy: command dispatch
+    from tunelab.preflight import load_config
+    from tunelab.infer.predict import run_predict
+    from tunelab.run_folder import PREDICTIONS
+    from tunelab.log import setup_logging
 
     path, overrides = _config_and_overrides(ns)
     config = load_config(path, overrides, purpose="eval")
@@ -247,10 +248,11 @@ def _cmd_eval(ns: argparse.Namespace) -> int:
 
 
 def _cmd_export(ns: argparse.Namespace) -> int:
-    from tunelab.preflight import load_config  # noqa: PLC0415
-    from tunelab.export.merge import export_model  # noqa: PLC0415
-    from tunelab.export.parity import ParityError  # noqa: PLC0415
-    from tunelab.log import setup_logging  # noqa: PLC0415
+    # lazy: command dispatch
+    from tunelab.preflight import load_config
+    from tunelab.export.merge import export_model
+    from tunelab.export.parity import ParityError
+    from tunelab.log import setup_logging
 
     path, overrides = _config_and_overrides(ns)
     if ns.check_only:  # the flag is the option export_check_only
@@ -268,9 +270,10 @@ def _cmd_export(ns: argparse.Namespace) -> int:
 
 
 def _cmd_estimate(ns: argparse.Namespace) -> int:
-    from tunelab.preflight import load_config  # noqa: PLC0415
-    from tunelab.train.estimate import estimate, format_estimate  # noqa: PLC0415
-    from tunelab.log import setup_logging  # noqa: PLC0415
+    # lazy: command dispatch
+    from tunelab.preflight import load_config
+    from tunelab.train.estimate import estimate, format_estimate
+    from tunelab.log import setup_logging
 
     path, overrides = _config_and_overrides(ns)
     config = load_config(path, overrides, purpose="estimate")
@@ -321,11 +324,12 @@ def _add_model_commands(sub) -> None:
 def _serving_choice(ns: argparse.Namespace) -> dict:
     """load_engine's arguments: from the folder and flags, or from a YAML file (model_name_or_path,
     adapter_name_or_path, template, template_kwargs, trust_remote_code) under the flags, which win."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
+    # lazy: command dispatch (chat's and api's)
+    import json
+    from pathlib import Path
 
-    from tunelab.preflight import load_config  # noqa: PLC0415
-    from tunelab.data.templates import resolve_template_name  # noqa: PLC0415
+    from tunelab.preflight import load_config
+    from tunelab.data.templates import resolve_template_name
 
     kwargs = None
     if ns.template_kwargs is not None:
@@ -354,12 +358,11 @@ def _serving_choice(ns: argparse.Namespace) -> dict:
 
 
 def _load_engine(ns: argparse.Namespace):
-    import warnings  # noqa: PLC0415
+    # lazy: command dispatch (chat's and api's)
+    import transformers
 
-    import transformers  # noqa: PLC0415
-
-    from tunelab.infer.engine import load_engine  # noqa: PLC0415
-    from tunelab.log import setup_logging  # noqa: PLC0415
+    from tunelab.infer.engine import load_engine
+    from tunelab.log import setup_logging
 
     setup_logging(is_main_process=False)  # warnings only
     transformers.utils.logging.disable_progress_bar()
@@ -368,18 +371,18 @@ def _load_engine(ns: argparse.Namespace):
 
 
 def _cmd_chat(ns: argparse.Namespace) -> int:
-    from tunelab.infer.chat import chat_loop  # noqa: PLC0415
+    from tunelab.infer.chat import chat_loop  # lazy: command dispatch
 
     options = SamplingOptions(**{f.name: getattr(ns, f.name) for f in _chat_sampling_fields()})
     engine = _load_engine(ns)
     if sys.stdin.isatty():
-        import readline  # noqa: F401, PLC0415  (line editing and history for input())
+        import readline  # noqa: F401  # lazy: line editing and history for input(), at a terminal only
     return chat_loop(engine, options, system=ns.system)
 
 
 def _cmd_api(ns: argparse.Namespace) -> int:
     try:
-        from tunelab.infer.api import serve  # noqa: PLC0415
+        from tunelab.infer.api import serve  # lazy: command dispatch; the serve extra
     except ImportError as exc:
         raise ConfigError(f"tunelab api needs FastAPI and uvicorn ({exc}); pip install 'tunelab[serve]'") from None
 
@@ -459,15 +462,16 @@ def _add_serving_commands(sub) -> None:
 
 
 def _cmd_webui(ns: argparse.Namespace) -> int:
-    from pathlib import Path  # noqa: PLC0415
+    # lazy: command dispatch
+    from pathlib import Path
 
-    from tunelab.webui.security import Access, Roots, check_listen  # noqa: PLC0415
+    from tunelab.webui.security import Access, Roots, check_listen
 
     access = Access(user_password=ns.auth, token=ns.token or None)
     check_listen(ns.host, access)  # before anything heavy is imported
     roots = Roots.of(Path.cwd(), ns.root)
     try:
-        from tunelab.webui.app import serve  # noqa: PLC0415
+        from tunelab.webui.app import serve  # lazy: command dispatch; the webui extra
     except ImportError as exc:
         raise ConfigError(f"tunelab webui needs FastAPI and uvicorn ({exc}); pip install 'tunelab[webui]'") from None
     serve(ns.host, ns.port, roots, access)
@@ -492,7 +496,7 @@ def _add_webui_command(sub) -> None:
 
 
 def _cmd_env(_: argparse.Namespace) -> int:
-    from tunelab.versions import versions  # noqa: PLC0415
+    from tunelab.versions import versions  # lazy: command dispatch
 
     for key, value in versions().items():
         print(f"{key}: {value}")
@@ -704,8 +708,6 @@ def quiet_optional_kernel_notes() -> None:
     accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it." on every run, DeepSpeed
     configured or not. That one line is dropped; DeepSpeed's other warnings still show.
     """
-    import logging  # noqa: PLC0415
-
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     for name, note in _DROPPED_NOTES.items():
         logging.getLogger(name).addFilter(note)
@@ -722,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunelab: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from tunelab.train.run import explain_error  # noqa: PLC0415
+        from tunelab.train.run import explain_error  # lazy: train/run imports torch; errors only
 
         message = explain_error(exc)  # OS errors with a known fix; anything else keeps its traceback
         if message is None:

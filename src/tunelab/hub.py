@@ -29,6 +29,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import HfApi, constants, errors, snapshot_download
+
 from tunelab import run_folder
 from tunelab.errors import DataError, ModelError, TunelabError
 
@@ -204,8 +206,6 @@ def _weights_among(files: set[str], folder: Path, names: Iterable[str]) -> list[
 def _repo_files(snapshot: Snapshot) -> tuple[set[str], bool]:
     """(the repo's files at that commit, whether that is the Hub's complete listing): the Hub's listing when it
     can be reached, else what the cache holds."""
-    from huggingface_hub import HfApi  # noqa: PLC0415
-
     if not is_offline():
         try:  # one request, not retried when the Hub is unreachable (a tree listing would be)
             info = HfApi().repo_info(snapshot.repo_id, revision=snapshot.commit, repo_type=snapshot.repo_type)
@@ -225,8 +225,6 @@ def _download(
 ) -> Path:
     """snapshot_download, its failures as one line each. `what` starts the message ("model_name_or_path:
     org/name"); `no_folder` adds that no local folder has that name either."""
-    from huggingface_hub import constants, errors, snapshot_download  # noqa: PLC0415
-
     cache = cache_dir or Path(constants.HF_HUB_CACHE)
     neither = "no local folder, " if no_folder else ""
     try:
@@ -268,15 +266,11 @@ def _cause(exc: BaseException) -> str:
 
 
 def _hub_url(repo_id: str, repo_type: str) -> str:
-    from huggingface_hub import constants  # noqa: PLC0415
-
     return f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
 
 
 def is_offline() -> bool:
     """HF_HUB_OFFLINE, as huggingface_hub read it when first imported."""
-    from huggingface_hub import constants  # noqa: PLC0415
-
     return bool(constants.HF_HUB_OFFLINE)
 
 

@@ -10,6 +10,6 @@ def setup_logging(is_main_process: bool = True) -> None:
     level = logging.INFO if is_main_process else logging.WARNING
     logging.basicConfig(format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S", level=level)
     logging.getLogger("tunelab").setLevel(level)
-    import transformers  # noqa: PLC0415 - its lazy top-level module only
+    import transformers  # lazy: transformers (11 s bare), for the commands that set up logging only
 
     transformers.logging.set_verbosity_warning()

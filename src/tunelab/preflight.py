@@ -117,7 +117,8 @@ def plan_run(
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
         check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
-        from tunelab.export.merge import check_export_dir  # noqa: PLC0415 - start-up time: merge imports peft
+        # lazy: export/merge imports peft (7.8 s); `tunelab data` plans through here
+        from tunelab.export.merge import check_export_dir
 
         check_export_dir(config)
     return RunPlan(config, purpose, registry, reward_functions, user_callbacks, tools)
@@ -182,6 +183,7 @@ def _check_liger_package(args: TrainingArguments) -> None:
 def _user_callbacks(args: TrainingArguments, config_dir: Path | None) -> tuple[tuple[type, dict[str, Any]], ...]:
     if not args.callbacks:
         return ()
-    from tunelab.train.callbacks import resolve_user_callbacks  # noqa: PLC0415 - start-up time: imports the Trainer's
+    # lazy: train/callbacks imports transformers' TrainerCallback, which imports peft and bitsandbytes (7.8 s)
+    from tunelab.train.callbacks import resolve_user_callbacks
 
     return tuple(resolve_user_callbacks(args.callbacks, args.callback_kwargs, config_dir))

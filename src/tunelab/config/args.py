@@ -664,7 +664,8 @@ def training_group(purpose: str = "train") -> type:
     if purpose == "data":
 
         return TrainingValues
-    from tunelab.config.training_args import TrainingArguments  # noqa: PLC0415 - imports peft: commands that train only
+    # lazy: TrainingArguments imports peft and bitsandbytes (peft alone 7.8 s): commands that train only
+    from tunelab.config.training_args import TrainingArguments
 
     return TrainingArguments
 

@@ -18,6 +18,7 @@ from typing import Any
 import datasets
 
 from tunelab import hub
+from tunelab.data import corpus, synthetic
 from tunelab.data.hub_datasets import hub_files
 from tunelab.data.registry import FILE_TYPES, DatasetSpec, json_kind
 from tunelab.errors import ConfigError, DataError
@@ -208,8 +209,6 @@ def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
 
 def generator_module(spec: DatasetSpec):
     """The module that provides a spec's generator: synthetic.py (tasks) or corpus.py (plain text)."""
-    from tunelab.data import corpus, synthetic  # noqa: PLC0415 - keeps the generators out of the import path otherwise
-
     for module in (synthetic, corpus):
         if spec.generator in module.GENERATORS:
             return module

@@ -83,7 +83,7 @@ def exact_key(text: str) -> bytes:
 
 def _datasketch():
     try:
-        import datasketch  # noqa: PLC0415 - an optional extra
+        import datasketch  # lazy: the dedup extra, which may be missing (config/checks refuses dedup: near without it)
     except ImportError:
         raise ConfigError("dedup: near needs the datasketch package: pip install tunelab[dedup]") from None
     return datasketch

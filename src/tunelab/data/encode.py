@@ -58,6 +58,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from transformers import PreTrainedTokenizerFast
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
 from tunelab.data.formats import template_messages
 from tunelab.data.templates import HistoryRewriteError
 
@@ -563,9 +566,6 @@ def _direct_backend(tokenizer: Any) -> Any:
     transformers' encoding path, and a backend left without truncation or padding (``tokenizer(...)`` would
     switch them off) and splitting special tokens as the tokenizer asks (it would set that too). Calling it
     directly skips transformers' per-encoding conversion to Python (about a tenth of the tokenising time)."""
-    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - keeps importing this module light
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # noqa: PLC0415
-
     cls = type(tokenizer)
     if not (
         isinstance(tokenizer, PreTrainedTokenizerFast)

@@ -52,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tunelab.data.dataset_files import RowLocator, describe_files, resolve_files
+from tunelab.data.images import ImageSource, as_storage, part_image
 from tunelab.data.registry import IMAGE_COLUMN, UNSUPPORTED_MEDIA_COLUMNS, DatasetSpec
 from tunelab.errors import DataError, TemplateError
 
@@ -529,8 +530,6 @@ class RowConverter:
     def _row_images(self, row: dict, out: dict, where: _Where) -> list[dict]:
         """The row's images (column, or openai content parts) opened once to check them, as storage dicts; one
         <image> placeholder per image, in the prompt turns (the processor puts each image's tokens there)."""
-        from tunelab.data.images import ImageSource, as_storage  # noqa: PLC0415 - Pillow only for vision runs
-
         given = row.get(self.image_column)
         if given is not None and not isinstance(given, (list, tuple)):
             given = [given]
@@ -571,8 +570,6 @@ class RowConverter:
             elif kind in ("image", "image_url"):
                 if not self.images:
                     raise DataError(text_only_refusal(self.spec, " has image content parts", "remove them"))
-                from tunelab.data.images import part_image  # noqa: PLC0415 - as above: vision runs only
-
                 self._part_images.append(part_image(part))
                 texts.append(IMAGE_PLACEHOLDER)
             else:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+from huggingface_hub import metadata_load
 
 from tunelab import hub
 from tunelab.data.registry import FILE_TYPES
@@ -60,8 +61,6 @@ def _hub_data_prefixes(readme: Path, subset: str | None, folder: str | None) -> 
     lies outside of (so fetching what starts with them never leaves a file out), "" for the whole repo."""
     prefixes = [f"{folder.strip('/')}/"] if folder else []
     if subset and readme.is_file():
-        from huggingface_hub import metadata_load  # noqa: PLC0415
-
         configs = (metadata_load(readme) or {}).get("configs") or []
         config = next((c for c in configs if isinstance(c, dict) and c.get("config_name") == subset), None)
         if config is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ class ImageSource:
 
 def _pil():
     try:
-        from PIL import Image
+        from PIL import Image  # lazy: Pillow (0.6 s) only for runs with images
     except ImportError as exc:  # a declared dependency (matplotlib needs it too): only a broken install lacks it
         raise DataError("images need Pillow: pip install Pillow") from exc
     return Image
@@ -181,8 +182,6 @@ def as_storage(ref: Any, base_dir: str | os.PathLike | None = None, where: Image
 def fit_pixels(image, max_pixels: int | None, min_pixels: int | None):
     """The image scaled (aspect ratio kept) so that width x height lies in [min_pixels, max_pixels]
     (LlamaFactory's image_max_pixels / image_min_pixels); unchanged when it already does."""
-    import math  # noqa: PLC0415
-
     pixels = image.width * image.height
     factor = 1.0
     if max_pixels and pixels > max_pixels:

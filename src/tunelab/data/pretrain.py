@@ -66,6 +66,7 @@ from datasets.fingerprint import Hasher
 from tunelab.config.args import DataArguments
 from tunelab.data.encode import IGNORE_INDEX, PieceTokenizer
 from tunelab.config.metric_names import VAL_SPLIT_NAME
+from tunelab.data.packing import log_packing, pack_dataset
 from tunelab.data.pipeline import DatasetBundle, mix_sources, split_validation
 from tunelab.data.dataset_files import describe, load_rows
 from tunelab.data.registry import DatasetSpec, load_registry
@@ -432,8 +433,6 @@ def document_chunks(documents: datasets.Dataset, cutoff_len: int) -> datasets.Da
 
 def packed_report(name: str, documents: datasets.Dataset, data_args: DataArguments, report: dict) -> datasets.Dataset:
     """A dataset's documents cut into chunks and packed into cutoff_len rows, its counts written to report[name]."""
-    from tunelab.data.packing import log_packing, pack_dataset  # noqa: PLC0415 - packing imports pipeline modules
-
     chunks = document_chunks(documents, data_args.cutoff_len)
     rows, stats = pack_dataset(chunks, data_args.cutoff_len)
     report[name] = {"documents": len(documents), "chunks": len(chunks), "packing": stats.as_dict()}

@@ -30,6 +30,7 @@ from typing import Any
 
 from tunelab.data.encode import SupervisedEncoder
 from tunelab.data.formats import is_ranking_row, renders_reasoning, renders_tool_turns, template_messages
+from tunelab.data.templates import TEMPLATE_NAMES, get_template
 from tunelab.errors import TemplateError
 
 Fault = tuple[str, str]  # (reason, one-line message without the row's location)
@@ -188,6 +189,4 @@ def _excerpt(text: str, limit: int = 40) -> str:
 
 
 def _reasoning_templates() -> list[str]:
-    from tunelab.data.templates import TEMPLATE_NAMES, get_template  # noqa: PLC0415 - only for an error message
-
     return [name for name in TEMPLATE_NAMES if renders_reasoning(get_template(name))]

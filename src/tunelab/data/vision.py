@@ -25,11 +25,16 @@ encode exactly as in a text run.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import datasets
+import torch
 
 from tunelab.data.collate import (
     PackedCollator,
@@ -214,8 +219,6 @@ class VisionCollator:
         return [ref for i in order for ref in images[i]]
 
     def __call__(self, examples: list[dict], **kwargs) -> dict:
-        import torch  # noqa: PLC0415
-
         refs = self.images_in_order(examples)
         batch = self.inner([{k: v for k, v in e.items() if k != "images"} for e in examples], **kwargs)
         if refs:
@@ -240,8 +243,6 @@ def image_inputs(processor: Any, images: list) -> dict:
 
 def token_type_key(model: Any, processor: Any) -> str | None:
     """The name under which this model takes multi-modal token types, when its processor makes them."""
-    import inspect  # noqa: PLC0415
-
     if not getattr(processor, "return_mm_token_type_ids", False):
         return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -290,10 +291,6 @@ def vision_collator(inner: Any, model: Any, vision: tuple[Any, ImageSettings], p
 def save_processor_files(processor: Any, out: str) -> list[str]:
     """Write the processor's own files (processor_config.json / preprocessor_config.json) beside a trained model,
     so that AutoProcessor loads from the output folder; the tokenizer files the run saved stay as they are."""
-    import shutil  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
-
     written = []
     with tempfile.TemporaryDirectory() as tmp:
         processor.save_pretrained(tmp)

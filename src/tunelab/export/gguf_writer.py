@@ -22,6 +22,7 @@ writes their blocks). Other k-quants and i-quants need llama.cpp's llama-quantiz
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -220,8 +221,6 @@ def rounded_as_stored(model: torch.nn.Module, tensor_type: str) -> torch.nn.Modu
     """A float32 copy of `model` whose every weight is rounded exactly as write_gguf stores it (quantized, then
     dequantized by gguf-py): what a correct reader of the file computes, up to its own arithmetic. Row permutations
     and norm offsets are left out: they move values without rounding them (quantization blocks run along rows)."""
-    import copy  # noqa: PLC0415
-
     family = model_family(model.config)
     qtype, _ = TENSOR_TYPES[tensor_type.lower()]
     plan = _tensor_plan(model, family)

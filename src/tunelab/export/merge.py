@@ -65,6 +65,7 @@ from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
 from tunelab.errors import ConfigError, ExportError, ModelError, first_line
 from tunelab.export import parity
+from tunelab.export.modelfile import write_modelfile
 from tunelab.export.parity import ParityReport
 from tunelab.infer.generate import stop_token_ids
 from tunelab.infer.trained import inference_template, inference_template_kwargs, load_inference_tokenizer, trained_folder
@@ -269,8 +270,8 @@ def _unchecked_reason(config: RunConfig) -> str | None:
 def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
                 template_vars: dict | None, out: Path) -> Path:
     """<export_dir>/model-<type>.gguf and the Ollama Modelfile beside it."""
-    from tunelab.export.gguf_writer import source_provenance, write_gguf  # noqa: PLC0415 - the gguf extra
-    from tunelab.export.modelfile import write_modelfile  # noqa: PLC0415 - the gguf extra (imports parity)
+    # lazy: gguf_writer imports gguf: the gguf extra, which may be missing
+    from tunelab.export.gguf_writer import source_provenance, write_gguf
 
     tensor_type = config.export.export_gguf_type
     # general.name: the run (its adapter folder's name) with the base as general.base_model.0; a model exported
@@ -364,7 +365,8 @@ def check_export_dir(config: RunConfig) -> None:
 def _check_gguf_source(model_args: ModelArguments) -> None:
     """export_format gguf: the gguf package is there and the model is a causal LM of a family gguf_writer writes."""
     try:
-        from tunelab.export.gguf_writer import model_family  # noqa: PLC0415 - imports gguf
+        # lazy: gguf_writer imports gguf: the gguf extra, which may be missing
+        from tunelab.export.gguf_writer import model_family
     except ImportError as exc:
         raise ConfigError(f"export_format gguf needs the gguf package ({first_line(exc)}): pip install "
                           "'tunelab[gguf]'") from None

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, TokenizersBackend
 
 from tunelab.data.templates import Template
 from tunelab.errors import ExportError, TemplateError
@@ -296,7 +297,8 @@ def check_parity(
     stored = _rounded_reference(reference_model, tokenizer, kind, tensor_type) if transformers else None
     expected_template = chat_template
     if kind == "gguf":
-        from tunelab.export.gguf_writer import embedded_chat_template  # noqa: PLC0415 - the gguf extra: GGUFs only
+        # lazy: gguf_writer imports gguf: the gguf extra; GGUF exports only
+        from tunelab.export.gguf_writer import embedded_chat_template
 
         expected_template = embedded_chat_template(chat_template, template_vars)
     # A GGUF's template has the variables baked in; a folder's is rendered with them (tunelab_config.yaml).
@@ -414,7 +416,7 @@ class LlamaCppReader:
     name = "llama.cpp (llama-cpp-python)"
 
     def __init__(self, path: Path, n_ctx: int = 1024):
-        from llama_cpp import Llama  # noqa: PLC0415 - optional: only where llama-cpp-python is installed
+        from llama_cpp import Llama  # lazy: optional: only where llama-cpp-python is installed
 
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, logits_all=True, verbose=False, n_gpu_layers=0)
         self.template = self.llm.metadata.get("tokenizer.chat_template")
@@ -465,7 +467,7 @@ class LlamaCppServerReader:
     TIMEOUT_S = 300  # one request; a server that stops answering fails the check instead of hanging it
 
     def __init__(self, path: Path, n_ctx: int = 4096):
-        import xllamacpp  # noqa: PLC0415 - optional: the llamacpp extra
+        import xllamacpp  # lazy: the llamacpp extra, which may be missing
 
         params = xllamacpp.CommonParams()
         params.model.path = str(path)
@@ -537,10 +539,6 @@ class LlamaCppServerReader:
 
 
 def _transformers_reader(exported: Path, kind: str) -> TransformersReader:
-    from transformers import (  # noqa: PLC0415
-        AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, TokenizersBackend,
-    )
-
     if kind == "hf":
         vision = "vision_config" in json.loads((exported / "config.json").read_text(encoding="utf-8"))
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM  # probed with text alone
@@ -566,7 +564,8 @@ def _rounded_reference(model: torch.nn.Module, tokenizer: Any, kind: str, tensor
     if tensor_type == "f32" or tensor_type not in TOLERANCES or tensor_type == "torchao":
         return TransformersReader("as stored", model, tokenizer, None)
     if kind == "gguf":
-        from tunelab.export.gguf_writer import rounded_as_stored  # noqa: PLC0415 - the gguf extra: GGUFs only
+        # lazy: gguf_writer imports gguf: the gguf extra; GGUF exports only
+        from tunelab.export.gguf_writer import rounded_as_stored
 
         rounded = rounded_as_stored(model, tensor_type)
     else:  # a folder stores every weight in its dtype; buffers computed at load (rotary frequencies) stay float32
@@ -831,7 +830,7 @@ def _safe_decode(reader: Any, ids: list[int]) -> str:
 
 def _gguf_type(path: Path) -> str:
     """The tensor type a GGUF file says it mostly holds (general.file_type), as export_gguf_type names it."""
-    import gguf  # noqa: PLC0415
+    import gguf  # lazy: the gguf extra, which may be missing; GGUF exports only
 
     file_type = _gguf_header_value(path, gguf.Keys.General.FILE_TYPE)
     if file_type is None:
@@ -844,7 +843,7 @@ def _gguf_type(path: Path) -> str:
 def _gguf_header_value(path: Path, key: str) -> int | float | bool | str | None:
     """One scalar or string of a GGUF's metadata, read from the header up to that key (None: not there, or an
     array). gguf.GGUFReader parses every metadata array first: half a minute for Gemma 3's 262k-token vocabulary."""
-    import gguf  # noqa: PLC0415
+    import gguf  # lazy: the gguf extra, which may be missing; GGUF exports only
 
     V = gguf.GGUFValueType
     scalars = {V.UINT8: "B", V.INT8: "b", V.UINT16: "H", V.INT16: "h", V.UINT32: "I", V.INT32: "i",

@@ -30,6 +30,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -475,8 +476,6 @@ def serve(
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Run the server until Ctrl-C / SIGTERM (uvicorn shuts down gracefully, finishing open requests)."""
-    import uvicorn  # noqa: PLC0415
-
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("Serving on %s without an API key: anyone who can reach this port can use the model.", host)
     app = create_app(engine, api_key, max_batch_size, max_request_bytes)

@@ -33,6 +33,7 @@ from tunelab.config.args import ModelArguments
 from tunelab.data.formats import IMAGE_PLACEHOLDER, template_shapes
 from tunelab.data.images import open_images
 from tunelab.data.templates import TEMPLATE_NAMES, Template, get_template
+from tunelab.data.vision import expansions, image_inputs
 from tunelab.errors import ConfigError, DataError, ImageInputError, InferenceError, ModelError, first_line
 from tunelab.infer.batching import END, BatchRow, BatchScheduler
 from tunelab.infer.generate import stop_token_ids
@@ -397,8 +398,6 @@ class ChatEngine:
 
     def _with_images(self, prompt: str, refs: list[Any]) -> tuple[str, dict[str, Any]]:
         """The prompt with each `<image>` replaced by the processor's expansion of its image, and the image tensors."""
-        from tunelab.data.vision import expansions, image_inputs  # noqa: PLC0415  (datasets, only for images)
-
         pieces = prompt.split(IMAGE_PLACEHOLDER)
         if len(pieces) - 1 != len(refs):
             raise ImageInputError(f"the conversation has {len(pieces) - 1} {IMAGE_PLACEHOLDER} placeholders and "

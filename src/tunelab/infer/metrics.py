@@ -12,6 +12,7 @@ The n-gram metrics come from the libraries the field reports with, so numbers co
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Sequence
 
 from tunelab.errors import ConfigError
@@ -25,7 +26,7 @@ def exact_match_score(predictions: Sequence[str], references: Sequence[str]) -> 
 
 def bleu_score(predictions: Sequence[str], references: Sequence[str]) -> float:
     """Corpus BLEU (sacrebleu defaults: 4-grams, 13a tokenisation, exponential brevity penalty), 0-100."""
-    import sacrebleu  # noqa: PLC0415 - only generation-based evaluation needs it
+    import sacrebleu  # lazy: the eval extra, which may be missing
 
     if not predictions:
         return 0.0
@@ -39,9 +40,7 @@ class _WhitespaceTokenizer:
 
 def rouge_l_score(predictions: Sequence[str], references: Sequence[str], tokenizer: str = "default") -> float:
     """Mean ROUGE-L F-measure over answers, 0-100 (rouge-score; no stemming)."""
-    import logging  # noqa: PLC0415
-
-    from rouge_score import rouge_scorer  # noqa: PLC0415
+    from rouge_score import rouge_scorer  # lazy: the eval extra, which may be missing
 
     logging.getLogger("absl").setLevel(logging.WARNING)  # rouge-score logs "Using default tokenizer" per scorer
     if not predictions:

@@ -78,7 +78,8 @@ def score(predictions: list[Prediction]) -> dict[str, float]:
 def run_predict(config: RunConfig) -> dict[str, float]:
     """`tunelab eval`: load the (trained) model, generate for the eval sets, write and return the metrics."""
     # peft: the stage modules import this one, and tunelab data reads their recipes without the training stack.
-    from tunelab.model.load import load_model  # noqa: PLC0415
+    # lazy: model/load imports peft (7.8 s); stage sft imports this module for `tunelab data`
+    from tunelab.model.load import load_model
 
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))

@@ -29,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from transformers import AutoConfig, GgufConfig, PretrainedConfig
+from transformers.integrations.gguf.reader import GGML_NAME
 
 from tunelab.errors import ConfigError, first_line
 from tunelab.model import gguf_weights
@@ -94,7 +96,8 @@ _LOADING_OPTIONS = frozenset({"dtype", "attn_implementation", "quantization_conf
 def _converted_by_transformers(architecture: str) -> bool:
     """An architecture transformers reads through its own GGUF converter pipeline (lfm2, qwen3.5), not the legacy
     loader whose name maps and tensor processors gguf_weights.py uses."""
-    from transformers.integrations.gguf.utils import is_gguf_arch_supported  # noqa: PLC0415 - GGUF files only
+    # lazy: transformers' GGUF code imports accelerate and sympy (15 s); GGUF files only
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
 
     return is_gguf_arch_supported(architecture)
 
@@ -226,7 +229,7 @@ def vocab_size(path: str | Path) -> int | None:
 
 
 def _type_name(ggml_type: int) -> str:
-    from gguf import GGMLQuantizationType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
+    from gguf import GGMLQuantizationType  # lazy: the gguf extra, which may be missing
 
     try:
         return GGMLQuantizationType(ggml_type).name
@@ -248,7 +251,7 @@ def tensor_types(header: Header) -> Counter[str]:
 def quantization_type(header: Header) -> str:
     """The file's quantization type as llama.cpp names it (general.file_type: Q4_K_M, Q8_0, F16, ...), else the type
     most of its matrices are stored in."""
-    from gguf import LlamaFileType  # noqa: PLC0415 - an optional dependency (tunelab[gguf])
+    from gguf import LlamaFileType  # lazy: the gguf extra, which may be missing
 
     file_type = header.metadata.get("general.file_type")
     if isinstance(file_type, int):
@@ -262,8 +265,9 @@ def quantization_type(header: Header) -> str:
 
 def readable_architectures() -> list[str]:
     """The GGUF architectures (general.architecture) transformers can build a model for."""
-    from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS  # noqa: PLC0415 - GGUF files only
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES  # noqa: PLC0415 - the same
+    # lazy: transformers' GGUF code imports accelerate and sympy (15 s); GGUF files only
+    from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     # as llama.cpp spells them in a file (transformers maps qwen2moe to its qwen2_moe, ...)
     spelled = {name.replace("_moe", "moe").replace("gpt_oss", "gpt-oss").replace("minimax_m2", "minimax-m2")
@@ -273,14 +277,12 @@ def readable_architectures() -> list[str]:
 
 def readable_types(architecture: str) -> list[str]:
     """The ggml tensor types transformers dequantizes for a file of this architecture."""
-    from transformers.integrations.gguf.utils import is_gguf_arch_supported  # noqa: PLC0415 - GGUF files only
+    # lazy: transformers' GGUF code imports accelerate and sympy (15 s); GGUF files only
+    from transformers.integrations.gguf.utils import is_gguf_arch_supported
 
     if is_gguf_arch_supported(architecture):  # transformers' own block reader
-        from transformers.integrations.gguf.reader import GGML_NAME  # noqa: PLC0415 - GGUF files only
-
         return [*FLOAT_TYPES, *GGML_NAME.values()]
-    import numpy as np  # noqa: PLC0415 - with the gguf package, only for GGUF files
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize  # noqa: PLC0415 - optional (tunelab[gguf])
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize  # lazy: the gguf extra, which may be missing
 
     def dequantizes(qtype: GGMLQuantizationType) -> bool:
         try:

@@ -35,8 +35,9 @@ def dense_state_dict(path: str | Path, tensors: tuple, data_start: int, architec
                      dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """{model parameter name: tensor in `dtype`} for every tensor of the file the model has (module docstring).
     `tensors`: the header's TensorEntry table; `skeleton`: the model built on the meta device, for its names."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize  # noqa: PLC0415 - optional (tunelab[gguf])
-    from transformers.modeling_gguf_pytorch_utils import (  # noqa: PLC0415 - GGUF files only
+    # lazy: the gguf extra, which may be missing; GGUF files only
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map,
     )
 

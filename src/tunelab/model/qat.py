@@ -29,11 +29,13 @@ are option values (config/qat_schemes.py).
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme
 from tunelab.errors import ConfigError
@@ -51,7 +53,7 @@ def require_torchao(key: str) -> None:
 
 def ptq_config(scheme: str, group_size: int):
     """The torchao PTQ config (an AOBaseConfig) of `scheme`; QAT derives its fake quantizers from it."""
-    from torchao.quantization import (  # noqa: PLC0415  (optional dependency)
+    from torchao.quantization import (  # lazy: the qat extra (torchao), which may be missing
         Int8DynamicActivationIntxWeightConfig,
         IntxWeightOnlyConfig,
         PerGroup,
@@ -96,8 +98,6 @@ def check_group_size(key: str, group_size: int, widths: dict[str, int]) -> None:
 def layer_widths(model_folder: str, trust_remote_code: bool = False) -> dict[str, int]:
     """name -> in_features of the quantized layers of the model in `model_folder`, read from config.json alone
     (the model is built on the meta device: no weights are read or allocated)."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
-
     config = gguf.load_config(model_folder, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -107,8 +107,9 @@ def layer_widths(model_folder: str, trust_remote_code: bool = False) -> dict[str
 def prepare_qat(model: nn.Module, scheme: str, group_size: int, enabled: bool = True) -> int:
     """Swap every quantized layer for torchao's FakeQuantizedLinear (same weight Parameter, same state_dict
     keys); returns how many. `enabled`: fake quantisation on from the first forward (see train/callbacks.py QATStartCallback)."""
-    from torchao.quantization import quantize_  # noqa: PLC0415
-    from torchao.quantization.qat import QATConfig  # noqa: PLC0415
+    # lazy: the qat extra (torchao), which may be missing
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
 
     layers = quantized_layers(model)
     check_group_size("qat_group_size", group_size, {name: layer.in_features for name, layer in layers.items()})
@@ -125,14 +126,15 @@ def prepare_qat(model: nn.Module, scheme: str, group_size: int, enabled: bool = 
 
 
 def fake_quantized_layers(model: nn.Module) -> list[nn.Module]:
-    from torchao.quantization.qat import FakeQuantizedLinear  # noqa: PLC0415
+    from torchao.quantization.qat import FakeQuantizedLinear  # lazy: the qat extra (torchao), which may be missing
 
     return [module for module in model.modules() if isinstance(module, FakeQuantizedLinear)]
 
 
 def set_fake_quant(model: nn.Module, enabled: bool) -> None:
     """Switch the fake quantizers of every FakeQuantizedLinear on or off (off: a plain full-precision linear)."""
-    from torchao.quantization.qat.linear import enable_linear_fake_quant  # noqa: PLC0415
+    # lazy: the qat extra (torchao), which may be missing
+    from torchao.quantization.qat.linear import enable_linear_fake_quant
 
     for module in fake_quantized_layers(model):
         enable_linear_fake_quant(module, enabled)
@@ -140,8 +142,6 @@ def set_fake_quant(model: nn.Module, enabled: bool) -> None:
 
 def torchao_config(scheme: str, group_size: int, model: nn.Module):
     """transformers' TorchAoConfig quantizing exactly `quantized_layers(model)` with the scheme's PTQ config."""
-    from transformers import TorchAoConfig  # noqa: PLC0415
-
     return TorchAoConfig(ptq_config(scheme, group_size), modules_to_not_convert=kept_layers(model))
 
 
@@ -155,8 +155,6 @@ def trained_scheme(folder: str | Path | None) -> tuple[str | None, int | None]:
 
 def is_torchao_quantized(model_folder: str | Path) -> bool:
     """True when model_folder's config.json holds a torchao quantization_config (a quantized export)."""
-    import json  # noqa: PLC0415
-
     try:
         config = json.loads((Path(model_folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -63,7 +63,7 @@ def keep_4bit_trainable_on_cpu(model: nn.Module) -> int:
     """
     if importlib.util.find_spec("bitsandbytes") is None:
         return 0
-    import bitsandbytes as bnb  # noqa: PLC0415  (optional dependency)
+    import bitsandbytes as bnb  # lazy: the qlora extra, which may be missing
 
     switched = 0
     for module in model.modules():

@@ -50,7 +50,7 @@ def load_reward_model(
     kwargs = {"num_labels": 1, "use_kernels": False} | ({"dtype": dtype} if dtype is not None else {})
     try:
         if (path / "adapter_config.json").is_file():
-            from peft import PeftModel  # noqa: PLC0415
+            from peft import PeftModel  # lazy: peft (7.8 s): stage ppo's recipe imports this module for `tunelab data`
 
             adapter_config = json.loads((path / "adapter_config.json").read_text())
             base = hub.resolve_model(

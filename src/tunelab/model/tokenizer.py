@@ -51,7 +51,7 @@ def load_processor(model_args: ModelArguments):
     path = model_args.model_name_or_path
     if not vision.is_vision_model_folder(path):
         return None
-    from transformers import AutoProcessor  # noqa: PLC0415
+    from transformers import AutoProcessor  # lazy: AutoProcessor's image processors (22 s); vision-language models only
 
     try:
         processor = AutoProcessor.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from tunelab.errors import ConfigError
 
@@ -34,8 +35,6 @@ PROJECTOR_NAMES = ("multi_modal_projector", "merger", "connector", "mm_projector
 
 def is_vision_model_folder(path: str | Path) -> bool:
     """True when the folder's config.json is a model type transformers' image-text-to-text auto class loads."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES  # noqa: PLC0415
-
     try:
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -51,7 +51,8 @@ def consolidated_state_dict(folder: str | Path, allow_pickle: bool, key: str = "
             "allow_pickle_weights: true if you trust the run that wrote them"
         )
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: PLC0415
+        # lazy: the deepspeed extra, which may be missing
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError:
         raise ModelError(
             f"{key}: {folder} is a DeepSpeed checkpoint; reading its shards needs deepspeed: pip install 'tunelab[deepspeed]'"

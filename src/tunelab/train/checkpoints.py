@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import transformers
+from accelerate.utils import broadcast_object_list
 
 from tunelab.errors import as_os_error
 from tunelab.run_folder import (
@@ -274,8 +275,6 @@ def resume_point(trainer, value: Any) -> str | None:
             value, args.output_dir, weights_only=getattr(args, "resume_weights_only", False), checksums=False
         )
     if args.world_size > 1:
-        from accelerate.utils import broadcast_object_list  # noqa: PLC0415
-
         checkpoint = broadcast_object_list([checkpoint], from_process=0)[0]
     done = checkpoint_global_step(checkpoint) if checkpoint is not None else 0
     if args.should_save:

@@ -57,6 +57,7 @@ on CPU, torch.cuda.max_memory_allocated / max_memory_reserved on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import statistics
 import tempfile
@@ -64,7 +65,9 @@ import textwrap
 import time
 from dataclasses import dataclass, field
 
+import datasets
 import torch
+import transformers
 from torch import nn
 
 from tunelab.config.args import DataArguments, RunConfig
@@ -349,8 +352,6 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
 
 def import_training_stack(row: Stage) -> None:
     """Import what `tunelab train` imports for this stage, so the measured baseline holds the same libraries."""
-    import importlib  # noqa: PLC0415
-
     importlib.import_module(row.recipe_module)
 
 
@@ -387,8 +388,6 @@ def row_lengths(config: RunConfig):
 
 class _StepTimes:
     def __init__(self):
-        import transformers  # noqa: PLC0415
-
         class Callback(transformers.TrainerCallback):
             def on_step_begin(cb, args, state, control, **kwargs):  # noqa: N805
                 self.begin = time.perf_counter()
@@ -408,10 +407,6 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
     The C allocator is left as training leaves it: pinning glibc's mmap threshold (so that RSS follows live
     tensors) makes every large tensor a fresh mapping, zeroed page by page, and steps several times slower.
     """
-    import datasets  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=True)
     args = config.training

@@ -149,7 +149,7 @@ def start_deepspeed_comm(args: TrainingArguments) -> None:
     starts it while building TrainingArguments; with use_cpu it does not, and ZeRO-3 would load the model
     (deepspeed.zero.Init) believing it is alone (world size 1). A no-op when it is already started."""
     if args.deepspeed and args.world_size > 1:
-        import deepspeed  # noqa: PLC0415
+        import deepspeed  # lazy: the deepspeed extra, which may be missing
 
         deepspeed.init_distributed(dist_backend=args.ddp_backend or "gloo")
 
@@ -158,7 +158,8 @@ def end_process_group() -> None:
     """Every rank reaches the end, then the process group is torn down before the interpreter exits. Left to
     interpreter teardown, gloo's threads were sometimes destroyed while joinable and a rank of a finished run
     died with SIGABRT ("terminate called without an active exception"), failing the launch."""
-    import torch.distributed as dist  # noqa: PLC0415
+    # lazy: torch (2.8 s): a torchrun worker runs check_node_shares before any heavy import
+    import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -173,7 +174,8 @@ def lost_peer_message(exc: BaseException, args: TrainingArguments) -> str | None
     """One line for a collective that failed because another rank went away, else None. A peer whose sockets
     close (a killed process, a rebooted machine) fails the collective at once; one that goes silent is waited
     for up to ddp_timeout (transformers' default 1800 s)."""
-    import torch.distributed as dist  # noqa: PLC0415
+    # lazy: torch (2.8 s): a torchrun worker runs check_node_shares before any heavy import
+    import torch.distributed as dist
 
     if args.world_size <= 1 or not isinstance(exc, RuntimeError):  # torch's DistError family included
         return None
@@ -212,10 +214,11 @@ def check_port_free(args: TrainingArguments) -> None:
 
 def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     """Run `cli_args` under torchrun; the exit code of the first failed worker, or 0."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException  # noqa: PLC0415
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: PLC0415
-    from torch.distributed.run import get_args_parser  # noqa: PLC0415
-    from torch.distributed.run import run as torchrun  # noqa: PLC0415
+    # lazy: torch (2.8 s): a torchrun worker runs check_node_shares before any heavy import
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
 
     check_port_free(args)
     argv = torchrun_argv(args, cli_args)
@@ -282,8 +285,9 @@ def check_deepspeed(values: dict) -> None:
 def _check_zero_section(where: str, section: dict) -> None:
     """DeepSpeed validates zero_optimization with extra keys forbidden, but only inside every worker, as a
     multi-line pydantic error: check it once here, leaving out the "auto" values transformers fills in."""
-    import pydantic  # noqa: PLC0415
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # noqa: PLC0415
+    # lazy: the deepspeed extra, which may be missing
+    import pydantic
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     if not isinstance(section, dict):
         raise ConfigError(f"deepspeed: {where}: zero_optimization must be an object, got {section!r}")

@@ -14,6 +14,8 @@ Only this process: under torchrun each rank measures itself, and trainer_log.jso
 from __future__ import annotations
 
 import re
+import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -26,9 +28,6 @@ def rss_bytes() -> dict[str, int]:
     both are the peak so far (getrusage), an upper bound for the current size."""
     status = Path("/proc/self/status")
     if not status.exists():
-        import resource  # noqa: PLC0415
-        import sys  # noqa: PLC0415
-
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
         return {"VmRSS": peak, "VmHWM": peak}
     text = status.read_text()

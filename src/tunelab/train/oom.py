@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from tunelab.config.args import RunConfig
 from tunelab.train.estimate import estimate, format_size
 
@@ -19,8 +21,6 @@ _CPU_ALLOCATOR = ("DefaultCPUAllocator", "can't allocate memory", "not enough me
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    import torch  # noqa: PLC0415
-
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _CPU_ALLOCATOR)

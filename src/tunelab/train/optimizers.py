@@ -25,6 +25,7 @@ import warnings
 import torch
 import transformers
 from torch import nn
+from transformers.trainer_pt_utils import LayerWiseDummyOptimizer, get_parameter_names
 
 from tunelab.config.args import FinetuningArguments
 from tunelab.config.checks import chosen_optimizers
@@ -74,8 +75,6 @@ def default_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
 def decay_groups(model: nn.Module, weight_decay: float, leave_out: set[int] = frozenset()) -> list[dict]:
     """The trainable parameters (but those whose id is in `leave_out`) as transformers groups them: with
     `weight_decay`, and biases and norms without; empty groups dropped."""
-    from transformers.trainer_pt_utils import get_parameter_names  # noqa: PLC0415 - preflight imports this module
-
     decay = set(get_parameter_names(model, [nn.LayerNorm], NO_DECAY_PATTERNS))
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) not in leave_out]
     groups = [
@@ -118,8 +117,6 @@ def _low_rank_groups(model, args, targets: list[str], key: str, projection: dict
 def _low_rank_optimizer(model, args, optimizer_cls, kwargs: dict, groups: list[dict], layerwise: bool):
     """One optimizer over the groups, or with `layerwise` one per parameter stepped by a hook as soon as its
     gradient is complete (transformers' LayerWiseDummyOptimizer: get_scheduler then schedules each)."""
-    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer  # noqa: PLC0415 - as in decay_groups
-
     if not layerwise:
         return optimizer_cls(groups, **kwargs)
     if args.world_size > 1:
@@ -154,8 +151,9 @@ def _base_kwargs(args) -> dict:
 
 
 def _galore(model, args, ft: FinetuningArguments):
-    from galore_torch import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit  # noqa: PLC0415 - optional package
-    from galore_torch.galore_projector import GaLoreProjector  # noqa: PLC0415
+    # lazy: the galore extra, which may be missing
+    from galore_torch import GaLoreAdafactor, GaLoreAdamW, GaLoreAdamW8bit
+    from galore_torch.galore_projector import GaLoreProjector
 
     _allow_in_checkpoints(GaLoreProjector)
     optim = str(getattr(args.optim, "value", args.optim))
@@ -170,9 +168,10 @@ def _galore(model, args, ft: FinetuningArguments):
 
 
 def _apollo(model, args, ft: FinetuningArguments):
-    from apollo_torch import APOLLOAdamW  # noqa: PLC0415 - optional package
-    from apollo_torch.random_projector import GradientProjector  # noqa: PLC0415
-    from apollo_torch.svd_projector import GaLoreProjector  # noqa: PLC0415
+    # lazy: the apollo extra, which may be missing
+    from apollo_torch import APOLLOAdamW
+    from apollo_torch.random_projector import GradientProjector
+    from apollo_torch.svd_projector import GaLoreProjector
 
     _allow_in_checkpoints(GradientProjector, GaLoreProjector)
     projection = {"rank": ft.apollo_rank, "proj": ft.apollo_proj, "proj_type": ft.apollo_proj_type,
@@ -187,7 +186,7 @@ def _apollo(model, args, ft: FinetuningArguments):
 
 
 def _badam(model, args, ft: FinetuningArguments):
-    from badam import BlockOptimizer  # noqa: PLC0415 - optional package
+    from badam import BlockOptimizer  # lazy: the badam extra, which may be missing
 
     class ResumableBlockOptimizer(BlockOptimizer):
         """badam's BlockOptimizer, whose checkpoint also holds which block trains, the step count and the learning
@@ -250,7 +249,7 @@ def _text_config(model: nn.Module):
 
 
 def _adam_mini(model, args, ft: FinetuningArguments):
-    from adam_mini import Adam_mini  # noqa: PLC0415 - optional package
+    from adam_mini import Adam_mini  # lazy: the adam-mini extra, which may be missing
 
     config = _text_config(model)
     # Adam-mini groups its blocks by parameter name (q_proj / k_proj per head, embeddings per token, ...) and
@@ -328,7 +327,8 @@ def _muon(model, args, ft: FinetuningArguments):
 
 
 def _loraplus(model, args, ft: FinetuningArguments):
-    from peft.optimizers import create_loraplus_optimizer  # noqa: PLC0415 - peft: imported when training
+    # lazy: peft (7.8 s): preflight imports this module for `tunelab data`
+    from peft.optimizers import create_loraplus_optimizer
 
     optimizer_cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
     kwargs.pop("lr")

@@ -105,7 +105,8 @@ def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
 def save_adapter_as_trained(model, out: str) -> None:
     """After the weights are saved: an adapter that started away from zero (PiSSA, OLoRA, LoftQ) becomes its change
     from that start, which the original base plus it reproduces (checkpoints keep the trained form, for resuming)."""
-    from tunelab.model.adapters import save_as_change_from_start  # noqa: PLC0415 - imports peft; preflight imports this module for `tunelab data`
+    # lazy: model/adapters imports peft (7.8 s); preflight imports this module
+    from tunelab.model.adapters import save_as_change_from_start
 
     save_as_change_from_start(model, out)
 

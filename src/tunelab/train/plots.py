@@ -125,11 +125,11 @@ def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
                 reference: tuple[list[int], list[float]] | None = None):
     """A matplotlib Figure with a curve per label: x step, y loss, log y-axis when the values span decades.
     `reference` (the eval plot's training loss) is drawn thin and grey behind them, smoothed when long."""
-    import matplotlib  # noqa: PLC0415 - plotting is optional work at the end of a run
+    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
+    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
 
     shown = [*curves.values(), *([reference] if reference else [])]
     log_scale = use_log_scale([v for _, values in shown for v in values])
@@ -157,11 +157,11 @@ def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
 
 def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str, ylabel: str):
     """Evaluation scores on a 0-100 axis (fractions such as exact match scaled by 100 before), one line per key."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
+    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for (label, (steps, values)), color in zip(curves.items(), list(EVAL_COLORS) * len(curves), strict=False):
@@ -180,7 +180,7 @@ def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
 
 
 def save_figure(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # lazy: as in loss_figure
 
     fig.savefig(path, dpi=100)
     plt.close(fig)

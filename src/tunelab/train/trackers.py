@@ -53,7 +53,8 @@ TRACKER_PACKAGES: dict[str, tuple[str, str]] = {
 
 def check_trackers(report_to: str | Sequence[str] | None) -> list[str]:
     """The tracker names of `report_to`, each one transformers knows, installed and usable; ConfigError otherwise."""
-    from transformers.integrations import INTEGRATION_TO_CALLBACK  # noqa: PLC0415 - start-up time of tunelab data
+    # lazy: transformers' tracker integrations; preflight imports this module for `tunelab data`
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
 
     names = tracker_names(report_to)
     for name in names:
@@ -74,7 +75,7 @@ def check_trackers(report_to: str | Sequence[str] | None) -> list[str]:
 def check_swanlab_api() -> None:
     """transformers' SwanLab callback asks swanlab.get_run() whether a run is open and expects None when not; swanlab
     0.8 and later raise instead, so the run would fail once the model is loaded."""
-    import swanlab  # noqa: PLC0415 - only when report_to names it
+    import swanlab  # lazy: the swanlab extra, which may be missing
 
     try:
         swanlab.get_run()

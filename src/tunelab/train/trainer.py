@@ -38,6 +38,7 @@ import torch
 import transformers
 
 from tunelab.errors import TrainingError
+from tunelab.model import sharding
 from tunelab.train import checkpoints
 from tunelab.train.callbacks import EarlyStopping, EvalMetricsCallback, RunProgress
 from tunelab.train.console import use_console_lines
@@ -125,7 +126,6 @@ class TunelabTrainer(transformers.Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         # A model sharded at load (fsdp on CPU, model/sharding.py) takes the checkpoint's gathered weights through
         # torch's FSDP2 state-dict API: the Trainer's plain load_state_dict cannot copy full tensors into shards.
-        from tunelab.model import sharding  # noqa: PLC0415
 
         if not sharding.load_gathered_weights(model or self.model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)

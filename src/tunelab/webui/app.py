@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -45,8 +47,6 @@ def _error(exc: TunelabError, options: dict[str, Any] | None = None) -> JSONResp
 def create_app(roots: Roots, access: Access | None = None, python: str | None = None) -> FastAPI:
     """The app. Without credentials, only requests addressed to a loopback name are answered: a web page
     elsewhere cannot reach the UI by pointing its own domain at 127.0.0.1 (DNS rebinding)."""
-    import jinja2  # noqa: PLC0415
-
     access = access or Access()
     runs = RunManager(roots, python)
     config_lock = threading.Lock()  # one config built at a time: TrainingArguments sets process-wide state
@@ -97,8 +97,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
     @app.get("/api/datasets")
     def datasets(dataset_dir: str = "") -> JSONResponse:
         """The names the dataset fields offer: the built-in datasets and those of dataset_dir/dataset_info.json."""
-        # The web UI starts without the data, model and training stacks; the page that needs one imports it.
-        from tunelab.data.registry import load_registry  # noqa: PLC0415
+        # lazy: the web UI starts without huggingface_hub (registry -> hub.py) and the data and training stacks
+        from tunelab.data.registry import load_registry
 
         try:
             folder = str(roots.resolve(dataset_dir, "dataset_dir")) if dataset_dir.strip() else None
@@ -112,8 +112,8 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
         try:
             options = forms.options_from_form(form)
             roots.check_options(options)
-            # The web UI starts without the data, model and training stacks; the page that needs one imports it.
-            from tunelab.preflight import load_config  # noqa: PLC0415
+            # lazy: the web UI starts without torch, datasets and transformers (torch alone 2.8 s)
+            from tunelab.preflight import load_config
 
             with config_lock:
                 config = load_config(None, dict(options), purpose="data", warn=False)
@@ -230,8 +230,6 @@ def create_app(roots: Roots, access: Access | None = None, python: str | None = 
 
 def serve(host: str, port: int, roots: Roots, access: Access) -> None:
     """Bind, print the URL, serve until Ctrl-C."""
-    import uvicorn  # noqa: PLC0415
-
     check_listen(host, access)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

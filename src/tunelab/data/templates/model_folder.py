@@ -34,7 +34,8 @@ def tokenizer_chat_template(model_dir: str | Path) -> str | None:
 
 def _gguf_chat_template(file: Path) -> str | None:
     # transformers' own metadata reader: it walks past the vocabulary instead of parsing it (milliseconds, not seconds)
-    from transformers.integrations.gguf.reader import read_gguf_metadata  # noqa: PLC0415 - GGUF files only
+    # lazy: the reader imports torch (2.8 s), which `tunelab template` skips; GGUF files only
+    from transformers.integrations.gguf.reader import read_gguf_metadata
 
     try:
         metadata, _ = read_gguf_metadata(str(file))

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from tunelab.data.encode import parse_tools
@@ -51,8 +52,6 @@ class PolicyWithValueHead(nn.Module):
         return log_probs, values
 
     def save_value_head(self, path) -> None:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
         save_file({k: v.detach().cpu().contiguous() for k, v in self.value_head.state_dict().items()}, str(path))
 
 

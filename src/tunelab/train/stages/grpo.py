@@ -16,7 +16,8 @@ class GRPORecipe(RLRecipe):
     stage = "grpo"
 
     def algorithm(self):
-        from tunelab.train.rl.grpo import GRPO  # noqa: PLC0415  (the training stack: imported when training)
+        # lazy: rl/grpo imports peft (7.8 s); `tunelab data` imports this module
+        from tunelab.train.rl.grpo import GRPO
 
         return functools.partial(GRPO, tool_use=self.tool_use) if self.plan.tools else GRPO
 
@@ -31,7 +32,8 @@ class GRPORecipe(RLRecipe):
     @functools.cached_property
     def tool_use(self):
         """The template, syntax and runner of the run's tools (option tools), made once."""
-        from tunelab.train.rl.tool_rollout import ToolUse  # noqa: PLC0415  (the training stack, as above)
+        # lazy: the rollout imports rl/grpo's training stack (peft, 7.8 s), as above
+        from tunelab.train.rl.tool_rollout import ToolUse
 
         ft = self.config.finetuning
         return ToolUse.build(self.template, self.tokenizer, self.plan.tools, ft.max_tool_turns,

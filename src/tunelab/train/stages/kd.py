@@ -108,9 +108,9 @@ class DistillationRecipe(SupervisedRecipe):
 
     def teacher(self, teacher: ModelArguments, student: nn.Module) -> nn.Module:
         """The frozen teacher (eval mode, no gradients, never in the optimizer) on the training device."""
-        # peft and bitsandbytes are imported when training: `tunelab data` reads the recipe without them.
-        from tunelab.model.adapters import is_quantized  # noqa: PLC0415
-        from tunelab.model.load import load_model  # noqa: PLC0415
+        # lazy: peft and bitsandbytes (7.8 s); `tunelab data` imports this module
+        from tunelab.model.adapters import is_quantized
+        from tunelab.model.load import load_model
 
         config = self.config
         # (frozen: load_model's dtype for inference, the half dtype under bf16 / fp16; the student's quantization)
@@ -128,9 +128,9 @@ class DistillationRecipe(SupervisedRecipe):
     # ---- the workflow -----------------------------------------------------------------------------------------
 
     def trainer(self, model: nn.Module, data: DatasetBundle, *callbacks, teacher: nn.Module | None = None):
-        # The training stack is imported when training: `tunelab data` reads the recipe without it (start-up time).
-        from tunelab.train.callbacks import run_callbacks  # noqa: PLC0415
-        from tunelab.train.distillation_trainer import DistillationTrainer  # noqa: PLC0415
+        # lazy: the Trainer imports peft and bitsandbytes (7.8 s); `tunelab data` imports this module
+        from tunelab.train.callbacks import run_callbacks
+        from tunelab.train.distillation_trainer import DistillationTrainer
 
         ft, generation = self.config.finetuning, self.config.generation
         return DistillationTrainer(
@@ -142,7 +142,8 @@ class DistillationRecipe(SupervisedRecipe):
         )
 
     def run(self) -> dict:
-        from tunelab.train.generation_metrics import GenerationMetricsCallback  # noqa: PLC0415  (as sft's)
+        # lazy: TrainerCallback imports peft and bitsandbytes (7.8 s), as in sft's recipe
+        from tunelab.train.generation_metrics import GenerationMetricsCallback
 
         config, args = self.config, self.config.training
         tokenizer, template = self.tokenizer, self.template

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
+from tunelab.model.reward import load_reward_model
 from tunelab.train.recipe import RLRecipe
 
 
@@ -14,13 +15,12 @@ class PPORecipe(RLRecipe):
     stage = "ppo"
 
     def algorithm(self):
-        from tunelab.train.rl.ppo import PPO  # noqa: PLC0415  (the training stack: imported when training)
+        from tunelab.train.rl.ppo import PPO  # lazy: rl/ppo imports peft (7.8 s); `tunelab data` imports this module
 
         return PPO
 
     def scorer(self, device):
-        from tunelab.model.reward import load_reward_model  # noqa: PLC0415  (as algorithm())
-        from tunelab.train.rl.ppo import RewardModelScorer  # noqa: PLC0415  (as algorithm())
+        from tunelab.train.rl.ppo import RewardModelScorer  # lazy: as in algorithm()
 
         config = self.config
         reward_model = load_reward_model(
@@ -29,12 +29,12 @@ class PPORecipe(RLRecipe):
         return RewardModelScorer(reward_model, self.tokenizer, self.template, config.data.template_kwargs)
 
     def policy(self, model: nn.Module) -> nn.Module:
-        from tunelab.train.rl.ppo import PolicyWithValueHead  # noqa: PLC0415  (as algorithm())
+        from tunelab.train.rl.ppo import PolicyWithValueHead  # lazy: as in algorithm()
 
         return PolicyWithValueHead(model)
 
     def after_save(self, loop) -> None:
-        from tunelab.train.rl.ppo import VALUE_HEAD_FILE  # noqa: PLC0415  (as algorithm())
+        from tunelab.train.rl.ppo import VALUE_HEAD_FILE  # lazy: as in algorithm()
 
         if loop.accelerator.is_main_process:
             path = Path(self.config.training.output_dir) / VALUE_HEAD_FILE

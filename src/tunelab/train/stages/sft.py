@@ -67,7 +67,8 @@ class SFTRecipe(SupervisedRecipe):
 
 def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list:
     """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation (a TrainerCallback)."""
-    from tunelab.train.generation_metrics import GenerationMetricsCallback  # noqa: PLC0415  (the training stack)
+    # lazy: transformers' TrainerCallback imports peft and bitsandbytes (7.8 s); `tunelab data` imports this module
+    from tunelab.train.generation_metrics import GenerationMetricsCallback
 
     if not config.generation.generate_at_eval or not eval_rows:
         return []
