@@ -65,6 +65,7 @@ def test_estimate_and_train_help_run_for_every_stage(stage, reward_model_dir, tm
 
 
 @pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_data_commands_run_for_every_stage(stage, reward_model_dir, tmp_path, capsys):
     config, overrides = str(example_of(stage)), options(stage, tmp_path, reward_model_dir)
     for command in ("stats", "verify", "coverage"):

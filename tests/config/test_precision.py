@@ -65,6 +65,7 @@ def test_explicit_values_win(bf16, fp16, mode, expected) -> None:
     assert resolve_flags(bf16, fp16, PrecisionChoice(mode, "")) == expected
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_the_probe_is_measured_once_and_cached(tmp_path) -> None:
     path = tmp_path / "probe.json"
     flags = frozenset({"avx512_bf16"})

@@ -102,6 +102,7 @@ def test_overwrite_rebuilds_and_failed_build_leaves_nothing(tmp_path, tiny_token
     assert sorted(p.name for p in cache.iterdir()) == [load_or_build(inputs, build, cache)[2].name]
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_other_processes_wait_for_the_main_one(tmp_path, tiny_tokenizer):
     inputs = inputs_for(tiny_tokenizer, DataArguments(dataset=["demo_reverse"]))
     cache = tmp_path / "cache"

@@ -260,6 +260,7 @@ def encoded(case_name: str, name: str, **options: Any) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize(("case_name", "name"), TRAINING + FAULTS)
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_each_row_trains_or_is_a_named_fault(case_name: str, name: str) -> None:
     fault = TrainableRow(encoder(case_name))(canonical(name))
     assert (fault[0] if fault else None) == CASES[case_name].faults.get(name)
@@ -679,6 +680,7 @@ def test_deepseek_v3_trains_a_call_turn_with_empty_content_as_with_null(content:
     assert [e["input_ids"] for e in examples] == official_ids("deepseek_v3/model", clock_messages(None), False)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_conversation_encoded_per_answer_counts_as_one_shortened_row(caplog) -> None:
     # Qwen3 encodes the conversation one example per answer; at 96 tokens the last two are shortened (their history
     # dropped). The log and data stats count the row once, as they count its lost answers, and name the examples.

@@ -238,6 +238,7 @@ def test_shapes_answers_are_balanced() -> None:
     assert 0.45 < sum(counts.values()) / len(rows) < 0.55
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_shapes_test_images_never_appear_in_train_whatever_the_seeds() -> None:
     # The split follows the scene layout (read back from the pixels here), so no test picture is trained on.
     def layouts(split: str, seed: int, n: int) -> set[tuple]:

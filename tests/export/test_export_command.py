@@ -51,6 +51,7 @@ def _export(capsys, *options: str) -> tuple[int, list[str], str]:
 
 
 @pytest.mark.parametrize("tensor_type", ["f16", "q8_0"])
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_lora_run_exports_to_a_checked_gguf_and_modelfile(lora_run, tmp_path, capsys, tensor_type):
     out = tmp_path / "gguf"
     code, lines, err = _export(capsys, f"adapter_name_or_path={lora_run}", f"export_dir={out}",
@@ -209,6 +210,7 @@ def test_the_file_type_is_read_from_the_header_alone(tiny_gguf):
     assert _gguf_header_value(tiny_gguf("f16"), "no.such.key") is None
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_check_only_rechecks_an_existing_export(lora_run, tmp_path, capsys):
     """`tunelab export --check-only` writes nothing and runs the same check on what is there; checked against another
     template than the file carries, it fails; no export there is one line."""
@@ -233,6 +235,7 @@ def test_check_only_rechecks_an_existing_export(lora_run, tmp_path, capsys):
         "tunelab: error: export check failed for model-f16.gguf: the GGUF's chat template differs from the trained one")
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_the_check_scores_held_out_rows_when_named(lora_run, tmp_path, capsys):
     """export_check_dataset: the trained model and every reader answer the same held-out rows; both accuracies are
     printed and saved (this random adapter scores what its export scores, so nothing is flagged)."""

@@ -192,6 +192,7 @@ def test_k_quant_blocks_decode_as_gguf_py_reads_them(ttype, plain):
     assert np.array_equal(zeros, np.zeros((1, 256), np.float32))
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_k_quant_mixes_follow_llama_quantize(tmp_path):
     """q4_k_m on a model whose rows are whole super-blocks: matrices Q4_K, attn_v and ffn_down Q6_K in the layers
     use_more_bits picks (0, 3, 6, 7 of 8), the tied head Q6_K, a row of 64 (not whole super-blocks) Q5_0 as

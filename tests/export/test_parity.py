@@ -69,6 +69,7 @@ def test_a_wrong_template_is_caught(tiny, tmp_path):
         check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, path, "gguf", llama_cpp=False)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_template_variables_missing_from_the_export_are_caught(tiny, tmp_path):
     """Trained with Qwen3's thinking off, exported without the variable: the GGUF's template renders differently."""
     source = builtin_source("qwen3")
@@ -223,6 +224,7 @@ def _held_out(tiny, prompts: list[str]) -> tuple[str, list]:
     return "held-out", rows
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_held_out_accuracy_is_scored_and_a_drop_fails_naming_the_type_to_use(tiny, tiny_gguf, tmp_path):
     held_out = _held_out(tiny, ["Sort: 3 1 2", "Reverse: abc", "Say hi"])
     report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("q8_0"), "gguf",

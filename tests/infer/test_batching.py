@@ -39,6 +39,7 @@ def run_together(engine, requests: list[tuple[list[dict], SamplingOptions]]) -> 
     return [outcome(generation) for generation in generations]
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_concurrent_greedy_answers_equal_the_single_ones(engine):
     sizes = engine.scheduler.batch_sizes
     alone = [outcome(engine.complete(chat, GREEDY)) for chat in CHATS]
@@ -74,6 +75,7 @@ def test_requests_beyond_max_batch_size_wait_for_the_next_batch(engine):
     assert engine.scheduler.batch_sizes[-2:] == [4, 2]
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_cancelled_row_leaves_its_batch():
     """The untrained tiny Llama writes newlines until its limit: one row is left after two pieces (as a client
     that disconnects), the other runs to its end and gets what it gets alone."""

@@ -36,6 +36,7 @@ def merged_engine(chat_model):
     return load_engine(str(chat_model.merged))
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_folders_model_adapter_and_neither(chat_model, tmp_path):
     assert resolve_folders(str(chat_model.merged)) == (str(chat_model.merged), None)
     assert resolve_folders(str(chat_model.adapter)) == (str(TINY_MODEL_DIR), str(chat_model.adapter))

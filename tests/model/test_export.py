@@ -93,6 +93,7 @@ def test_export_errors_are_one_line(causal_adapter, tmp_path, capsys):
     assert "export_size: cannot read 'lots'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_vision_lora_export_saves_model_and_processor_that_load_with_plain_transformers(tmp_path):
     from PIL import Image  # noqa: PLC0415
     from transformers import AutoModelForImageTextToText, AutoProcessor  # noqa: PLC0415

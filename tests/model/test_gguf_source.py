@@ -101,6 +101,7 @@ def test_an_f32_gguf_loads_exactly_the_models_weights_and_a_q8_0_its_dequantized
         assert torch.equal(q8.state_dict()[name], want.to(torch.bfloat16))
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_the_tensor_by_tensor_load_equals_transformers_own_loader(files, monkeypatch):
     # every matrix over 256 values in chunks of rows (the embedding), or whole where the Llama processor reorders it
     # (q and k): the same weights as transformers' loader gives, in float32 and in bf16
@@ -165,6 +166,7 @@ def lora_run(files, tmp_path_factory) -> Path:
     return train(tmp_path_factory.mktemp("gguf-lora"), model_name_or_path=str(files["q8_0"]))
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_lora_on_a_gguf_file_records_the_file_and_trains_with_its_template(lora_run, files):
     assert (lora_run / "adapter_model.safetensors").is_file() and not (lora_run / "model.safetensors").exists()
     info = json.loads((lora_run / "run_info.json").read_text())

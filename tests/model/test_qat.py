@@ -146,6 +146,7 @@ def _export(tmp_path, model: str, scheme: str, *extra: str):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_quantized_export_round_trips_and_matches_the_fake_quantized_model(tmp_path, scheme):
     checked = scheme == "int4-weight"
     out = _export(tmp_path, str(TINY_MODEL_DIR), scheme, f"export_parity={str(checked).lower()}")

@@ -95,6 +95,7 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_hostile_completion_scores_zero_and_leaves_nothing_behind(name, monkeypatch):
     monkeypatch.setenv("TUNELAB_TEST_SECRET", "s3cret")
     result = run(HOSTILE[name])
@@ -127,6 +128,7 @@ def test_the_run_folder_is_fresh_and_removed():
     assert "tunelab-run-" in folder and not os.path.exists(folder)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_reward_scores_a_mixed_batch_and_counts_timeouts_and_crashes():
     reward = CodeTestsReward(code_sandbox.CodeRunner(workers=2, timeout_s=TIMEOUT_S))
     completions = [
@@ -176,6 +178,7 @@ def test_with_namespaces_the_network_is_gone_not_only_refused():
 
 
 @pytest.mark.parametrize("name", ["socket", "fork bomb", "child that outlives", "infinite loop", "subprocess"])
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_without_namespaces_the_audit_hook_still_contains_the_run(name, monkeypatch):
     # A machine where unshare cannot make namespaces: the prelude's hook refuses sockets and forks instead.
     monkeypatch.setattr(code_sandbox, "isolation", lambda: ("audit", ()))

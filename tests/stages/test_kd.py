@@ -256,6 +256,7 @@ def test_lmbda_one_trains_every_example_on_the_students_own_answer(tmp_path):
     assert torch.isfinite(loss) and loss.item() > 0
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_run_with_lmbda_trains_on_some_of_the_students_own_answers(tmp_path):
     config = _write(tmp_path, teacher_model_name_or_path="tiny", lmbda=0.5, max_steps=2, val_size=0, max_samples=64)
     assert main(["train", config]) == 0

@@ -136,6 +136,7 @@ def test_user_tools_run_in_a_child_and_return_their_value(tools_file):
     assert runner.pop_stats() == {"calls": 3, "errors": 1, "timeouts": 0}
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_hostile_tools_cost_at_most_their_limits_and_the_runner_goes_on(tools_file):
     names = ["fails", "hangs", "chatty", "huge", "greedy", "leaves", "add"]
     runner = ToolRunner(load_tools([f"{tools_file}:{name}" for name in names]), timeout_s=3)
@@ -151,6 +152,7 @@ def test_hostile_tools_cost_at_most_their_limits_and_the_runner_goes_on(tools_fi
     assert runner.pop_stats() == {"calls": 7, "errors": 3, "timeouts": 1}
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_the_python_tool_runs_in_the_sandbox_and_reports_failures_as_results():
     runner = ToolRunner(load_tools([PYTHON]), timeout_s=3)
     codes = ["x = 6\nx * 7", "print(sum(range(10)))", "1 / 0", "while True: pass",

@@ -107,6 +107,7 @@ def test_the_toy_row_names_its_recipe(toy_stage):
     assert recipe.stage == "toy" and recipe.__module__ == "tunelab.train.stages.toy"
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_toy_stage_runs_through_the_commands_of_a_real_one(toy_stage, tmp_path, capsys):
     run_cleanly(["data", "stats", str(toy_stage)], capsys)
     run_cleanly(["estimate", str(toy_stage), "--probe-steps", "0"], capsys)

@@ -137,6 +137,7 @@ def test_estimate_against_a_real_training_run():
     assert 0.85 * measured <= predicted <= 1.05 * measured, (predicted / 2**20, measured / 2**20)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_row_lengths_come_from_the_tokenized_training_data():
     """The micro-batch is batch x the longest tokenized row, each with the most supervised positions of any row,
     read as `tunelab data stats` reads the data."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,6 +68,7 @@ def reads_per_step(cls, tmp_path, steps: int = 4, logging_steps: int = 2, accumu
     return {step: mode.by_step[step] for step in range(1, steps + 1)}
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_training_step_reads_the_device_once_more_than_plain_transformers(tmp_path) -> None:
     plain = reads_per_step(transformers.Trainer, tmp_path)
     ours = reads_per_step(TunelabTrainer, tmp_path)

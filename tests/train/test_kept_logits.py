@@ -311,6 +311,7 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_a_training_step_selects_by_no_data_dependent_shape(tmp_path):
     """The trainer builds the index on the host before the batch moves, and the forward and loss do not wait for
     the device to count positions: one example per micro-batch (padding-free) and packed rows. Padded rows of

@@ -65,6 +65,7 @@ def one_step(tmp_path: Path, micro_batch: int, accumulation: int, epsilon: float
     return grads, next(log["loss"] for log in trainer.state.log_history if "loss" in log)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_training_uses_the_factor_and_accumulation_still_equals_one_batch(tmp_path):
     logits, labels = logits_and_labels()
     grads_big, loss_big = one_step(tmp_path, micro_batch=8, accumulation=1, epsilon=0.3)

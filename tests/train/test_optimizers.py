@@ -138,6 +138,7 @@ def test_apollo_keeps_rank_apollo_rank_states_for_the_targeted_matrices(tmp_path
     assert optimizer.state[params["model.norm.weight"]]["exp_avg"].shape == (128,)
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_badam_trains_one_decoder_layer_per_switch_interval(tmp_path) -> None:
     """switch interval 2, ascending: badam's count switches after steps 1, 3, 5, so layer 0 trains step 1, layer 1
     steps 2-3, layer 2 steps 4-5, layer 3 step 6; embeddings and the final norm never change."""
@@ -170,6 +171,7 @@ def test_adam_mini_keeps_one_second_moment_per_head_and_neuron(tmp_path) -> None
     assert state_bytes(optimizer) < 0.51 * adamw_bytes
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_muon_gets_only_the_2d_hidden_weights(tmp_path) -> None:
     model = tiny_model()
     optimizer = build_optimizer(model, training_args(tmp_path, weight_decay=0.1), FinetuningArguments(

@@ -217,6 +217,7 @@ def test_padding_free_equals_padded(model_dir, attn):
     assert diffs["loss"] < 1e-5 and diffs["logits"] < 1e-5 and diffs["grads"] < 1e-5
 
 
+@pytest.mark.slow  # over 2 s on the 2-core AVX2 reference: out of test-fast
 def test_padding_free_trainer_step_equals_padded(tmp_path, tiny_llama_dir, precision):
     """The real path: build_collator picks padding-free batches for transformers' own Llama with sdpa."""
     unpacked = datasets.Dataset.from_list(samples())
