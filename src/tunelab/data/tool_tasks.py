@@ -22,7 +22,7 @@ from collections.abc import Callable
 from tunelab.errors import DataError
 
 MAX_TRIES_PER_ROW = 1000
-INSTRUCTION_TAIL = " You can run Python code with the python tool. Reply with the number alone."
+INSTRUCTION_TAIL = " Compute it with the python tool, then reply with the number alone."
 
 
 def _multiply(rng: random.Random) -> tuple[str, int]:
