@@ -6,6 +6,7 @@ Dimensions are small but keep bitsandbytes' 4-bit constraints (rows a multiple o
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # start), instead of two threads per worker fighting over two cores.
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+# DeepSpeed JIT-compiles its CPU shared-memory op (tests/train/test_deepspeed.py; about 80 s on 2 cores) into
+# torch's extensions folder, keyed by name only: two checkouts with their own venvs rebuilt each other's copy on
+# every run. One folder per venv keeps each built once.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(params=PRECISIONS)
