@@ -70,9 +70,11 @@ def runs(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("runs", "stage"), [(p, s) for p in PRECISIONS for s in STAGES[p]], indirect=["runs"])
+@pytest.mark.parametrize("stage", ["z2", "z3"])
 def test_zero_trains_like_one_process_with_the_same_global_batch(runs, one_process_reference, stage):
     folder, precision = runs
+    if stage not in STAGES[precision]:  # a skip, not a parametrization: indirect pairs would re-run the fixture
+        pytest.skip(f"ZeRO-{stage[1]} runs in {' and '.join(p for p in PRECISIONS if stage in STAGES[p])} only (STAGES)")
     (tolerance, weight_tolerance), reference = TOLERANCE[precision], one_process_reference(precision)
     one, zero = logged(reference), logged(folder / stage)
     assert [r["step"] for r in zero] == [1, 2, 3, 4]
