@@ -1,15 +1,20 @@
 """preflight.py makes the plan once, from new values: what its checks resolve travels in new frozen values, and the
 config it built from the file is never changed in place (its option groups are frozen; TrainingArguments, which
-tunelab does not freeze, is copied)."""
+tunelab does not freeze, is copied). The run trains with the TrainingArguments the plan holds, never changed while it
+runs."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+import transformers
 
 from tunelab import preflight
 from tunelab.config.loader import build_config
+from tunelab.run_folder import complete_checkpoints
+from tunelab.train.recipe import recipe_for
+from tunelab.train.run import run
 
 
 def test_preflight_resolves_into_new_values_and_leaves_the_built_config_as_it_was(tmp_path, monkeypatch) -> None:
@@ -41,3 +46,39 @@ def test_the_option_groups_and_the_config_are_frozen(tmp_path) -> None:
             setattr(getattr(config, group), "cutoff_len", 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.data = config.data  # type: ignore[misc]
+
+
+# ---- the run: the plan's TrainingArguments are the ones it trains with, never changed while it runs ----------------
+
+def _plan(tmp_path, **options):
+    return preflight.plan_run(None, {
+        "model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse", "max_samples": 16,
+        "cutoff_len": 48, "per_device_train_batch_size": 4, "max_steps": 2, "logging_steps": 1, "disable_tqdm": True,
+        "plot_loss": False, "dataloader_num_workers": 0, "output_dir": str(tmp_path / "out"), **options,
+    })
+
+
+def test_reading_a_stream_leaves_the_training_arguments_as_planned(tmp_path) -> None:
+    plan = _plan(tmp_path, stage="pt", dataset="demo_corpus", streaming=True)
+    planned = plan.config.training.to_dict()
+    recipe_for(plan).datasets()
+    assert plan.config.training.to_dict() == planned
+    assert plan.config.training.accelerator_config.dispatch_batches is False  # made so by the plan, before the run
+
+
+@pytest.mark.slow
+def test_training_leaves_the_training_arguments_as_planned(tmp_path) -> None:
+    seen = []
+
+    class WatchThePlan(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            seen.append((plan.config.training.save_total_limit, args.save_total_limit))
+
+    plan = dataclasses.replace(_plan(tmp_path, save_steps=1, save_total_limit=1),
+                               user_callbacks=((WatchThePlan, {}),))
+    planned = plan.config.training.to_dict()
+    run(plan)
+    assert seen == [(1, None), (1, None)]  # the plan keeps the limit; the Trainer's own copy holds none ...
+    assert plan.config.training.to_dict() == planned
+    assert [p.name for p in complete_checkpoints(tmp_path / "out")] == ["checkpoint-2"]  # ... tunelab rotates
+

@@ -39,7 +39,6 @@ resolved and nothing is changed in place, so the config built from the file stay
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import os
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from tunelab.config.args import FinetuningArguments, ModelArguments, RunConfig
 from tunelab.config.loader import Purpose, build_config, read_values
 from tunelab.config.stages import stage_row
+from tunelab.config.training_values import training_with
 from tunelab.data import dedup
 from tunelab.data.registry import check_datasets
 from tunelab.data.templates.choice import check_template
@@ -105,16 +105,19 @@ def plan_run(
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
         sharding.check_cpu_fsdp(config.training, processes, config.finetuning.stage)
+    if config.data.streaming and purpose != "data":  # (`tunelab data` builds no TrainingArguments)
+        config = dataclasses.replace(config, training=launch.per_rank_streams(config.training))
     user_callbacks = _user_callbacks(config.training, config_dir) if purpose == "train" else ()
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
-        config = _with_training(config, report_to=check_trackers(config.training.report_to))
+        config = dataclasses.replace(config, training=training_with(config.training, report_to=check_trackers(
+            config.training.report_to)))
         _check_liger_package(config.training)
         outputs.check_output_dir(config.training)
         found = resume.check_resume(config.training, outputs.run_options(config))
         if found is not None:
-            config = _with_training(config, resume_from_checkpoint=found)
+            config = dataclasses.replace(config, training=training_with(config.training, resume_from_checkpoint=found))
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
         check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
@@ -133,16 +136,6 @@ def load_config(
 ) -> RunConfig:
     """The resolved config of `plan_run`, for commands that need nothing else of the plan."""
     return plan_run(path, overrides, purpose, warn).config
-
-
-def _with_training(config: RunConfig, **changes: Any) -> RunConfig:
-    """The config with new TrainingArguments values, the given ones left as they were. A copy set after its
-    construction: dataclasses.replace would run transformers' __post_init__ again (the accelerate state, the
-    DeepSpeed file), and the values set here are ones it has already normalised."""
-    training = copy.copy(config.training)
-    for name, value in changes.items():
-        setattr(training, name, value)
-    return dataclasses.replace(config, training=training)
 
 
 def _with_reward_model_folder(ft: FinetuningArguments, model: ModelArguments) -> FinetuningArguments:
