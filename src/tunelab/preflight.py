@@ -124,7 +124,7 @@ def plan_run(
         # lazy: export/merge imports peft (7.8 s); `tunelab data` plans through here
         from tunelab.export.merge import check_export_dir
 
-        check_export_dir(config)
+        check_export_dir(config.export, config.model, config.training.overwrite_output_dir)
     return RunPlan(config, purpose, registry, reward_functions, user_callbacks, tools)
 
 
