@@ -120,7 +120,7 @@ def test_sft_noise_only_while_training(tmp_path):
     assert torch.equal(trained_logits, clean_logits)
 
     # The saved model is the clean one too.
-    outputs.save_model(trainer, recipe.tokenizer, recipe.template, recipe.config)
+    outputs.save_model(trainer, recipe.tokenizer, recipe.template, recipe.config.training.output_dir)
     saved = transformers.AutoModelForCausalLM.from_pretrained(recipe.config.training.output_dir).eval()
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, clean_logits)

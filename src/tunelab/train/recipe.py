@@ -347,7 +347,7 @@ class PairRecipe(Recipe):
         self.exact_match_before(trainer.model, rows, metrics)
 
         metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
         if vision is not None and trainer.is_world_process_zero():
             save_processor_files(vision[0], args.output_dir)
 
@@ -360,7 +360,7 @@ class PairRecipe(Recipe):
                 logger.info("%s on %d held-out pairs: %.1f%% before training → %.1f%% after", what, len(held_out),
                             100 * metrics[f"{name}_before"], 100 * metrics[f"{name}_after"])
         self.exact_match_after(trainer.model, rows, metrics)
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
 
@@ -385,7 +385,8 @@ class RLRecipe(Recipe):
         return build_datasets(data_args, self.tokenizer, self.template, self.config.training.seed, encoder=encoder)
 
     def algorithm(self):
-        """The step: `algorithm(loop, reference, tokenizer, stop_ids, scorer, config)` (rl/grpo.py, rl/ppo.py)."""
+        """The step: `algorithm(loop, reference, tokenizer, stop_ids, scorer, finetuning, generation)` (rl/grpo.py,
+        rl/ppo.py)."""
         raise NotImplementedError
 
     def scorer(self, device):
@@ -419,7 +420,7 @@ class RLRecipe(Recipe):
         config = self.config
         args, ft = config.training, config.finetuning
         transformers.set_seed(args.seed)
-        accelerator = build_accelerator(config)
+        accelerator = build_accelerator(args)
         tokenizer, template = self.tokenizer, self.template
         prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed, self.tool_schemas())
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
@@ -434,16 +435,17 @@ class RLRecipe(Recipe):
         rows = self.held_out_rows(prompts)
         self.exact_match_before(model, rows, metrics)
 
-        loop = RLLoop(config, accelerator, self.policy(model), prompts.train, ft.num_iterations)
-        step = self.algorithm()(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
+        loop = RLLoop(args, ft, accelerator, self.policy(model), prompts.train, ft.num_iterations)
+        step = self.algorithm()(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, ft,
+                                config.generation)
         metrics.update(loop.train(step))
         metrics.update(loop.final_metrics(("reward", "kl")))
-        trained = workflow.save_policy(loop, tokenizer, template, config)
+        trained = workflow.save_policy(loop, tokenizer, template, args.output_dir)
         self.after_save(loop)
         self.exact_match_after(trained, rows, metrics)
         if rows is not None:
             workflow.log_reward_metrics(self._held_out_rewards, metrics, len(rows))
-        workflow.finish(loop, metrics, config)
+        workflow.finish(loop, metrics, args)
         return metrics
 
 

@@ -170,7 +170,7 @@ class DistillationRecipe(SupervisedRecipe):
             metrics["on_policy_examples"] = trainer.on_policy_examples
             logger.info("lmbda %g: %d training examples answered by the student itself", config.finetuning.lmbda,
                         trainer.on_policy_examples)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
 
         if data.eval:
             metrics.update(self.final_eval_metrics(trainer))
@@ -186,7 +186,7 @@ class DistillationRecipe(SupervisedRecipe):
                 max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
                 template_vars=config.data.template_kwargs,
             ))
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
     def summary(self, metrics: dict) -> list[str]:

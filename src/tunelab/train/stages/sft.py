@@ -48,7 +48,7 @@ class SFTRecipe(SupervisedRecipe):
 
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         metrics.update(result.metrics)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
         if vision is not None and trainer.is_world_process_zero():
             save_processor_files(vision[0], args.output_dir)
 
@@ -61,7 +61,7 @@ class SFTRecipe(SupervisedRecipe):
                 max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
                 template_vars=config.data.template_kwargs, vision=vision,
             ))
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
 
