@@ -90,7 +90,7 @@ class Recipe:
         return vision_inputs(load_processor(self.config.model), self.config.model)
 
     def skeleton(self) -> nn.Module:
-        return skeleton.skeleton(self.config)
+        return skeleton.skeleton(self.config.model, self.config.finetuning, self.config.training)
 
     def model(self) -> nn.Module:
         # lazy: model/load imports peft (7.8 s); `tunelab data` imports this module
