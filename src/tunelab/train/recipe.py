@@ -141,7 +141,9 @@ class Recipe:
     def held_out_scores(self, model: nn.Module, rows, when: str, vision=None) -> dict[str, float]:
         """Greedy answers to `rows` with the run's generation settings, scored: exact match, then what the stage
         adds (score_answers)."""
-        predictions = held_out_predictions(model, self.tokenizer, self.template, rows, self.config, vision)
+        config = self.config
+        predictions = held_out_predictions(model, self.tokenizer, self.template, rows, config.generation, config.data,
+                                           config.training, vision)
         return {f"exact_match_{when}": exact_match(predictions), **self.score_answers(predictions, when)}
 
     def score_answers(self, predictions, when: str) -> dict[str, float]:
@@ -234,7 +236,7 @@ class SupervisedRecipe(Recipe):
             eval_dataset=single_or_named(data.eval),
             data_collator=self.collator(model),
             processing_class=self.tokenizer,
-            callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks),
+            callbacks=run_callbacks(self.config.training, self.config.finetuning, self.plan.user_callbacks, *callbacks),
             finetuning=self.config.finetuning,
         )
 
@@ -335,7 +337,7 @@ class PairRecipe(Recipe):
             stage=stage, finetuning=ft, ref_model=ref_model,
             model=model, args=args, train_dataset=train_set, eval_dataset=single_or_named(evals),
             data_collator=collator, processing_class=tokenizer,
-            callbacks=run_callbacks(config, self.plan.user_callbacks),
+            callbacks=run_callbacks(args, ft, self.plan.user_callbacks),
         )
 
         held_out = next(iter(evals.values())) if evals else None

@@ -41,7 +41,8 @@ class SFTRecipe(SupervisedRecipe):
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
         model = self.model()
         metrics: dict = self.parameter_counts(model)
-        trainer = self.trainer(model, data, *_generation_metrics(data.eval_rows, tokenizer, template, config))
+        trainer = self.trainer(model, data, *_generation_metrics(data.eval_rows, tokenizer, template, config.generation,
+                                                                 config.data, args))
 
         rows = self.held_out_rows(data)
         self.exact_match_before(trainer.model, rows, metrics, vision)
@@ -65,11 +66,11 @@ class SFTRecipe(SupervisedRecipe):
         return metrics
 
 
-def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list:
+def _generation_metrics(eval_rows: dict, tokenizer, template, generation, data_args, args) -> list:
     """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation (a TrainerCallback)."""
     # lazy: transformers' TrainerCallback imports peft and bitsandbytes (7.8 s); `tunelab data` imports this module
     from tunelab.train.generation_metrics import GenerationMetricsCallback
 
-    if not config.generation.generate_at_eval or not eval_rows:
+    if not generation.generate_at_eval or not eval_rows:
         return []
-    return [GenerationMetricsCallback.from_config(eval_rows, tokenizer, template, config)]
+    return [GenerationMetricsCallback.from_options(eval_rows, tokenizer, template, generation, data_args, args)]
