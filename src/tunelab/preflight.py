@@ -39,16 +39,16 @@ resolved and nothing is changed in place, so the config built from the file stay
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib.util
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tunelab.config.args import FinetuningArguments, RunConfig
+from tunelab.config.args import FinetuningArguments, ModelArguments, RunConfig
 from tunelab.config.loader import Purpose, build_config, read_values
 from tunelab.config.stages import stage_row
+from tunelab.config.training_values import training_with
 from tunelab.data import dedup
 from tunelab.data.registry import check_datasets
 from tunelab.data.templates.choice import check_template
@@ -76,19 +76,19 @@ def plan_run(
     read = read_values(path, overrides, purpose, device.machine())
     launch.check_deepspeed(read.training)
     config = build_config(read, warn)
-    qat.check_quantization_sources(config)
+    qat.check_quantization_sources(config.model, config.finetuning, config.export)
     model_folder, adapter_folder = resolve_model_folders(config.model)
     config = dataclasses.replace(config, model=dataclasses.replace(
         config.model, model_name_or_path=model_folder, adapter_name_or_path=adapter_folder, gguf_file=None,
     ))  # a GGUF given as folder / Hub id + gguf_file is its file's path from here on
     config = dataclasses.replace(config, model=rope.resolve_rope_scaling(config.model, config.data))
     if purpose not in ("data", "eval", "serve"):  # (eval and serve may load the quantized export of a qat run)
-        group_size = qat.check_quantized_layers(config)
+        group_size = qat.check_quantized_layers(config.model, config.finetuning, config.export)
         config = dataclasses.replace(config, finetuning=dataclasses.replace(config.finetuning,
                                                                             qat_group_size=group_size))
     reads_data = purpose not in ("export", "serve")
     if reads_data:
-        check_template(config)
+        check_template(config.model, config.data, config.finetuning)
     registry = check_datasets(config.data, config.finetuning.stage) if reads_data else None
     if reads_data:
         dedup.check_dedup_available(config.data)
@@ -96,31 +96,35 @@ def plan_run(
         optimizers.check_optimizer_package(config.finetuning)
     reward_functions: tuple[RewardFunction, ...] = ()
     tools: tuple[Tool, ...] = ()
+    config_dir = Path(config.source).parent if config.source else None  # relative reward / callback files
     if purpose != "serve":
-        config = _with_reward_model_folder(config)
-        reward_functions = _reward_functions(config.finetuning, _config_dir(config))
-        tools = _tools(config.finetuning, _config_dir(config))
+        config = dataclasses.replace(config, finetuning=_with_reward_model_folder(config.finetuning, config.model))
+        reward_functions = _reward_functions(config.finetuning, config_dir)
+        tools = _tools(config.finetuning, config_dir)
     if config.training.fsdp and config.training.use_cpu:  # on CPU transformers shards at load, with its own limits
         processes = max(launch.nproc_per_node(config.training) * config.training.nnodes,
                         int(os.environ.get("WORLD_SIZE", "1")))
         sharding.check_cpu_fsdp(config.training, processes, config.finetuning.stage)
-    user_callbacks = _user_callbacks(config.training, _config_dir(config)) if purpose == "train" else ()
+    if config.data.streaming and purpose != "data":  # (`tunelab data` builds no TrainingArguments)
+        config = dataclasses.replace(config, training=launch.per_rank_streams(config.training))
+    user_callbacks = _user_callbacks(config.training, config_dir) if purpose == "train" else ()
     if config.generation.generate_at_eval and purpose not in ("export", "serve"):
         check_scoring_packages("generate_at_eval")
     if purpose == "train":
-        config = _with_training(config, report_to=check_trackers(config.training.report_to))
+        config = dataclasses.replace(config, training=training_with(config.training, report_to=check_trackers(
+            config.training.report_to)))
         _check_liger_package(config.training)
         outputs.check_output_dir(config.training)
         found = resume.check_resume(config.training, outputs.run_options(config))
         if found is not None:
-            config = _with_training(config, resume_from_checkpoint=found)
+            config = dataclasses.replace(config, training=training_with(config.training, resume_from_checkpoint=found))
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
         check_scoring_packages("tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
         # lazy: export/merge imports peft (7.8 s); `tunelab data` plans through here
         from tunelab.export.merge import check_export_dir
 
-        check_export_dir(config)
+        check_export_dir(config.export, config.model, config.training.overwrite_output_dir)
     return RunPlan(config, purpose, registry, reward_functions, user_callbacks, tools)
 
 
@@ -134,28 +138,11 @@ def load_config(
     return plan_run(path, overrides, purpose, warn).config
 
 
-def _with_training(config: RunConfig, **changes: Any) -> RunConfig:
-    """The config with new TrainingArguments values, the given ones left as they were. A copy set after its
-    construction: dataclasses.replace would run transformers' __post_init__ again (the accelerate state, the
-    DeepSpeed file), and the values set here are ones it has already normalised."""
-    training = copy.copy(config.training)
-    for name, value in changes.items():
-        setattr(training, name, value)
-    return dataclasses.replace(config, training=training)
-
-
-def _config_dir(config: RunConfig) -> Path | None:
-    """The config file's folder: relative reward-function and callback files are also looked up there."""
-    return Path(config.source).parent if config.source else None
-
-
-def _with_reward_model_folder(config: RunConfig) -> RunConfig:
-    """A stage scored by a reward model (ppo): the config with reward_model resolved to its folder (checked now)."""
-    ft = config.finetuning
+def _with_reward_model_folder(ft: FinetuningArguments, model: ModelArguments) -> FinetuningArguments:
+    """A stage scored by a reward model (ppo): reward_model resolved to its folder (checked now)."""
     if stage_row(ft.stage).scorer != "reward_model":
-        return config
-    folder = resolve_reward_model(ft.reward_model, config.model.allow_pickle_weights)
-    return dataclasses.replace(config, finetuning=dataclasses.replace(ft, reward_model=folder))
+        return ft
+    return dataclasses.replace(ft, reward_model=resolve_reward_model(ft.reward_model, model.allow_pickle_weights))
 
 
 def _reward_functions(ft: FinetuningArguments, config_dir: Path | None) -> tuple[RewardFunction, ...]:

@@ -149,11 +149,12 @@ def test_early_stopping_checks(tmp_path, base):
 
 def test_eval_metric_names_follow_the_run(tmp_path, base):
     config = load_config(write(tmp_path, {**base, **EVALUATING, "val_size": 0.1, "compute_token_accuracy": True}))
-    assert eval_metric_names(config) == [
+    assert eval_metric_names(config.data, config.finetuning, config.generation, config.training) == [
         f"eval_{name}_{metric}" for name in ("val", "demo_reverse_test") for metric in ("loss", "perplexity", "token_accuracy")
     ]
     config = load_config(write(tmp_path, {**base, **EVALUATING, "generate_at_eval": True}))
-    assert eval_metric_names(config) == ["eval_loss", "eval_perplexity", "eval_exact_match", "eval_bleu", "eval_rouge_l"]
+    assert eval_metric_names(config.data, config.finetuning, config.generation, config.training) == [
+        "eval_loss", "eval_perplexity", "eval_exact_match", "eval_bleu", "eval_rouge_l"]
 
 
 # ---- generate_at_eval ------------------------------------------------------------------------------------

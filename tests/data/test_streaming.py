@@ -22,7 +22,7 @@ from tunelab.data.collate import SupervisedCollator
 from tunelab.data.pipeline import build_datasets
 from tunelab.data.pretrain import build_pretrain_datasets, plan_windows
 from tunelab.data.streaming import (
-    TokenWindows, pretrain_stream, prepare_training_args, shuffled, supervised_stream,
+    TokenWindows, pretrain_stream, shuffled, supervised_stream,
 )
 from tunelab.errors import ConfigError, DataError
 
@@ -230,12 +230,11 @@ def test_ranks_get_disjoint_data(corpus, word_tokenizer, readers):
     assert not seen[0] & seen[1] and min(map(len, seen)) >= 15
 
 
-def test_prepare_training_args_turns_off_dispatching(tmp_path):
-    config = load_config(overrides={"stage": "pt", "dataset": "demo_corpus", "streaming": True, "max_steps": 2,
-                                    "output_dir": str(tmp_path / "out")})
-    assert config.training.accelerator_config.dispatch_batches is None  # accelerate would dispatch an iterable
-    prepare_training_args(config.training)
-    assert config.training.accelerator_config.dispatch_batches is False
+def test_the_plan_turns_off_dispatching(tmp_path):
+    options = {"stage": "pt", "dataset": "demo_corpus", "max_steps": 2, "output_dir": str(tmp_path / "out")}
+    assert load_config(overrides=options).training.accelerator_config.dispatch_batches is None  # accelerate's default
+    config = load_config(overrides={**options, "streaming": True})
+    assert config.training.accelerator_config.dispatch_batches is False  # it would dispatch an iterable from rank 0
 
 
 # --- config checks ------------------------------------------------------------------------------

@@ -178,7 +178,7 @@ def test_pissa_run_saves_what_chat_and_export_load_as_trained(tmp_path):
     assert (_logits(load_engine(str(out)).model.cpu()) - trained).abs().max().item() < 1e-5  # tunelab chat / api
     export = load_config(write(tmp_path, {"model_name_or_path": "tiny", "adapter_name_or_path": str(out),
                                           "export_dir": str(tmp_path / "export")}), purpose="export")
-    assert (_logits(merge_adapter(trained_model(export, None))) - trained).abs().max().item() < 1e-4
+    assert (_logits(merge_adapter(trained_model(export.model, None))) - trained).abs().max().item() < 1e-4
 
 
 # ---- OFT and VeRA ----------------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def test_full_run_trains_past_max_positions_and_its_folder_reloads_with_the_scal
     result = trainer.train()
     assert math.isfinite(result.metrics["train_loss"])
     outputs.write_run_start(recipe.config)
-    outputs.save_model(trainer, recipe.tokenizer, None, recipe.config)
+    outputs.save_model(trainer, recipe.tokenizer, None, recipe.config.training.output_dir)
 
     out = Path(recipe.config.training.output_dir)
     saved = json.loads((out / "config.json").read_text())

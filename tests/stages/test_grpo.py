@@ -92,7 +92,7 @@ def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bo
     accelerator = SimpleNamespace(num_processes=processes, is_main_process=True, unwrap_model=lambda model: model)
     recorded: list[dict] = []
     loop = SimpleNamespace(accelerator=accelerator, model=None, record=recorded.append, recorded=recorded)
-    return GRPO(loop, None, SimpleNamespace(pad_token_id=0), [0], [], config)
+    return GRPO(loop, None, SimpleNamespace(pad_token_id=0), [0], [], config.finetuning, config.generation)
 
 
 def _batch(tokens: int, zero_spread: bool) -> GRPOBatch:

@@ -212,7 +212,7 @@ def test_grpo_scores_the_final_answers_and_trains_only_the_policys_tokens(monkey
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True, unwrap_model=lambda m: m)
     recorded: list[dict] = []
     loop = SimpleNamespace(accelerator=accelerator, model=model, record=recorded.append)
-    grpo = GRPO(loop, None, tokenizer, stops, rewards, config, tool_use=use)
+    grpo = GRPO(loop, None, tokenizer, stops, rewards, config.finetuning, config.generation, tool_use=use)
 
     batch = grpo.rollout([{"prompt": row["prompt"], "reference": "42", **row}])
     assert batch.rollout.completions == ["42", "41"]

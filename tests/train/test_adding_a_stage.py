@@ -59,11 +59,11 @@ class ToyRecipe(SupervisedRecipe):
         rows = self.held_out_rows(data)
         self.exact_match_before(trainer.model, rows, metrics)
         metrics.update(trainer.train().metrics)
-        outputs.save_model(trainer, self.tokenizer, self.template, config)
+        outputs.save_model(trainer, self.tokenizer, self.template, args.output_dir)
         if data.eval:
             metrics.update(self.final_eval_metrics(trainer))
         self.exact_match_after(trainer.model, rows, metrics)
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 '''
 TOY_ROW = Stage("toy", "toy:ToyRecipe", "supervised", token_loss=True, eval_metrics=("loss",))

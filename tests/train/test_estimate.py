@@ -109,9 +109,10 @@ def test_activation_formula_matches_what_autograd_saves(options, prompt):
     """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864): within 1% of the real saved tensors, with every
     position supervised and with long prompts (the logits of 4 of 64 positions: 6.6% less than all)."""
     config = _config("tiny", **options, per_device_train_batch_size=8, cutoff_len=64)
-    meta = trained_skeleton(config)
+    meta = trained_skeleton(config.model, config.finetuning, config.training)
     supervised = 64 - max(prompt, 1)  # positions whose next token is a label
-    predicted = activation_bytes(ModelShape.from_config(meta.config), training_shape(meta, config, 64, supervised))
+    shape = training_shape(meta, config.model, config.data, config.training, 64, supervised)
+    predicted = activation_bytes(ModelShape.from_config(meta.config), shape)
     model = load_model(config.model, config.finetuning, config.training, load_tokenizer(config.model))
     saved = _saved_for_backward(model, 8, 64, prompt)
     assert predicted == pytest.approx(saved, rel=0.01)
@@ -156,8 +157,8 @@ def test_row_lengths_come_from_the_tokenized_training_data():
     assert result.lengths.source == (
         f"demo_sort: 64 rows of {int(lengths.min())}-{longest} tokens (mean {float(lengths.mean()):.1f}, cutoff_len 64), "
         f"up to {supervised} supervised")
-    meta = trained_skeleton(config)
-    shape = training_shape(meta, config, longest, supervised)
+    meta = trained_skeleton(config.model, config.finetuning, config.training)
+    shape = training_shape(meta, config.model, config.data, config.training, longest, supervised)
     assert shape.supervised == 8 * supervised
     assert result.memory.activations == activation_bytes(ModelShape.from_config(meta.config), shape)
     assert result.tokens_per_micro_batch == 8 * longest

@@ -62,8 +62,9 @@ def train(tmp_path, **options):
     data, model, recorder = recipe.datasets(), recipe.model(), EmbeddingRecorder()
     extra = []
     if recipe.config.generation.generate_at_eval:
-        extra.append(GenerationMetricsCallback.from_config(data.eval_rows, recipe.tokenizer, recipe.template,
-                                                           recipe.config))
+        config = recipe.config
+        extra.append(GenerationMetricsCallback.from_options(data.eval_rows, recipe.tokenizer, recipe.template,
+                                                            config.generation, config.data, config.training))
     trainer = recipe.trainer(model, data, recorder, *extra)
     trainer.train()
     return recipe, trainer, recorder
@@ -103,7 +104,8 @@ def test_sft_noise_only_while_training(tmp_path):
     # After training the hook is removed: tunelab's held-out generation embeds clean ids...
     model, before = trainer.model, len(recorder.records)
     held_out_exact_match(model, recipe.tokenizer, recipe.template,
-                         held_out_rows(recipe.datasets().eval_rows, recipe.config.generation), recipe.config)
+                         held_out_rows(recipe.datasets().eval_rows, recipe.config.generation), recipe.config.generation,
+                         recipe.config.data, recipe.config.training)
     assert len(recorder.records) > before and all(torch.count_nonzero(n) == 0 for *_, n in recorder.records[before:])
     recorder.handle.remove()
     embedding = model.get_input_embeddings()
@@ -120,7 +122,7 @@ def test_sft_noise_only_while_training(tmp_path):
     assert torch.equal(trained_logits, clean_logits)
 
     # The saved model is the clean one too.
-    outputs.save_model(trainer, recipe.tokenizer, recipe.template, recipe.config)
+    outputs.save_model(trainer, recipe.tokenizer, recipe.template, recipe.config.training.output_dir)
     saved = transformers.AutoModelForCausalLM.from_pretrained(recipe.config.training.output_dir).eval()
     with torch.no_grad():
         assert torch.equal(saved(ids).logits, clean_logits)

@@ -91,9 +91,9 @@ def test_the_rl_loop_takes_the_optimizer_from_the_same_place(tmp_path) -> None:
     config = load_config(REPO_ROOT / "examples" / "grpo.yaml", {
         "model_name_or_path": "tiny", "output_dir": str(tmp_path / "out"), "use_muon": True,
     })
-    assert isinstance(loop_optimizer(tiny_model(), config), MuonWithAdamW)
+    assert isinstance(loop_optimizer(tiny_model(), config.training, config.finetuning), MuonWithAdamW)
     config = dataclasses.replace(config, finetuning=dataclasses.replace(config.finetuning, use_muon=False))
-    default = loop_optimizer(tiny_model(), config)
+    default = loop_optimizer(tiny_model(), config.training, config.finetuning)
     assert type(default) is torch.optim.AdamW
     assert [len(g["params"]) for g in default.param_groups] == [29, 9]  # the matrices, then the norms (no decay)
 

@@ -678,7 +678,9 @@ def option_groups(purpose: str = "train") -> tuple[type, ...]:
 class RunConfig:
     """Everything a run decided, resolved and checked. Frozen, as are the option groups: a step that resolves a value
     makes a new one (dataclasses.replace); transformers' TrainingArguments, which tunelab does not freeze, is copied
-    and set the same way (preflight.py `_with_training`), never changed in place."""
+    with the new values (config/training_values.py `training_with`), never changed in place. Functions below the
+    entry points take the groups they read, not the whole config (tests/test_preflight_plan.py lists the
+    exceptions)."""
 
     model: ModelArguments
     data: DataArguments

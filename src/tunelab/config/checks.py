@@ -15,14 +15,18 @@ import dataclasses
 import difflib
 import logging
 import math
+from typing import TYPE_CHECKING
 
 from tunelab.config.applicability import check_applicability
-from tunelab.config.args import NONZERO_LORA_INITS, DataArguments, RunConfig
+from tunelab.config.args import NONZERO_LORA_INITS, DataArguments, FinetuningArguments, RunConfig
 from tunelab.config.export_formats import DEFAULT_GGUF_TYPE, check_gguf_type
 from tunelab.config.metric_names import eval_metric_names
 from tunelab.config.qat_schemes import check_scheme
 from tunelab.config.stages import REFERENCE_FREE_LOSSES, stage_row, uses_reference
 from tunelab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 # Training keys that only act under one value of a strategy key: key -> (strategy key, the value it needs).
 STRATEGY_KEYS = {
@@ -89,7 +93,8 @@ def _check_training_ranges(values: dict) -> None:
 def check_config(config: RunConfig, purpose: str = "train") -> None:
     """The value checks a purpose needs: "export" reads only the model and adapter (no template, dataset or
     output_dir); "serve" (tunelab chat / api with a YAML) the model and adapter (the engine checks the template it
-    serves with, which may be the adapter's); callbacks only matter to the run that trains with them."""
+    serves with, which may be the adapter's); callbacks only matter to the run that trains with them. Each check
+    takes the option groups its row of VALUE_CHECKS names, no more."""
     without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval)
     skipped = {
         "export": (_check_template_options, *without_data, *LOOP_CHECKS),
@@ -98,56 +103,34 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)
-    _check_applicability(config, purpose)
-    for check in (
-        _check_finetuning,
-        _check_adapter_methods,
-        _check_quantization,
-        _check_qat,
-        _check_template_options,
-        _check_data,
-        _check_stage_data,
-        _check_preference,
-        _check_rl,
-        _check_distillation,
-        _check_streaming,
-        _check_dedup,
-        _check_eval,
-        _check_nan_policy,
-        _check_skip_bad_rows,
-        _check_label_smoothing,
-        _check_neftune,
-        _check_liger_kernel,
-        _check_rope_scaling,
-        _check_distributed,
-        *LOOP_CHECKS,
-    ):
-        if check in skipped:
-            continue
-        check(config)
+    _check_applicability([config.model, config.data, config.finetuning, config.generation], purpose)
+    for check, groups in VALUE_CHECKS:
+        if check not in skipped:
+            check(*(getattr(config, group) for group in groups))
     if purpose == "eval" or (purpose == "train" and config.training.do_predict):
-        _check_predict(config, "tunelab eval" if purpose == "eval" else "do_predict")
+        _check_predict(config.data, config.finetuning, "tunelab eval" if purpose == "eval" else "do_predict")
     if purpose == "export":
-        _check_export(config)
+        _check_export(config.model, config.export)
 
 
-def _check_applicability(config: RunConfig, purpose: str) -> None:
+def _check_applicability(groups: list, purpose: str) -> None:
     """Options set where they do not act (their `applies` metadata): LoRA options without LoRA always; stage
     options unless the command only serves the model."""
     deciding = ("finetuning_type", "stage", "pref_loss", "advantage_estimator")
     keys = ("finetuning_type",) if purpose == "serve" else deciding
-    check_applicability([config.model, config.data, config.finetuning, config.generation], keys)
+    check_applicability(groups, keys)
 
 
-def _check_template_options(config: RunConfig) -> None:
-    if stage_row(config.finetuning.stage).reads == "text" and config.data.template_kwargs:
+def _check_template_options(data, finetuning) -> None:
+    if stage_row(finetuning.stage).reads == "text" and data.template_kwargs:
         raise ConfigError("template_kwargs: stage pt trains on raw text without a chat template; remove it")
 
 
-def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
+def warn_ineffective_keys(training: TrainingArguments, finetuning: FinetuningArguments, precision: str | None,
+                          given: set[str]) -> None:
     """Log once for each option the user set that the resolved run ignores: a `*_steps` key whose strategy is
     not "steps" (save_steps with save_strategy: no...), save options of stages that save only the final model."""
-    args, stage = config.training, config.finetuning.stage
+    args, stage = training, finetuning.stage
     for key, (strategy_key, needed) in STRATEGY_KEYS.items():
         if key not in given:
             continue
@@ -161,8 +144,8 @@ def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
             value = int(value) if isinstance(value, float) and value.is_integer() else value
             logger.warning("%s: %s has no effect while %s is '%s'; set %s: %s (or remove %s)",
                            key, value, strategy_key, strategy, strategy_key, needed or "steps", key)
-    if config.finetuning.pure_bf16 and not args.bf16:
-        chose = f" ({config.precision})" if config.precision else ""
+    if finetuning.pure_bf16 and not args.bf16:
+        chose = f" ({precision})" if precision else ""
         logger.warning("pure_bf16 has no effect: this run does not train in bf16%s; remove pure_bf16 or set bf16: true",
                        chose)
     if stage_row(stage).rl and "save_strategy" in given and "save_steps" not in given:
@@ -170,21 +153,20 @@ def warn_ineffective_keys(config: RunConfig, given: set[str]) -> None:
                        "remove save_strategy", stage)
 
 
-def _check_predict(config: RunConfig, what: str) -> None:
+def _check_predict(data, finetuning, what: str) -> None:
     """Generation-based evaluation (infer/predict.py) needs conversations with answers to compare against."""
-    if stage_row(config.finetuning.stage).reads == "text":
+    if stage_row(finetuning.stage).reads == "text":
         raise ConfigError(f"{what}: stage pt has no answers to generate and compare; use a conversation dataset and stage sft")
-    if not config.data.eval_dataset and config.data.val_size <= 0:
+    if not data.eval_dataset and data.val_size <= 0:
         raise ConfigError(f"{what} needs an eval set: set eval_dataset (or val_size to use the training split's val part)")
-    if config.data.streaming and not config.data.eval_dataset:
+    if data.streaming and not data.eval_dataset:
         raise ConfigError(f"{what} with streaming: true needs eval_dataset")
 
 
-def _check_export(config: RunConfig) -> None:
-    export = config.export
+def _check_export(model, export) -> None:
     if not export.export_dir:
         raise ConfigError("export_dir is not set: add export_dir=saves/my-model-merged")
-    if config.model.quantization_bit is not None:
+    if model.quantization_bit is not None:
         raise ConfigError(
             "quantization_bit: export merges the adapter into full-precision base weights; remove quantization_bit "
             "(the adapter of a QLoRA run merges into the unquantized base)"
@@ -192,12 +174,11 @@ def _check_export(config: RunConfig) -> None:
     size = export.export_size
     if isinstance(size, (int, float)) and size <= 0:
         raise ConfigError(f"export_size must be a positive number of GB or a size string like 500MB, got {size}")
-    _check_export_format(config)
+    _check_export_format(export)
 
 
-def _check_export_format(config: RunConfig) -> None:
+def _check_export_format(export) -> None:
     """export_gguf_type names a type tunelab writes and applies to GGUF only; the folder options apply to hf only."""
-    export = config.export
     check_gguf_type(export.export_gguf_type)
     if export.export_format == "hf":
         if export.export_gguf_type != DEFAULT_GGUF_TYPE:
@@ -215,9 +196,9 @@ def _check_export_format(config: RunConfig) -> None:
             raise ConfigError(f"{key} applies to export_format: hf, not gguf: {why}; remove {key}")
 
 
-def _check_finetuning(config: RunConfig) -> None:
-    ft = config.finetuning
-    if ft.pure_bf16 and config.training.fp16:
+def _check_finetuning(finetuning, training) -> None:
+    ft = finetuning
+    if ft.pure_bf16 and training.fp16:
         raise ConfigError("pure_bf16 keeps bf16 weights, but fp16 is true: set bf16 (or leave it to auto) instead of fp16, "
                           "or remove pure_bf16")
     if ft.lora_rank < 1:
@@ -228,10 +209,10 @@ def _check_finetuning(config: RunConfig) -> None:
         raise ConfigError(f"lora_dropout must be in [0, 1), got {ft.lora_dropout}")
 
 
-def _check_adapter_methods(config: RunConfig) -> None:
+def _check_adapter_methods(model, finetuning, training) -> None:
     """LoRA's initialisations (init_lora_weights, pissa_*) and OFT's / VeRA's sizes (model/adapters.py,
     docs/training.md#lora-initialisations)."""
-    ft = config.finetuning
+    ft = finetuning
     init = ft.lora_init()
     if ft.pissa_init and ft.init_lora_weights not in ("default", "pissa"):
         raise ConfigError(f"pissa_init and init_lora_weights: {ft.init_lora_weights} are two initialisations: keep one",
@@ -249,7 +230,7 @@ def _check_adapter_methods(config: RunConfig) -> None:
             f"randomized fast SVD of pissa_iter: {ft.pissa_iter} would not give the residual it trained on: set "
             "pissa_iter: -1 or remove pissa_convert", key="pissa_convert")
     if ft.finetuning_type == "lora" and init in NONZERO_LORA_INITS:
-        _check_nonzero_lora_start(config, init)
+        _check_nonzero_lora_start(model, finetuning, training, init)
     if ft.finetuning_type == "oft" and (ft.oft_rank < 0 or ft.oft_block_size < 0 or (ft.oft_rank > 0) == (ft.oft_block_size > 0)):
         raise ConfigError(f"oft_rank and oft_block_size: set exactly one of them above 0 (blocks x block size = the "
                           f"layer's width), got oft_rank: {ft.oft_rank}, oft_block_size: {ft.oft_block_size}",
@@ -258,15 +239,15 @@ def _check_adapter_methods(config: RunConfig) -> None:
         raise ConfigError(f"module_dropout must be in [0, 1), got {ft.module_dropout}", key="module_dropout")
     if ft.finetuning_type == "vera" and ft.vera_rank < 1:
         raise ConfigError(f"vera_rank must be at least 1, got {ft.vera_rank}", key="vera_rank")
-    if ft.finetuning_type in ("oft", "vera") and config.model.add_special_tokens:
+    if ft.finetuning_type in ("oft", "vera") and model.add_special_tokens:
         raise ConfigError(f"add_special_tokens: the new tokens' rows train as peft trainable tokens, which only a LoRA "
                           f"adapter holds; finetuning_type {ft.finetuning_type} cannot train them: use finetuning_type: "
                           "lora (or full)", key="add_special_tokens")
 
 
-def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
+def _check_nonzero_lora_start(model, finetuning, training, init: str) -> None:
     """pissa / olora / loftq: the adapter does not start at zero (model/adapters.py saves the change from its start)."""
-    ft, args = config.finetuning, config.training
+    ft, args = finetuning, training
     key = "pissa_init" if ft.pissa_init else "init_lora_weights"
     name = "pissa_init" if ft.pissa_init else f"init_lora_weights: {init}"
     if ft.use_dora:
@@ -282,7 +263,7 @@ def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
         engine = "deepspeed" if args.deepspeed else "fsdp"
         raise ConfigError(f"{name} decomposes and saves whole weight matrices, which {engine} shards: remove {key} or "
                           f"{engine}", key=key)
-    bits = config.model.quantization_bit
+    bits = model.quantization_bit
     if init == "loftq":
         if bits != 4:
             raise ConfigError(f"init_lora_weights: loftq initialises LoRA for a 4-bit base: set quantization_bit: 4 "
@@ -292,7 +273,7 @@ def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
                 f"init_lora_weights: loftq: peft sets B·A to the quantization error without the LoRA scale (peft issue "
                 f"#1982), so the scale must be 1: set lora_alpha: {ft.lora_rank} (= lora_rank, or remove it) and "
                 "remove use_rslora", key="lora_alpha")
-        if config.model.gguf_file or config.model.model_name_or_path.lower().endswith(".gguf"):
+        if model.gguf_file or model.model_name_or_path.lower().endswith(".gguf"):
             raise ConfigError("init_lora_weights: loftq reads the original weights from the model's safetensors "
                               "files, which a GGUF model has not: use a Hugging Face model folder", key=key)
     elif bits is not None:
@@ -301,22 +282,22 @@ def _check_nonzero_lora_start(config: RunConfig, init: str) -> None:
                           key=key)
 
 
-def _check_quantization(config: RunConfig) -> None:
-    _check_gguf_file(config)
-    bits = config.model.quantization_bit
+def _check_quantization(model, finetuning) -> None:
+    _check_gguf_file(model)
+    bits = model.quantization_bit
     if bits is None:
         return
     if bits not in (4, 8):
         raise ConfigError(f"quantization_bit must be 4 or 8, got {bits}")
-    if config.finetuning.finetuning_type != "lora":
+    if finetuning.finetuning_type != "lora":
         raise ConfigError(
-            f"quantization_bit: {bits} needs finetuning_type: lora (QLoRA), got '{config.finetuning.finetuning_type}'"
+            f"quantization_bit: {bits} needs finetuning_type: lora (QLoRA), got '{finetuning.finetuning_type}'"
         )
 
 
-def _check_gguf_file(config: RunConfig) -> None:
+def _check_gguf_file(model) -> None:
     """gguf_file names a .gguf inside model_name_or_path (a folder or a Hub id), which is then not itself a file."""
-    name, source = config.model.gguf_file, config.model.model_name_or_path
+    name, source = model.gguf_file, model.model_name_or_path
     if name is None:
         return
     if not name.lower().endswith(".gguf"):
@@ -328,9 +309,9 @@ def _check_gguf_file(config: RunConfig) -> None:
         raise ConfigError(f"gguf_file: model_name_or_path {source} is already a GGUF file; remove gguf_file")
 
 
-def _check_qat(config: RunConfig) -> None:
+def _check_qat(model, finetuning, export) -> None:
     """qat (training) and export_quantization (export) name a quantization scheme (config/qat_schemes.py)."""
-    ft, scheme, export_scheme = config.finetuning, config.finetuning.qat, config.export.export_quantization
+    ft, scheme, export_scheme = finetuning, finetuning.qat, export.export_quantization
     if not scheme:
         if ft.qat_start_step:
             raise ConfigError("qat_start_step only applies with qat: set qat (e.g. qat: int8-int4) or remove it")
@@ -341,26 +322,25 @@ def _check_qat(config: RunConfig) -> None:
             check_scheme(key, name)
     if not scheme:
         return
-    if config.model.quantization_bit is not None:
+    if model.quantization_bit is not None:
         raise ConfigError(
-            f"qat and quantization_bit ({config.model.quantization_bit}-bit QLoRA) cannot train together: QAT "
+            f"qat and quantization_bit ({model.quantization_bit}-bit QLoRA) cannot train together: QAT "
             "fake-quantizes full-precision weights; remove quantization_bit (qat with finetuning_type: lora trains "
             "LoRA on a fake-quantized base)"
         )
-    if not stage_row(config.finetuning.stage).token_loss:
-        raise ConfigError(f"qat applies to stages pt and sft (got stage: {config.finetuning.stage}): remove qat")
+    if not stage_row(finetuning.stage).token_loss:
+        raise ConfigError(f"qat applies to stages pt and sft (got stage: {finetuning.stage}): remove qat")
     if ft.qat_start_step < 0:
         raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
 
 
-def _check_data(config: RunConfig) -> None:
-    data = config.data
+def _check_data(model, data, generation) -> None:
     if data.cutoff_len < 2:
         raise ConfigError(f"cutoff_len must be at least 2, got {data.cutoff_len}")
     if data.train_on_prompt and data.mask_history:
         raise ConfigError("train_on_prompt and mask_history contradict each other: keep one")
     for key in ("packing", "padding_free"):
-        if getattr(data, key) and config.model.flash_attn == "fa2" and config.model.trust_remote_code:
+        if getattr(data, key) and model.flash_attn == "fa2" and model.trust_remote_code:
             # Packed fa2 relies on transformers' own attention code taking cu_seq_lens (data/packing.py).
             raise ConfigError(
                 f"{key} with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
@@ -373,7 +353,6 @@ def _check_data(config: RunConfig) -> None:
     for key in ("max_samples", "preprocessing_num_workers"):
         if getattr(data, key) is not None and getattr(data, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {getattr(data, key)} (or remove it)")
-    generation = config.generation
     for key in ("max_new_tokens", "eval_generation_samples"):
         if getattr(generation, key) < 1:
             raise ConfigError(f"{key} must be at least 1, got {getattr(generation, key)}")
@@ -386,10 +365,9 @@ def _check_data(config: RunConfig) -> None:
             )
 
 
-def _check_stage_data(config: RunConfig) -> None:
+def _check_stage_data(data, finetuning, generation) -> None:
     """pt's window options (which datasets suit the stage is data/registry.py's check_datasets)."""
-    data = config.data
-    if stage_row(config.finetuning.stage).reads != "text":
+    if stage_row(finetuning.stage).reads != "text":
         return
     if data.stride is not None and not 1 <= data.stride <= data.cutoff_len:
         raise ConfigError(
@@ -403,15 +381,15 @@ def _check_stage_data(config: RunConfig) -> None:
         )
     if data.min_length < 1:
         raise ConfigError(f"min_length must be at least 1 (empty documents are always dropped), got {data.min_length}")
-    if config.generation.eval_generation:
+    if generation.eval_generation:
         raise ConfigError(
             "eval_generation: stage pt has no answers to match; remove it (eval_loss and eval_perplexity are reported)"
         )
 
 
-def _check_preference(config: RunConfig) -> None:
+def _check_preference(data, finetuning, generation) -> None:
     """Stages rm / dpo / kto: unpacked pairs and their own options (ranking data: data/registry.py)."""
-    ft, data, stage = config.finetuning, config.data, config.finetuning.stage
+    ft, stage = finetuning, finetuning.stage
     row = stage_row(stage)
     if not row.pairs:
         return
@@ -424,7 +402,7 @@ def _check_preference(config: RunConfig) -> None:
         raise ConfigError(f"streaming: true is not supported with stage {stage}; set streaming: false")
     if data.train_on_prompt:
         raise ConfigError(f"train_on_prompt does not apply to stage {stage} (only the final answer is scored): remove it")
-    if row.head == "reward" and config.generation.eval_generation:
+    if row.head == "reward" and generation.eval_generation:
         raise ConfigError("eval_generation: a reward model does not generate; remove it (eval reports reward accuracy)")
     if ft.pref_beta <= 0:
         raise ConfigError(f"pref_beta must be > 0, got {ft.pref_beta}")
@@ -444,11 +422,11 @@ def _check_preference(config: RunConfig) -> None:
         raise ConfigError("pref_ftx: pref_loss orpo already has an SFT term (weighted against pref_beta); remove pref_ftx")
 
 
-def _check_rl(config: RunConfig) -> None:
+def _check_rl(data, finetuning, generation, training) -> None:
     """Stages grpo / ppo: reward functions or a reward model, and the loop's own options."""
-    ft, stage = config.finetuning, config.finetuning.stage
-    if config.generation.temperature <= 0:
-        raise ConfigError(f"temperature must be > 0 (rollouts are sampled), got {config.generation.temperature}")
+    ft, stage = finetuning, finetuning.stage
+    if generation.temperature <= 0:
+        raise ConfigError(f"temperature must be > 0 (rollouts are sampled), got {generation.temperature}")
     row = stage_row(stage)
     if not row.rl:
         return
@@ -489,7 +467,7 @@ def _check_rl(config: RunConfig) -> None:
         raise ConfigError(f"epsilon must be > 0 (the ratio is clipped to 1 ± epsilon), got {ft.epsilon}")
     if ft.num_iterations < 1:
         raise ConfigError(f"num_iterations must be at least 1, got {ft.num_iterations}")
-    data, args = config.data, config.training
+    args = training
     if data.packing:
         raise ConfigError(f"packing: true does not apply to stage {stage} (it trains on its own generations); set packing: false")
     if data.padding_free:
@@ -505,10 +483,10 @@ def _check_rl(config: RunConfig) -> None:
         raise ConfigError(f"resume_from_checkpoint is not supported by stage {stage} yet; remove it")
 
 
-def _check_distillation(config: RunConfig) -> None:
+def _check_distillation(finetuning) -> None:
     """A stage that learns from a teacher (kd): the teacher (its folder and tokenizer are the recipe's checks, before
     any weights load), beta and lmbda."""
-    ft, stage = config.finetuning, config.finetuning.stage
+    ft, stage = finetuning, finetuning.stage
     if not stage_row(stage).teacher:
         return
     if not ft.teacher_model_name_or_path:
@@ -524,9 +502,8 @@ def _check_distillation(config: RunConfig) -> None:
                           f"{ft.lmbda}", key="lmbda")
 
 
-def _check_streaming(config: RunConfig) -> None:
+def _check_streaming(data, training) -> None:
     """streaming: true reads the train set as it trains (data/streaming.py): no length, no split, no global pass."""
-    data = config.data
     if data.buffer_size < 1:
         raise ConfigError(f"buffer_size must be at least 1, got {data.buffer_size}")
     if not data.streaming:
@@ -534,7 +511,7 @@ def _check_streaming(config: RunConfig) -> None:
         if data.buffer_size != default:
             raise ConfigError("buffer_size only applies to streaming: true: remove it or set streaming: true")
         return
-    if config.training.max_steps <= 0:
+    if training.max_steps <= 0:
         raise ConfigError(
             "streaming: true needs max_steps > 0: a stream has no length to derive the number of steps from; "
             "set max_steps"
@@ -549,35 +526,34 @@ def _check_streaming(config: RunConfig) -> None:
             f"dedup: {data.dedup} compares every row with every other and cannot run with streaming: true; "
             "remove dedup or set streaming: false"
         )
-    if getattr(config.training.accelerator_config, "dispatch_batches", None):
+    if getattr(training.accelerator_config, "dispatch_batches", None):
         raise ConfigError(
             "accelerator_config.dispatch_batches: true makes rank 0 read the whole stream and needs batches of one "
             "shape; remove it with streaming: true (each rank then reads its own shard)"
         )
 
 
-def _check_dedup(config: RunConfig) -> None:
-    data = config.data
+def _check_dedup(data, finetuning) -> None:
     default_threshold = next(f.default for f in dataclasses.fields(DataArguments) if f.name == "dedup_threshold")
     if data.dedup_threshold != default_threshold and data.dedup != "near":
         raise ConfigError(f"dedup_threshold only applies to dedup: near (got dedup: {data.dedup}): remove it")
     if data.dedup == "none":
         return
-    if stage_row(config.finetuning.stage).reads == "text":
+    if stage_row(finetuning.stage).reads == "text":
         raise ConfigError("dedup: stage pt does not deduplicate documents yet; remove dedup")
     if not 0.0 < data.dedup_threshold <= 1.0:
         raise ConfigError(f"dedup_threshold must be in (0, 1], got {data.dedup_threshold}")
 
 
-def _check_eval(config: RunConfig) -> None:
-    has_eval_set = bool(config.data.eval_dataset) or config.data.val_size > 0
-    strategy = str(getattr(config.training.eval_strategy, "value", config.training.eval_strategy))
+def _check_eval(data, generation, training) -> None:
+    has_eval_set = bool(data.eval_dataset) or data.val_size > 0
+    strategy = str(getattr(training.eval_strategy, "value", training.eval_strategy))
     wants_eval = [
         name
         for name, on in (
             ("eval_strategy", strategy != "no"),
-            ("do_eval", config.training.do_eval and strategy == "no"),
-            ("eval_generation", config.generation.eval_generation),
+            ("do_eval", training.do_eval and strategy == "no"),
+            ("eval_generation", generation.eval_generation),
         )
         if on
     ]
@@ -585,8 +561,8 @@ def _check_eval(config: RunConfig) -> None:
         raise ConfigError(f"{', '.join(wants_eval)} needs an eval set: set eval_dataset or val_size")
 
 
-def _check_nan_policy(config: RunConfig) -> None:
-    args = config.training
+def _check_nan_policy(training) -> None:
+    args = training
     if args.nan_max_consecutive < 1:
         raise ConfigError(f"nan_max_consecutive must be at least 1, got {args.nan_max_consecutive}")
     if args.nan_policy != "skip" and args.nan_max_consecutive != 5:
@@ -596,17 +572,16 @@ def _check_nan_policy(config: RunConfig) -> None:
         )
 
 
-def _check_skip_bad_rows(config: RunConfig) -> None:
-    data = config.data
-    if data.skip_bad_rows and (data.streaming or stage_row(config.finetuning.stage).reads == "text"):
+def _check_skip_bad_rows(data, finetuning) -> None:
+    if data.skip_bad_rows and (data.streaming or stage_row(finetuning.stage).reads == "text"):
         raise ConfigError(
             "skip_bad_rows applies to conversation datasets read whole (not stage pt, not streaming: true): remove it"
         )
 
 
-def _check_label_smoothing(config: RunConfig) -> None:
+def _check_label_smoothing(finetuning, training) -> None:
     """label_smoothing_factor smooths the token cross-entropy (train/losses.py): stages sft and pt only."""
-    factor, stage = config.training.label_smoothing_factor, config.finetuning.stage
+    factor, stage = training.label_smoothing_factor, finetuning.stage
     if not factor:
         return
     if not stage_row(stage).token_loss:
@@ -620,10 +595,10 @@ def _check_label_smoothing(config: RunConfig) -> None:
         raise ConfigError(f"label_smoothing_factor must be in [0, 1), got {factor}")
 
 
-def _check_neftune(config: RunConfig) -> None:
+def _check_neftune(finetuning, training) -> None:
     """neftune_noise_alpha: transformers' Trainer adds the noise to the input embeddings while training (sft, pt), as
     TRL does in SFT only."""
-    alpha, stage = config.training.neftune_noise_alpha, config.finetuning.stage
+    alpha, stage = training.neftune_noise_alpha, finetuning.stage
     if alpha is None:
         return
     if not (_finite(alpha) and alpha > 0):
@@ -635,19 +610,18 @@ def _check_neftune(config: RunConfig) -> None:
                           key="neftune_noise_alpha")
 
 
-def _check_liger_kernel(config: RunConfig) -> None:
+def _check_liger_kernel(finetuning, training) -> None:
     """use_liger_kernel (LlamaFactory's enable_liger_kernel): transformers applies Liger's kernels when its Trainer
     trains; the GPU itself is checked when the config is read (config/loader.py), the package by tunelab/preflight.py."""
-    stage = config.finetuning.stage
-    if config.training.use_liger_kernel and stage_row(stage).rl:
+    stage = finetuning.stage
+    if training.use_liger_kernel and stage_row(stage).rl:
         raise ConfigError(f"use_liger_kernel: stage {stage} trains in its own loop, where transformers does not apply "
                           "Liger's kernels: remove it", key="use_liger_kernel")
 
 
-def _check_rope_scaling(config: RunConfig) -> None:
+def _check_rope_scaling(model) -> None:
     """rope_scaling's values; what the model allows (a RoPE model, not scaled already, the factor from cutoff_len)
     is model/rope.py's, run by tunelab/preflight.py."""
-    model = config.model
     if model.rope_factor is None:
         return
     if model.rope_scaling is None:
@@ -658,19 +632,19 @@ def _check_rope_scaling(config: RunConfig) -> None:
                           "remove it to derive it from cutoff_len", key="rope_factor")
 
 
-def _check_distributed(config: RunConfig) -> None:
+def _check_distributed(model, training) -> None:
     """DeepSpeed and FSDP come from transformers/accelerate; what we can tell before they start."""
-    args = config.training
+    args = training
     if args.deepspeed and args.fsdp:
         raise ConfigError("deepspeed and fsdp are two engines for the same job: keep one")
-    if args.fsdp and config.model.quantization_bit is not None:
+    if args.fsdp and model.quantization_bit is not None:
         raise ConfigError(
-            f"fsdp cannot shard the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
+            f"fsdp cannot shard the {model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
             "remove fsdp (QLoRA trains one copy per process with DDP) or quantization_bit"
         )
-    if args.deepspeed and config.model.quantization_bit is not None:
+    if args.deepspeed and model.quantization_bit is not None:
         raise ConfigError(
-            f"deepspeed cannot train the {config.model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
+            f"deepspeed cannot train the {model.quantization_bit}-bit weights of quantization_bit (QLoRA); "
             "remove deepspeed or quantization_bit"
         )
 
@@ -704,10 +678,10 @@ def _check_load_best_model_values(values: dict) -> None:
             )
 
 
-def _check_callbacks(config: RunConfig) -> None:
+def _check_callbacks(finetuning, training) -> None:
     """callback_kwargs need callbacks; the RL stages' own loop fires no Trainer events. (The classes are imported and
     checked by train/callbacks.py, called from tunelab/preflight.py.)"""
-    args, stage = config.training, config.finetuning.stage
+    args, stage = training, finetuning.stage
     if args.callback_kwargs and not args.callbacks:
         raise ConfigError("callback_kwargs is set but callbacks is not: name the callback classes in callbacks")
     if not args.callbacks:
@@ -719,8 +693,8 @@ def _check_callbacks(config: RunConfig) -> None:
         )
 
 
-def _check_early_stopping(config: RunConfig) -> None:
-    args, stage = config.training, config.finetuning.stage
+def _check_early_stopping(data, finetuning, generation, training) -> None:
+    args, stage = training, finetuning.stage
     patience = args.early_stopping_patience
     if patience is None:
         if args.early_stopping_threshold != 0.0:
@@ -732,52 +706,52 @@ def _check_early_stopping(config: RunConfig) -> None:
         raise ConfigError(f"early_stopping_threshold must be >= 0, got {args.early_stopping_threshold}")
     if stage_row(stage).rl:
         raise ConfigError(f"early_stopping_patience: stage {stage} has no evaluations to stop on; remove it")
-    if not config.data.eval_dataset and config.data.val_size <= 0:
+    if not data.eval_dataset and data.val_size <= 0:
         raise ConfigError("early_stopping_patience needs an eval set to watch: set eval_dataset or val_size")
     if _strategy(args.eval_strategy) == "no":
         raise ConfigError(
             "early_stopping_patience counts evaluations, but eval_strategy is 'no': set eval_strategy: steps "
             "with eval_steps (or epoch)"
         )
-    _check_metric_for_best_model(config, "early_stopping_patience")
+    _check_metric_for_best_model(data, finetuning, generation, training, "early_stopping_patience")
 
 
-def _check_metric_for_best_model(config: RunConfig, why: str) -> None:
-    metric = config.training.metric_for_best_model
+def _check_metric_for_best_model(data, finetuning, generation, training, why: str) -> None:
+    metric = training.metric_for_best_model
     if metric is None:
         return
     metric = metric if metric.startswith("eval_") else f"eval_{metric}"
-    known = eval_metric_names(config)
+    known = eval_metric_names(data, finetuning, generation, training)
     if metric not in known:
         close = difflib.get_close_matches(metric, known, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(
-            f"metric_for_best_model: '{config.training.metric_for_best_model}' is not an eval metric this run logs "
+            f"metric_for_best_model: '{training.metric_for_best_model}' is not an eval metric this run logs "
             f"({why} watches it); {hint}it logs {', '.join(known)}"
         )
 
 
-def _check_load_best_model(config: RunConfig) -> None:
-    if config.training.load_best_model_at_end and not stage_row(config.finetuning.stage).rl:
-        _check_metric_for_best_model(config, "load_best_model_at_end")
+def _check_load_best_model(data, finetuning, generation, training) -> None:
+    if training.load_best_model_at_end and not stage_row(finetuning.stage).rl:
+        _check_metric_for_best_model(data, finetuning, generation, training, "load_best_model_at_end")
 
 
-def _check_generate_at_eval(config: RunConfig) -> None:
-    if not config.generation.generate_at_eval:
+def _check_generate_at_eval(finetuning, generation, training) -> None:
+    if not generation.generate_at_eval:
         return
-    stage = config.finetuning.stage
+    stage = finetuning.stage
     if stage_row(stage).reads != "supervised":
         raise ConfigError(
             f"generate_at_eval applies to stage sft (answers to generate and compare), got stage {stage}; remove it"
         )
-    if _strategy(config.training.eval_strategy) == "no":
+    if _strategy(training.eval_strategy) == "no":
         raise ConfigError("generate_at_eval generates at each evaluation, but eval_strategy is 'no': set eval_strategy: steps with eval_steps")
-    if config.generation.eval_generation_samples < 1:
-        raise ConfigError(f"eval_generation_samples must be at least 1, got {config.generation.eval_generation_samples}")
+    if generation.eval_generation_samples < 1:
+        raise ConfigError(f"eval_generation_samples must be at least 1, got {generation.eval_generation_samples}")
 
 
-def _check_ignore_pad_token_for_loss(config: RunConfig) -> None:
-    if not config.data.ignore_pad_token_for_loss:
+def _check_ignore_pad_token_for_loss(data) -> None:
+    if not data.ignore_pad_token_for_loss:
         raise ConfigError(
             "ignore_pad_token_for_loss: false would train on padding; tunelab never does (padding labels are always "
             "-100): remove it"
@@ -801,8 +775,8 @@ def chosen_optimizers(finetuning) -> list[str]:
     return [key for key in OPTIMIZER_SWITCHES if getattr(finetuning, key) not in (False, None)]
 
 
-def _check_optimizers(config: RunConfig) -> None:
-    ft, args = config.finetuning, config.training
+def _check_optimizers(finetuning, training) -> None:
+    ft, args = finetuning, training
     chosen = chosen_optimizers(ft)
     _check_optimizer_sub_options(ft, chosen)
     if len(chosen) > 1:
@@ -894,3 +868,34 @@ def _check_layerwise(key: str, args) -> None:
 
 LOOP_CHECKS = (_check_callbacks, _check_early_stopping, _check_load_best_model, _check_generate_at_eval,
                _check_ignore_pad_token_for_loss, _check_optimizers)
+
+# Every value check check_config runs, in its order, with the option groups it reads (RunConfig's field names, which
+# are its parameters' names too: tests/config/test_value_check_table.py holds them equal).
+VALUE_CHECKS = (
+    (_check_finetuning, ("finetuning", "training")),
+    (_check_adapter_methods, ("model", "finetuning", "training")),
+    (_check_quantization, ("model", "finetuning")),
+    (_check_qat, ("model", "finetuning", "export")),
+    (_check_template_options, ("data", "finetuning")),
+    (_check_data, ("model", "data", "generation")),
+    (_check_stage_data, ("data", "finetuning", "generation")),
+    (_check_preference, ("data", "finetuning", "generation")),
+    (_check_rl, ("data", "finetuning", "generation", "training")),
+    (_check_distillation, ("finetuning",)),
+    (_check_streaming, ("data", "training")),
+    (_check_dedup, ("data", "finetuning")),
+    (_check_eval, ("data", "generation", "training")),
+    (_check_nan_policy, ("training",)),
+    (_check_skip_bad_rows, ("data", "finetuning")),
+    (_check_label_smoothing, ("finetuning", "training")),
+    (_check_neftune, ("finetuning", "training")),
+    (_check_liger_kernel, ("finetuning", "training")),
+    (_check_rope_scaling, ("model",)),
+    (_check_distributed, ("model", "training")),
+    (_check_callbacks, ("finetuning", "training")),
+    (_check_early_stopping, ("data", "finetuning", "generation", "training")),
+    (_check_load_best_model, ("data", "finetuning", "generation", "training")),
+    (_check_generate_at_eval, ("finetuning", "generation", "training")),
+    (_check_ignore_pad_token_for_loss, ("data",)),
+    (_check_optimizers, ("finetuning", "training")),
+)

@@ -436,7 +436,7 @@ def build_config(read: ConfigValues, warn: bool = True) -> RunConfig:
     config = RunConfig(*built, source=read.source, precision=read.precision)
     checks.check_config(config, read.purpose)
     if warn and read.purpose == "train":
-        checks.warn_ineffective_keys(config, read.given)
+        checks.warn_ineffective_keys(config.training, config.finetuning, config.precision, read.given)
     return config
 
 

@@ -35,3 +35,14 @@ class TrainingValues(types.SimpleNamespace):
             raise TypeError(f"unexpected training options: {', '.join(unknown)}")
         defaults = {name: None if f.default is dataclasses.MISSING else copy.copy(f.default) for name, f in fields.items()}
         super().__init__(**{**defaults, **given})
+
+
+def training_with(args, **changes: Any):
+    """A copy of a run's training options (TrainingArguments or TrainingValues) holding `changes`, `args` left as
+    it was: how a resolved training value reaches the plan. Set on the copy after its construction, because
+    dataclasses.replace would run transformers' __post_init__ again (the accelerate state, the DeepSpeed file) on
+    values it has already normalised."""
+    new = copy.copy(args)
+    for name, value in changes.items():
+        setattr(new, name, value)
+    return new

@@ -41,10 +41,11 @@ single-document file (txt_sample_by: document) is not bounded.
 Distributed training: transformers' Trainer hands its DataLoader to accelerate, which by default
 *dispatches* an IterableDataset: rank 0 alone reads and tokenises, concatenates world_size batches
 and scatters slices, which needs equal-shape batches (sft batches pad to their longest row, so they
-are not). `prepare_training_args` turns that off (accelerator_config.dispatch_batches = False), so
-each rank iterates its own copy and accelerate shards it: `IterableDataset.shard` when there are at
-least world_size shards (each rank reads disjoint files), else IterableDatasetShard (each rank reads
-the whole stream and keeps its own batch of every world_size; correct, the reading repeated per rank).
+are not). The plan turns that off before anything trains (preflight.py, train/launch.py `per_rank_streams`:
+accelerator_config.dispatch_batches = False), so each rank iterates its own copy and accelerate shards it:
+`IterableDataset.shard` when there are at least world_size shards (each rank reads disjoint files), else
+IterableDatasetShard (each rank reads the whole stream and keeps its own batch of every world_size; correct, the
+reading repeated per rank).
 We do not call split_dataset_by_node as well: accelerate would shard its result again. Because the
 stream repeats, a rank whose shard runs out first starts over instead of leaving the others waiting
 in a collective; every rank stops at max_steps. DataLoader workers split a rank's shards further, so
@@ -513,19 +514,11 @@ def readers_of(args) -> int:
     return max(1, args.world_size) * max(1, args.dataloader_num_workers)
 
 
-def prepare_training_args(args) -> None:
-    """Let every rank read its own shard of the stream instead of rank 0 dispatching batches (module docstring)."""
-    config = args.accelerator_config
-    if config.dispatch_batches is None:
-        config.dispatch_batches = False
-
-
 def build_streaming_pretrain(data_args: DataArguments, tokenizer, args) -> DatasetBundle:
     """Stage pt with streaming: the shuffled, repeating train stream and map-style eval windows.
 
-    `args` (TrainingArguments) gives the seed and the readers, and is set up for sharded reading.
+    `args` (TrainingArguments) gives the seed and the readers.
     """
-    prepare_training_args(args)
     stream = pretrain_stream(data_args, tokenizer, args.seed, readers=readers_of(args), shuffle_files=True)
     report = _stream_report(data_args, stream.n_shards)
     cut = packed_report if data_args.packing else window_report
@@ -539,7 +532,6 @@ def build_streaming_pretrain(data_args: DataArguments, tokenizer, args) -> Datas
 
 def build_streaming_supervised(data_args: DataArguments, tokenizer, template, args) -> DatasetBundle:
     """Stage sft with streaming: the shuffled, repeating train stream and map-style eval sets (as pipeline.py)."""
-    prepare_training_args(args)
     stream = supervised_stream(data_args, tokenizer, template, args.seed, readers=readers_of(args), shuffle_files=True)
     report = _stream_report(data_args, stream.n_shards)
     encoder = SupervisedEncoder(

@@ -13,7 +13,7 @@ import datasets
 import numpy as np
 import torch
 
-from tunelab.config.args import RunConfig
+from tunelab.config.args import DataArguments
 from tunelab.config.stages import stage_row
 from tunelab.data.collate import (
     PackedCollator,
@@ -348,7 +348,8 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
             + ("" if attention else ", attention_mask 0 (1 on every real token)")
         )
     if stage_row(config.finetuning.stage).reads != "text":
-        problem, encoding_lines = verify_encoding(config, tokenizer, max_batches * args.per_device_train_batch_size,
+        problem, encoding_lines = verify_encoding(config.data, config.finetuning.stage, args.seed, tokenizer,
+                                                  max_batches * args.per_device_train_batch_size,
                                                   images=data.vision is not None)
         if problem:
             return problem, lines
@@ -363,12 +364,12 @@ def verify_report(data: RunData, max_batches: int) -> tuple[str | None, list[str
     return None, lines
 
 
-def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = False) -> tuple[str | None, list[str]]:
-    """Re-encode up to ``max_rows`` training rows (0: all) and check each with ``encoded_row_problem``: answers
-    after their exact inference prompts, ending with the end-of-turn token, truncation keeping the last answer."""
-
-    data_args = config.data
-    pairs = stage_row(config.finetuning.stage).pairs
+def verify_encoding(data_args: DataArguments, stage: str, seed: int, tokenizer, max_rows: int,
+                    images: bool = False) -> tuple[str | None, list[str]]:
+    """Re-encode up to ``max_rows`` training rows (0: all) of `stage`, read with `seed` as training reads them, and
+    check each with ``encoded_row_problem``: answers after their exact inference prompts, ending with the
+    end-of-turn token, truncation keeping the last answer."""
+    pairs = stage_row(stage).pairs
     encoder = SupervisedEncoder(
         tokenizer=tokenizer, template=get_template(data_args.template, tokenizer), cutoff_len=data_args.cutoff_len,
         train_on_prompt=data_args.train_on_prompt, mask_history=data_args.mask_history or pairs,
@@ -378,7 +379,7 @@ def verify_encoding(config: RunConfig, tokenizer, max_rows: int, images: bool = 
     datasets.disable_progress_bars()  # the second reading of the rows: no second set of bars
     try:
         # encoder=: with skip_bad_rows the rows training skipped are skipped here too (data/trainable.py)
-        rows, _ = load_canonical_splits(data_args, config.training.seed, {}, images=images, encoder=encoder)
+        rows, _ = load_canonical_splits(data_args, seed, {}, images=images, encoder=encoder)
     finally:
         if not was_disabled:
             datasets.enable_progress_bars()

@@ -57,7 +57,7 @@ from transformers import (
 from transformers.utils.hub import convert_file_size_to_int
 
 from tunelab import run_folder
-from tunelab.config.args import ExportArguments, ModelArguments, RunConfig
+from tunelab.config.args import DataArguments, ExportArguments, ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.config.stages import stage_row
 from tunelab.data.formats import prompt_and_reference
@@ -90,10 +90,11 @@ def shard_size_bytes(export_size: float | str) -> int:
         ) from None
 
 
-def export_dtype(config: RunConfig) -> torch.dtype:
-    if config.export.export_dtype != "auto":
-        return getattr(torch, config.export.export_dtype)
-    base = model_gguf.load_config(config.model.model_name_or_path, trust_remote_code=config.model.trust_remote_code)
+def export_dtype(export: ExportArguments, model_args: ModelArguments) -> torch.dtype:
+    """export_dtype, where auto is the base model's dtype."""
+    if export.export_dtype != "auto":
+        return getattr(torch, export.export_dtype)
+    base = model_gguf.load_config(model_args.model_name_or_path, trust_remote_code=model_args.trust_remote_code)
     dtype = getattr(base, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
@@ -108,9 +109,8 @@ def merge_adapter(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
-def trained_model(config: RunConfig, pad_token_id: int | None) -> torch.nn.Module:
+def trained_model(model_args: ModelArguments, pad_token_id: int | None) -> torch.nn.Module:
     """The model as trained, in float32: the base with the adapter loaded on it (not merged), or the trained weights."""
-    model_args = config.model
     seq_cls = is_sequence_classification(model_args)
     auto = AutoModelForSequenceClassification if seq_cls else AutoModelForCausalLM
     if not seq_cls and vision.is_vision_model_folder(model_args.model_name_or_path):
@@ -173,9 +173,9 @@ def export_model(config: RunConfig) -> Exported:
     gguf = config.export.export_format == "gguf"
     # What the check renders the probes with: the GGUF's template (none for pt), or what the folder's tokenizer holds.
     chat_template = _template(template) if gguf else tokenizer.chat_template
-    unchecked = _unchecked_reason(config)
+    unchecked = _unchecked_reason(config.export, config.model)
 
-    model = trained_model(config, tokenizer.pad_token_id)
+    model = trained_model(config.model, tokenizer.pad_token_id)
     merge = None
     if isinstance(model, PeftModel) and unchecked is None:
         # The merge is checked here, where base + adapter still exist: on the probes, before and after.
@@ -186,20 +186,23 @@ def export_model(config: RunConfig) -> Exported:
         merge = parity.MergeResult(gap, parity.TOLERANCES["f32"])
     model = merge_adapter(model)
     out.mkdir(parents=True, exist_ok=True)
+    record = {**resolved_dict(config), "template_kwargs": template_vars or None}  # the run record beside it
     if check_only:
         path, kind = (_gguf_path(config.export, out), "gguf") if gguf else (out, "hf")
     elif gguf:
-        path, kind = _write_gguf(config, model, tokenizer, template, template_vars, out), "gguf"
+        path = _write_gguf(config.export, config.model, record, model, tokenizer, template, template_vars, out)
+        kind = "gguf"
     else:
         # The check compares with the float32 model: the folder is written from a copy in export_dtype.
-        dtype = export_dtype(config)
+        dtype = export_dtype(config.export, config.model)
         keep = unchecked is None and dtype != torch.float32 and not config.export.export_quantization
-        _write_folder(config, copy.deepcopy(model) if keep else model, tokenizer, template, template_vars, out)
+        _write_folder(config.export, config.model, config.finetuning.qat_group_size, record,
+                      copy.deepcopy(model) if keep else model, tokenizer, template, template_vars, out)
         path, kind = out, "hf"
     if unchecked is not None:
         logger.info("export check skipped: %s", unchecked)
         return Exported(path, None, unchecked)
-    held_out = _held_out_rows(config, template)
+    held_out = _held_out_rows(config.export, config.data, config.training.seed, template)
     report = parity.check_parity(model, tokenizer, chat_template, template_vars, path, kind, raise_on_mismatch=False,
                                  held_out=held_out, max_drop=config.export.export_check_max_drop,
                                  held_out_tokens=config.generation.max_new_tokens)
@@ -236,86 +239,86 @@ def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def _held_out_rows(config: RunConfig, template: Template | None) -> tuple[str, list] | None:
+def _held_out_rows(export: ExportArguments, data_args: DataArguments, seed: int,
+                   template: Template | None) -> tuple[str, list] | None:
     """(name, [(prompt messages, reference answer)]) of the first export_check_samples rows of export_check_dataset,
     else of the run's first eval set (val_size or eval_dataset, split as training split it); None without one or
     without a chat template (a pt model answers no prompts)."""
-    export = config.export
-    if template is None or not (export.export_check_dataset or config.data.eval_dataset or config.data.val_size > 0):
+    if template is None or not (export.export_check_dataset or data_args.eval_dataset or data_args.val_size > 0):
         return None
     if export.export_check_samples < 1:
         raise ConfigError(f"export_check_samples: expected an integer >= 1, got {export.export_check_samples}")
     if export.export_check_dataset:  # only that set, read as a training set is (the run's data is not read)
-        data = dataclasses.replace(config.data, dataset=[export.export_check_dataset], val_size=0.0,
-                                   eval_dataset=None)
-        name, (rows, _) = export.export_check_dataset, load_canonical_splits(data, config.training.seed, report={})
+        data = dataclasses.replace(data_args, dataset=[export.export_check_dataset], val_size=0.0, eval_dataset=None)
+        name, (rows, _) = export.export_check_dataset, load_canonical_splits(data, seed, report={})
     else:
-        _, rows_by_name = load_canonical_splits(config.data, config.training.seed, report={})
+        _, rows_by_name = load_canonical_splits(data_args, seed, report={})
         name, rows = next(iter(rows_by_name.items()))
     rows = rows.select(range(min(export.export_check_samples, len(rows))))
     logger.info("export check: scoring %d held-out rows of %s", len(rows), name)
     return name, [prompt_and_reference(row, template) for row in rows]
 
 
-def _unchecked_reason(config: RunConfig) -> str | None:
+def _unchecked_reason(export: ExportArguments, model_args: ModelArguments) -> str | None:
     """Why this export is not read back, or None: export_parity says so, or a reward model (its check reads logits
     and greedy answers of a language model)."""
-    if not config.export.export_parity:
+    if not export.export_parity:
         return "export_parity: false"
-    if is_sequence_classification(config.model):
+    if is_sequence_classification(model_args):
         return "a reward model (sequence classification) has no next-token logits or answers to compare"
     return None
 
 
-def _write_gguf(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
-                template_vars: dict | None, out: Path) -> Path:
-    """<export_dir>/model-<type>.gguf and the Ollama Modelfile beside it."""
+def _write_gguf(export: ExportArguments, model_args: ModelArguments, record: dict, model: torch.nn.Module, tokenizer,
+                template: Template | None, template_vars: dict | None, out: Path) -> Path:
+    """<export_dir>/model-<type>.gguf and the Ollama Modelfile beside it, and `record` (the run record)."""
     # lazy: gguf_writer imports gguf: the gguf extra, which may be missing
     from tunelab.export.gguf_writer import source_provenance, write_gguf
 
-    tensor_type = config.export.export_gguf_type
+    tensor_type = export.export_gguf_type
     # general.name: the run (its adapter folder's name) with the base as general.base_model.0; a model exported
     # without an adapter keeps its own name, organization and licence.
-    adapter = config.model.adapter_name_or_path
+    adapter = model_args.adapter_name_or_path
     run_name = Path(str(adapter).split(",")[-1].rstrip("/")).name if adapter else None
-    source = source_provenance(config.model.model_name_or_path)
-    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(config.export, out), tensor_type,
+    source = source_provenance(model_args.model_name_or_path)
+    path = write_gguf(model, tokenizer, _template(template), template_vars, _gguf_path(export, out), tensor_type,
                       name=run_name, source=source)
     stop_words = list(template.stop_words) if template is not None else None
     write_modelfile(path, tokenizer, _template(template), template_vars, stop_words=stop_words)
-    run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})
+    run_folder.write_run_record(out, record)
     logger.info("exported %s as GGUF %s to %s (with its Ollama Modelfile)", type(model).__name__, tensor_type, path)
     return path
 
 
-def _write_folder(config: RunConfig, model: torch.nn.Module, tokenizer, template: Template | None,
-                  template_vars: dict | None, out: Path) -> None:
-    """The merged model in export_dtype (or quantized with torchao), tokenizer, processor, generation config and
-    run record."""
-    max_shard_size = shard_size_bytes(config.export.export_size)
-    dtype = export_dtype(config)
-    scheme = config.export.export_quantization
-    _warn_scheme_mismatch(config)
+def _write_folder(export: ExportArguments, model_args: ModelArguments, group_size: int | None, record: dict,
+                  model: torch.nn.Module, tokenizer, template: Template | None, template_vars: dict | None,
+                  out: Path) -> None:
+    """The merged model in export_dtype (or quantized with torchao in groups of `group_size`), tokenizer, processor,
+    generation config and `record` (the run record)."""
+    max_shard_size = shard_size_bytes(export.export_size)
+    dtype = export_dtype(export, model_args)
+    scheme = export.export_quantization
+    _warn_scheme_mismatch(model_args, scheme, group_size)
     if scheme:  # quantized from the float32 weights, rounded to dtype as transformers reloads them
-        model = save_quantized(model, scheme, config.finetuning.qat_group_size, dtype, out, max_shard_size)
+        model = save_quantized(model, scheme, group_size, dtype, out, max_shard_size)
     else:
         model = model.to(dtype)
         model.save_pretrained(out, max_shard_size=max_shard_size)
     if model.can_generate():
         tokenizer.padding_side = "left"  # what batched generation wants; tunelab's training sets its own
     tokenizer.save_pretrained(out)
-    processor = load_processor(config.model)
+    processor = load_processor(model_args)
     if processor is not None:  # a vision-language model: its image processor beside the tokenizer, as it came
         processor.tokenizer, processor.chat_template = tokenizer, tokenizer.chat_template
         processor.save_pretrained(out)
-    run_folder.write_run_record(out, {**resolved_dict(config), "template_kwargs": template_vars or None})
+    run_folder.write_run_record(out, record)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and model.can_generate():
         generation_config.eos_token_id = stop_token_ids(tokenizer, template) if template else tokenizer.eos_token_id
         if generation_config.pad_token_id is None:
             generation_config.pad_token_id = tokenizer.pad_token_id
         generation_config.save_pretrained(out)
-    quantized = f", linear layers {scheme} in groups of {config.finetuning.qat_group_size}" if scheme else ""
+    quantized = f", linear layers {scheme} in groups of {group_size}" if scheme else ""
     logger.info("exported %s (%s%s) to %s", type(model).__name__, str(dtype).removeprefix("torch."), quantized, out)
 
 
@@ -336,10 +339,9 @@ def save_quantized(
     return quantized.eval()
 
 
-def _warn_scheme_mismatch(config: RunConfig) -> None:
+def _warn_scheme_mismatch(model_args: ModelArguments, scheme: str | None, group: int | None) -> None:
     """A model trained with qat exported without its scheme (or with another one) is allowed, but said."""
-    trained, trained_group = qat.trained_scheme(trained_folder(config.model).path)
-    scheme, group = config.export.export_quantization, config.finetuning.qat_group_size
+    trained, trained_group = qat.trained_scheme(trained_folder(model_args).path)
     if not trained:
         return
     if not scheme:
@@ -350,16 +352,16 @@ def _warn_scheme_mismatch(config: RunConfig) -> None:
                        "qat_group_size: %s)", scheme, group, trained, trained_group)
 
 
-def check_export_dir(config: RunConfig) -> None:
+def check_export_dir(export: ExportArguments, model_args: ModelArguments, overwrite_output_dir: bool) -> None:
     """export_dir is empty, or overwrite_output_dir says it may be replaced; with export_check_only, it holds the
     export these options write."""
-    out = Path(config.export.export_dir)
-    if config.export.export_check_only:
-        _check_existing_export(config.export, out)
-    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.training.overwrite_output_dir:
+    out = Path(export.export_dir)
+    if export.export_check_only:
+        _check_existing_export(export, out)
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite_output_dir:
         raise ConfigError(f"export_dir: {out} is not empty; choose another folder or set overwrite_output_dir: true")
-    if config.export.export_format == "gguf":
-        _check_gguf_source(config.model)
+    if export.export_format == "gguf":
+        _check_gguf_source(model_args)
 
 
 def _check_gguf_source(model_args: ModelArguments) -> None:

@@ -115,15 +115,17 @@ def held_out_rows(eval_rows: dict, generation: GenerationArguments):
     return rows.select(range(min(generation.eval_generation_samples, len(rows))))
 
 
-def held_out_predictions(model, tokenizer, template: Template, rows, config, vision=None) -> list[Prediction]:
-    """Greedy answers to `rows` with the run's generation settings (config: a RunConfig)."""
+def held_out_predictions(model, tokenizer, template: Template, rows, generation, data_args, args,
+                         vision=None) -> list[Prediction]:
+    """Greedy answers to `rows` with the run's generation settings: GenerationArguments, DataArguments (the
+    template variables), TrainingArguments (the batch size)."""
     return generate_predictions(
-        model, tokenizer, template, rows, max_new_tokens=config.generation.max_new_tokens,
-        batch_size=config.training.per_device_eval_batch_size * 4, template_vars=config.data.template_kwargs,
-        vision=vision,
+        model, tokenizer, template, rows, max_new_tokens=generation.max_new_tokens,
+        batch_size=args.per_device_eval_batch_size * 4, template_vars=data_args.template_kwargs, vision=vision,
     )
 
 
-def held_out_exact_match(model, tokenizer, template: Template, rows, config, vision=None) -> float:
-    """Greedy exact match on `rows` with the run's generation settings (config: a RunConfig)."""
-    return exact_match(held_out_predictions(model, tokenizer, template, rows, config, vision))
+def held_out_exact_match(model, tokenizer, template: Template, rows, generation, data_args, args,
+                         vision=None) -> float:
+    """Greedy exact match on `rows` with the run's generation settings (held_out_predictions)."""
+    return exact_match(held_out_predictions(model, tokenizer, template, rows, generation, data_args, args, vision))

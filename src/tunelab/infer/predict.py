@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tunelab.config.args import RunConfig
+from tunelab.config.args import DataArguments, ModelArguments, RunConfig
 from tunelab.data.pipeline import load_canonical_splits
 from tunelab.data.templates import Template
 from tunelab.data.vision import vision_inputs
@@ -40,12 +40,11 @@ from tunelab.run_folder import PREDICT_RESULTS, PREDICTIONS
 logger = logging.getLogger(__name__)
 
 
-def eval_rows(config: RunConfig) -> dict:
-    """Canonical rows of every eval set by name: the val split (as training made it) and each eval_dataset."""
-
-
-    images = is_vision_model_folder(config.model.model_name_or_path)  # rows may carry images for such a model
-    _, rows = load_canonical_splits(config.data, config.training.seed, report={}, images=images)
+def eval_rows(model_args: ModelArguments, data_args: DataArguments, seed: int) -> dict:
+    """Canonical rows of every eval set by name: the val split (as training made it with `seed`) and each
+    eval_dataset."""
+    images = is_vision_model_folder(model_args.model_name_or_path)  # rows may carry images for such a model
+    _, rows = load_canonical_splits(data_args, seed, report={}, images=images)
     return rows
 
 
@@ -84,7 +83,7 @@ def run_predict(config: RunConfig) -> dict[str, float]:
     tokenizer = load_inference_tokenizer(config.model)
     template = inference_template(config.data.template, tokenizer, trained_folder(config.model))
     template_vars = inference_template_kwargs(config.data.template_kwargs, trained_folder(config.model), template)
-    rows = eval_rows(config)
+    rows = eval_rows(config.model, config.data, config.training.seed)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=False)
     if config.model.quantization_bit is None:  # bitsandbytes places quantized weights itself
         model.to(config.training.device)

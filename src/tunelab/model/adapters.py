@@ -52,7 +52,7 @@ from tunelab.config.args import (
     ADAPTER_TYPES,
     NONZERO_LORA_INITS,
     FinetuningArguments,
-    RunConfig,
+    ModelArguments,
 )
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ConfigError, ModelError, first_line
@@ -488,9 +488,11 @@ def _upcast_trainable(model: nn.Module, only: torch.dtype | None = None) -> None
             param.data = param.data.to(torch.float32)
 
 
-def trained_skeleton(config: RunConfig) -> torch.nn.Module:
+def trained_skeleton(model: ModelArguments, finetuning: FinetuningArguments,
+                     training: TrainingArguments) -> torch.nn.Module:
     """model/skeleton.py's skeleton set up as training sets it up (adapters, upcasts): what trains and in which
     dtype. An existing adapter's own rank decides in training; the skeleton uses the configured LoRA options, started
     as the default (a decomposition needs real weights; the shapes are the same)."""
-    finetuning = dataclasses.replace(config.finetuning, init_lora_weights="default", pissa_init=False)
-    return setup_finetuning(skeleton.skeleton(config), finetuning, config.training, adapter_name_or_path=None)
+    started = dataclasses.replace(finetuning, init_lora_weights="default", pissa_init=False)
+    meta = skeleton.skeleton(model, finetuning, training)
+    return setup_finetuning(meta, started, training, adapter_name_or_path=None)

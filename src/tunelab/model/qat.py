@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, TorchAoConfig
 
+from tunelab.config.args import ExportArguments, FinetuningArguments, ModelArguments
 from tunelab.config.qat_schemes import DEFAULT_GROUP_SIZE, SCHEMES, check_scheme
 from tunelab.errors import ConfigError
 from tunelab.model import gguf
@@ -163,26 +164,29 @@ def is_torchao_quantized(model_folder: str | Path) -> bool:
     return isinstance(quantization, dict) and quantization.get("quant_method") == "torchao"
 
 
-def check_quantization_sources(config) -> None:
+def check_quantization_sources(model: ModelArguments, finetuning: FinetuningArguments,
+                               export: ExportArguments) -> None:
     """qat and export_quantization need torchao; export_quantization merges an adapter into its base first, so the
     base must be given. (The scheme names are checked with the options: config/qat_schemes.py.)"""
-    for key, name in (("qat", config.finetuning.qat), ("export_quantization", config.export.export_quantization)):
+    for key, name in (("qat", finetuning.qat), ("export_quantization", export.export_quantization)):
         if name:
             require_torchao(key)
-    folder = Path(config.model.model_name_or_path)
-    if config.export.export_quantization and not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+    folder = Path(model.model_name_or_path)
+    adapter_only = not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file()
+    if export.export_quantization and adapter_only:
         raise ConfigError(
-            f"export_quantization: model_name_or_path {config.model.model_name_or_path} is a LoRA adapter without its "
+            f"export_quantization: model_name_or_path {model.model_name_or_path} is a LoRA adapter without its "
             "base; set model_name_or_path to the base model and adapter_name_or_path to the adapter (they are merged, "
             "then quantized)"
         )
 
 
-def check_quantized_layers(config) -> int | None:
+def check_quantized_layers(model: ModelArguments, finetuning: FinetuningArguments,
+                           export: ExportArguments) -> int | None:
     """The group size fits every quantized layer (read from config.json); no QAT on already-quantized weights. Returns
     the group size the run quantizes with (qat without one: DEFAULT_GROUP_SIZE; an export without one: the one the
     model trained with), or None."""
-    ft, export_scheme, model = config.finetuning, config.export.export_quantization, config.model
+    ft, export_scheme = finetuning, export.export_quantization
     if is_torchao_quantized(model.model_name_or_path):  # (tunelab eval / chat / api load it: not checked there)
         raise ConfigError(
             f"model_name_or_path: {model.model_name_or_path} holds torchao-quantized weights (a quantized export) "

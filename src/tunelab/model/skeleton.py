@@ -6,29 +6,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from tunelab.config.args import RunConfig
+from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.errors import ModelError, first_line
 from tunelab.model import gguf
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 from tunelab.model.vision import is_vision_model_folder
 
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
-def skeleton(config: RunConfig) -> torch.nn.Module:
+
+def skeleton(model: ModelArguments, finetuning: FinetuningArguments, training: TrainingArguments) -> torch.nn.Module:
     """The model class, attention backend and dtype training would load, on the meta device. flash_attn: fa2 builds
-    with transformers' default attention (flash-attn need not be installed to plan a run)."""
-    path = config.model.model_name_or_path
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(config.model, config.training, config.finetuning),
-                              "trust_remote_code": config.model.trust_remote_code}
-    attn = ATTN_IMPLEMENTATIONS[config.model.flash_attn]
+    with transformers' default attention (flash-attn need not be installed to plan a run). `training` gives the
+    mixed-precision flags (TrainingValues under `tunelab data`)."""
+    path = model.model_name_or_path
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(model, training, finetuning),
+                              "trust_remote_code": model.trust_remote_code}
+    attn = ATTN_IMPLEMENTATIONS[model.flash_attn]
     if attn is not None and attn != "flash_attention_2":
         kwargs["attn_implementation"] = attn
     try:
-        model_config = gguf.load_config(path, trust_remote_code=config.model.trust_remote_code)
+        model_config = gguf.load_config(path, trust_remote_code=model.trust_remote_code)
         model_config.use_cache = False  # as load_model sets it for training
         model_config.get_text_config().use_cache = False
         auto_class = AutoModelForImageTextToText if is_vision_model_folder(path) else AutoModelForCausalLM

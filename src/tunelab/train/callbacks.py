@@ -7,7 +7,7 @@ process's memory (train/memory.py): the line exactly as the Trainer's log hands 
 of `report_to` included (RunProgress adds tunelab's fields first). Only the main process writes. A resumed run
 keeps the lines up to its checkpoint's step and goes on from there, so the file reads as one run.
 
-The callbacks a stage hands to the Trainer come from `run_callbacks(config)`: the log, QAT's start switch
+The callbacks a stage hands to the Trainer come from `run_callbacks(args, finetuning)`: the log, QAT's start switch
 (`qat_start_step`, QATStartCallback), the stage's own, EarlyStopping when `early_stopping_patience` is set, then the
 user's `callbacks` in their order. User callbacks are imported
 by the opt-in rule of tunelab/user_code.py: nothing runs unless the config names it.
@@ -248,14 +248,14 @@ class EvalMetricsCallback(transformers.TrainerCallback):
 
 
 def run_callbacks(
-    config, user_callbacks: Sequence[tuple[type, dict[str, Any]]] = (), *extra: transformers.TrainerCallback
+    args, finetuning, user_callbacks: Sequence[tuple[type, dict[str, Any]]] = (), *extra: transformers.TrainerCallback
 ) -> list[transformers.TrainerCallback]:
     """The callbacks a stage hands to the Trainer: the jsonl log, QAT's start switch (qat_start_step), `extra`
     (the stage's own), EarlyStopping when configured, then the user's `callbacks` in their order (`user_callbacks`:
-    the classes and arguments tunelab/preflight.py resolved)."""
-    args = config.training
+    the classes and arguments tunelab/preflight.py resolved). `args`: the run's TrainingArguments, `finetuning` its
+    FinetuningArguments."""
     callbacks: list[transformers.TrainerCallback] = [
-        JsonlLogCallback(args.output_dir), *qat_callbacks(config.finetuning), *extra,
+        JsonlLogCallback(args.output_dir), *qat_callbacks(finetuning), *extra,
     ]
     if args.early_stopping_patience is not None:
         callbacks.append(EarlyStopping(args.early_stopping_patience, args.early_stopping_threshold))

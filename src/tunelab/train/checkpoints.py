@@ -20,8 +20,9 @@ A checkpoint is complete when its manifest is there, so a crash at any moment of
   outlive the new save. Under `save_strategy: best` the save is decided after the last event: such a folder is
   then written over, and its old manifest's checksums reject it if that save is cut short;
 - rotation (`save_total_limit`) is ours: the Trainer's own runs inside its save, before the new manifest exists,
-  and counts half-written folders, so `managed_saves` holds the limit aside while the Trainer trains (its
-  TrainingArguments offer no other switch; a checkpoint's training_args.bin therefore records none). `rotate`
+  and counts half-written folders, so the Trainer is given TrainingArguments without the limit, copied once when
+  TunelabTrainer is built, and CheckpointCallback holds the run's (its TrainingArguments offer no other switch; a
+  checkpoint's training_args.bin therefore records none; the plan's own TrainingArguments keep it). `rotate`
   runs after the manifest, counts complete checkpoints only, and never deletes the one just written or the best
   one; with `load_best_model_at_end` and `save_total_limit: 1` the end of training keeps only the best one, as
   transformers does;
@@ -178,11 +179,12 @@ def _slow_save_hook(folder: Path) -> None:
 
 class CheckpointCallback(transformers.TrainerCallback):
     """tunelab's part of the Trainer's checkpoints (the module docstring), and at train begin, after the Trainer
-    reset its counters, what tunelab_state.json saved. `limit` is save_total_limit while `managed_saves` holds it."""
+    reset its counters, what tunelab_state.json saved. `limit`: the run's save_total_limit, which the Trainer's own
+    TrainingArguments do not hold (TunelabTrainer)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, limit: int | None = None):
         self.trainer = trainer
-        self.limit: int | None = None
+        self.limit = limit
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.restore_run_state()
@@ -206,7 +208,7 @@ class CheckpointCallback(transformers.TrainerCallback):
         self.trainer.last_checkpoint = str(finish_checkpoint(self.trainer, self.limit))
 
     def on_train_end(self, args, state, control, **kwargs):
-        # transformers' own end-of-training rule for its (held aside) limit: save_total_limit 1 keeps the best only
+        # transformers' own end-of-training rule for the limit it does not hold: save_total_limit 1 keeps the best only
         if self.limit != 1 or not args.should_save or not state.best_model_checkpoint:
             return
         for path in complete_checkpoints(args.output_dir):
@@ -217,13 +219,11 @@ class CheckpointCallback(transformers.TrainerCallback):
 
 @contextmanager
 def managed_saves(trainer, checkpoint: str | None) -> Iterator[None]:
-    """Around Trainer.train: save_total_limit held aside for tunelab's rotation (CheckpointCallback), and a save that
-    fails turned into the OSError it is once its half-written folder is gone. `checkpoint`: the one the run resumes
-    from (None: a fresh start); every incomplete folder above its step is this run's (resume_point removed the older
-    ones)."""
-    args, callback = trainer.args, trainer.checkpointing
+    """Around Trainer.train: a save that fails turned into the OSError it is once its half-written folder is gone.
+    `checkpoint`: the one the run resumes from (None: a fresh start); every incomplete folder above its step is this
+    run's (resume_point removed the older ones)."""
+    args = trainer.args
     start = checkpoint_global_step(checkpoint) if checkpoint else 0
-    callback.limit, args.save_total_limit = args.save_total_limit, None
     try:
         yield
     except Exception as exc:
@@ -234,8 +234,6 @@ def managed_saves(trainer, checkpoint: str | None) -> Iterator[None]:
         if unfinished and error is not exc:
             raise error from exc
         raise
-    finally:
-        args.save_total_limit = callback.limit
 
 
 def read_run_state(checkpoint: str | Path) -> dict[str, Any]:

@@ -70,7 +70,8 @@ import torch
 import transformers
 from torch import nn
 
-from tunelab.config.args import DataArguments, RunConfig
+from tunelab.config.args import DataArguments, FinetuningArguments, ModelArguments, RunConfig
+from tunelab.config.training_args import TrainingArguments
 from tunelab.config.stages import Stage, stage_row
 from tunelab.data.collate import build_collator
 from tunelab.data.run_data import supervised_counts, token_lengths
@@ -281,9 +282,10 @@ def optimizer_state_bytes(model: nn.Module, optim: str) -> tuple[int, str | None
 
 
 def training_shape(
-    model: nn.Module, config: RunConfig, seq_len: int | None = None, supervised: int | None = None
+    model: nn.Module, model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments,
+    seq_len: int | None = None, supervised: int | None = None,
 ) -> TrainingShape:
-    """How `model` trains under `config`, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
+    """How `model` trains under the options, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
     `supervised` positions each (default all but the last)."""
 
     _, layers = decoder_layers(model)
@@ -298,17 +300,17 @@ def training_shape(
                 lora_rank += sum(ranks.values())
     norms = [p for name, p in layers[trainable_layers[-1]].named_parameters() if "norm" in name] if trainable_layers else []
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    half = resolve_dtype(config.model, config.training) in (torch.bfloat16, torch.float16) or config.training.bf16 or config.training.fp16
-    seq_len = seq_len or config.data.cutoff_len
+    half = resolve_dtype(model_args, args) in (torch.bfloat16, torch.float16) or args.bf16 or args.fp16
+    seq_len = seq_len or data_args.cutoff_len
     return TrainingShape(
-        batch_size=config.training.per_device_train_batch_size,
+        batch_size=args.per_device_train_batch_size,
         seq_len=seq_len,
         active_layers=len(layers) - lowest,
         norms_train=any(p.requires_grad for p in norms),
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
-        eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
-        checkpointing=checkpointing_settings(config.training)[0],
+        eager_attention=(attn == "eager" or model_args.flash_attn == "disabled"),
+        checkpointing=checkpointing_settings(args)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
     )
@@ -325,9 +327,9 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     lengths, train = row_lengths(config) if read_data else (cutoff_lengths(config.data, "read_data=False"), None)
     baseline = rss_bytes()["VmRSS"]
     reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
-    model = trained_skeleton(config)
+    model = trained_skeleton(config.model, config.finetuning, config.training)
     model_shape = ModelShape.from_config(model.config)
-    shape = training_shape(model, config, lengths.longest, lengths.supervised)
+    shape = training_shape(model, config.model, config.data, config.training, lengths.longest, lengths.supervised)
     weights, grads, trainable = parameter_bytes(model, config.model.quantization_bit)
     states, note = optimizer_state_bytes(model, str(getattr(config.training.optim, "value", config.training.optim)))
     memory = MemoryEstimate(
@@ -343,7 +345,7 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
             "row, and a reference, reward or teacher model adds its own weights"
         )
     if probe_steps > 0:
-        result.probe = probe(config, probe_steps, train)
+        result.probe = probe(config.model, config.data, config.finetuning, config.training, probe_steps, train)
     return result
 
 
@@ -400,23 +402,23 @@ class _StepTimes:
         self.callback = Callback()
 
 
-def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
+def probe(model_args: ModelArguments, data_args: DataArguments, finetuning: FinetuningArguments,
+          args: TrainingArguments, steps: int, train=None) -> ProbeResult:
     """Train 1 + `steps` optimizer steps: on `train` (the tokenized training set, in the run's order) when
     given, else on random rows of cutoff_len tokens. The median seconds per step after the first, and the peak.
 
     The C allocator is left as training leaves it: pinning glibc's mmap threshold (so that RSS follows live
     tensors) makes every large tensor a fresh mapping, zeroed page by page, and steps several times slower.
     """
-    tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=True)
-    args = config.training
+    tokenizer = load_tokenizer(model_args)
+    model = load_model(model_args, finetuning, args, tokenizer, is_trainable=True)
     if train is not None:
         dataset, batches = train, "the run's first batches"
     else:
         rows = (steps + 1) * args.per_device_train_batch_size * args.gradient_accumulation_steps * max(args.world_size, 1)
         generator = torch.Generator().manual_seed(args.seed)
         vocab = min(len(tokenizer), model.get_input_embeddings().weight.shape[0])
-        ids = torch.randint(0, vocab, (rows, config.data.cutoff_len), generator=generator).tolist()
+        ids = torch.randint(0, vocab, (rows, data_args.cutoff_len), generator=generator).tolist()
         dataset, batches = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}), "random rows of cutoff_len tokens"
     times = _StepTimes()
     cuda = args.device.type == "cuda"
@@ -430,8 +432,8 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
         )
         trainer = TunelabTrainer(
             model=model, args=probe_args, train_dataset=dataset,
-            data_collator=build_collator(model, tokenizer.pad_token_id, config.data.packing, config.data.padding_free),
-            processing_class=tokenizer, callbacks=[times.callback], finetuning=config.finetuning,
+            data_collator=build_collator(model, tokenizer.pad_token_id, data_args.packing, data_args.padding_free),
+            processing_class=tokenizer, callbacks=[times.callback], finetuning=finetuning,
         )
         for printer in (transformers.PrinterCallback, transformers.ProgressCallback):  # the table is the output
             trainer.remove_callback(printer)

@@ -36,14 +36,17 @@ class GenerationMetricsCallback(EvalMetricsCallback):
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
     @classmethod
-    def from_config(cls, eval_rows: dict[str, Any], tokenizer, template, config) -> GenerationMetricsCallback:
-        limit = config.generation.eval_generation_samples
+    def from_options(cls, eval_rows: dict[str, Any], tokenizer, template, generation, data_args,
+                     args) -> GenerationMetricsCallback:
+        """The callback a run's options ask for: GenerationArguments, DataArguments (the template variables) and
+        TrainingArguments (the batch size)."""
+        limit = generation.eval_generation_samples
         rows = {name: r.select(range(min(limit, len(r)))) for name, r in eval_rows.items()}
         prefixes = {name: "eval" if len(rows) == 1 else f"eval_{name}" for name in rows}
         return cls(
             {prefixes[name]: r for name, r in rows.items()}, tokenizer, template,
-            max_new_tokens=config.generation.max_new_tokens, batch_size=config.training.per_device_eval_batch_size,
-            template_vars=config.data.template_kwargs,
+            max_new_tokens=generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
+            template_vars=data_args.template_kwargs,
         )
 
     def evaluation_metrics(self, model, metric_key_prefix: str) -> dict[str, float]:

@@ -16,6 +16,7 @@ transformers/accelerate when TrainingArguments is built (gloo on CPU, nccl on CU
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import errno
 import importlib.util
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tunelab.config.loader import parse_overrides, read_yaml
+from tunelab.config.training_values import training_with
 from tunelab.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: a worker checks its node's share (check_node_shares) before transformers loads
@@ -58,6 +60,16 @@ def nproc_per_node(args: TrainingArguments) -> int:
     if value < 1:
         raise ConfigError(f"{where}: expected at least 1 process, got {value}")
     return value
+
+
+def per_rank_streams(args: TrainingArguments) -> TrainingArguments:
+    """streaming: true. A copy of `args` whose accelerator_config.dispatch_batches is False where it was unset, so that
+    each process reads its own shard of the stream instead of rank 0 reading for all (data/streaming.py's docstring);
+    `args` itself as it was when the option was given (config/checks.py refuses true)."""
+    accelerator = args.accelerator_config
+    if accelerator.dispatch_batches is not None:
+        return args
+    return training_with(args, accelerator_config=dataclasses.replace(accelerator, dispatch_batches=False))
 
 
 def check_launch(args: TrainingArguments) -> None:

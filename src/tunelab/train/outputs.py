@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tunelab import run_folder
-from tunelab.config.args import RunConfig
+from tunelab.config.args import FinetuningArguments, ModelArguments, RunConfig
 from tunelab.config.loader import resolved_dict
 from tunelab.errors import ConfigError, as_os_error
 from tunelab.hub import snapshot_containing, snapshot_of
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 def run_options(config: RunConfig) -> dict[str, Any]:
     """Every resolved option as tunelab_config.yaml records it (YAML values): a model read by Hub id stays its
     Hub id, with model_revision pinned to the commit the run read, so the file reruns the same weights anywhere."""
-    options, sources = resolved_dict(config), hub_sources(config)
+    options, sources = resolved_dict(config), hub_sources(config.model, config.finetuning)
     for key, source in sources.items():  # the Hub id, not this machine's cache folder
         options[key] = source["repo_id"]
     if "model_name_or_path" in sources:
@@ -60,20 +60,19 @@ def write_run_start(config: RunConfig) -> None:
     if config.training.overwrite_output_dir and not config.training.resume_from_checkpoint:
         clear_previous_run(out)
     run_folder.write_run_record(out, run_options(config))
-    sources = hub_sources(config)
+    sources = hub_sources(config.model, config.finetuning)
     info = versions() | ({"hub": sources} if sources else {})
     if gguf.is_gguf(config.model.model_name_or_path):  # the file trained from: its SHA-256 and quantization type
         info["gguf"] = gguf.file_record(config.model.model_name_or_path)
     run_folder.write_json(out, run_folder.RUN_INFO, info)
 
 
-def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
+def hub_sources(model: ModelArguments, finetuning: FinetuningArguments) -> dict[str, dict[str, str]]:
     """{key: repo id, revision asked for, commit read, cache folder} of the models a run read by Hub id."""
-
     folders = {
-        "model_name_or_path": (config.model.model_name_or_path, config.model.model_revision),
-        "adapter_name_or_path": (config.model.adapter_name_or_path, "main"),
-        "reward_model": (config.finetuning.reward_model, "main"),
+        "model_name_or_path": (model.model_name_or_path, model.model_revision),
+        "adapter_name_or_path": (model.adapter_name_or_path, "main"),
+        "reward_model": (finetuning.reward_model, "main"),
     }
     sources = {}
     for key, (folder, revision) in folders.items():
@@ -83,12 +82,11 @@ def hub_sources(config: RunConfig) -> dict[str, dict[str, str]]:
     return sources
 
 
-def save_model(trainer, tokenizer, template, config: RunConfig) -> None:
-    """Model or adapter, tokenizer with the chat template, generation config with stop ids.
+def save_model(trainer, tokenizer, template, out: str) -> None:
+    """Model or adapter, tokenizer with the chat template, generation config with stop ids, into `out` (output_dir).
 
     `template` is None for stages without one (pt): the tokenizer is saved unchanged and eos stops.
     """
-    out = config.training.output_dir
     try:
         trainer.save_model(out)
     except Exception as exc:  # safetensors reports a full disk as SafetensorError("... (os error 28)")
@@ -130,14 +128,14 @@ def save_tokenizer_and_generation_config(model, tokenizer, template, out: str) -
         generation_config.save_pretrained(out)
 
 
-def finish(trainer, metrics: dict, config: RunConfig) -> None:
+def finish(trainer, metrics: dict, args: TrainingArguments) -> None:
+    """all_results.json (the metrics and the peak memory) and the loss plots."""
     if not trainer.is_world_process_zero():
         return
-    out = config.training.output_dir
-    metrics.update(peak_memory_metrics(config.training.device))  # the whole run's, generation after training included
-    run_folder.write_json(out, run_folder.RESULTS, metrics)
-    if config.training.plot_loss:
-        plot_loss(out)
+    metrics.update(peak_memory_metrics(args.device))  # the whole run's, generation after training included
+    run_folder.write_json(args.output_dir, run_folder.RESULTS, metrics)
+    if args.plot_loss:
+        plot_loss(args.output_dir)
 
 
 def check_output_dir(args: TrainingArguments) -> None:

@@ -90,7 +90,7 @@ class Recipe:
         return vision_inputs(load_processor(self.config.model), self.config.model)
 
     def skeleton(self) -> nn.Module:
-        return skeleton.skeleton(self.config)
+        return skeleton.skeleton(self.config.model, self.config.finetuning, self.config.training)
 
     def model(self) -> nn.Module:
         # lazy: model/load imports peft (7.8 s); `tunelab data` imports this module
@@ -141,7 +141,9 @@ class Recipe:
     def held_out_scores(self, model: nn.Module, rows, when: str, vision=None) -> dict[str, float]:
         """Greedy answers to `rows` with the run's generation settings, scored: exact match, then what the stage
         adds (score_answers)."""
-        predictions = held_out_predictions(model, self.tokenizer, self.template, rows, self.config, vision)
+        config = self.config
+        predictions = held_out_predictions(model, self.tokenizer, self.template, rows, config.generation, config.data,
+                                           config.training, vision)
         return {f"exact_match_{when}": exact_match(predictions), **self.score_answers(predictions, when)}
 
     def score_answers(self, predictions, when: str) -> dict[str, float]:
@@ -234,7 +236,7 @@ class SupervisedRecipe(Recipe):
             eval_dataset=single_or_named(data.eval),
             data_collator=self.collator(model),
             processing_class=self.tokenizer,
-            callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks),
+            callbacks=run_callbacks(self.config.training, self.config.finetuning, self.plan.user_callbacks, *callbacks),
             finetuning=self.config.finetuning,
         )
 
@@ -335,7 +337,7 @@ class PairRecipe(Recipe):
             stage=stage, finetuning=ft, ref_model=ref_model,
             model=model, args=args, train_dataset=train_set, eval_dataset=single_or_named(evals),
             data_collator=collator, processing_class=tokenizer,
-            callbacks=run_callbacks(config, self.plan.user_callbacks),
+            callbacks=run_callbacks(args, ft, self.plan.user_callbacks),
         )
 
         held_out = next(iter(evals.values())) if evals else None
@@ -347,7 +349,7 @@ class PairRecipe(Recipe):
         self.exact_match_before(trainer.model, rows, metrics)
 
         metrics.update(trainer.train(resume_from_checkpoint=args.resume_from_checkpoint).metrics)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
         if vision is not None and trainer.is_world_process_zero():
             save_processor_files(vision[0], args.output_dir)
 
@@ -360,7 +362,7 @@ class PairRecipe(Recipe):
                 logger.info("%s on %d held-out pairs: %.1f%% before training → %.1f%% after", what, len(held_out),
                             100 * metrics[f"{name}_before"], 100 * metrics[f"{name}_after"])
         self.exact_match_after(trainer.model, rows, metrics)
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
 
@@ -385,7 +387,8 @@ class RLRecipe(Recipe):
         return build_datasets(data_args, self.tokenizer, self.template, self.config.training.seed, encoder=encoder)
 
     def algorithm(self):
-        """The step: `algorithm(loop, reference, tokenizer, stop_ids, scorer, config)` (rl/grpo.py, rl/ppo.py)."""
+        """The step: `algorithm(loop, reference, tokenizer, stop_ids, scorer, finetuning, generation)` (rl/grpo.py,
+        rl/ppo.py)."""
         raise NotImplementedError
 
     def scorer(self, device):
@@ -419,7 +422,7 @@ class RLRecipe(Recipe):
         config = self.config
         args, ft = config.training, config.finetuning
         transformers.set_seed(args.seed)
-        accelerator = build_accelerator(config)
+        accelerator = build_accelerator(args)
         tokenizer, template = self.tokenizer, self.template
         prompts = build_prompt_datasets(config.data, tokenizer, template, args.seed, self.tool_schemas())
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, prompts.report)
@@ -434,16 +437,17 @@ class RLRecipe(Recipe):
         rows = self.held_out_rows(prompts)
         self.exact_match_before(model, rows, metrics)
 
-        loop = RLLoop(config, accelerator, self.policy(model), prompts.train, ft.num_iterations)
-        step = self.algorithm()(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, config)
+        loop = RLLoop(args, ft, accelerator, self.policy(model), prompts.train, ft.num_iterations)
+        step = self.algorithm()(loop, reference, tokenizer, stop_token_ids(tokenizer, template), scorer, ft,
+                                config.generation)
         metrics.update(loop.train(step))
         metrics.update(loop.final_metrics(("reward", "kl")))
-        trained = workflow.save_policy(loop, tokenizer, template, config)
+        trained = workflow.save_policy(loop, tokenizer, template, args.output_dir)
         self.after_save(loop)
         self.exact_match_after(trained, rows, metrics)
         if rows is not None:
             workflow.log_reward_metrics(self._held_out_rewards, metrics, len(rows))
-        workflow.finish(loop, metrics, config)
+        workflow.finish(loop, metrics, args)
         return metrics
 
 

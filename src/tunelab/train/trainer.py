@@ -37,6 +37,7 @@ import time
 import torch
 import transformers
 
+from tunelab.config.training_values import training_with
 from tunelab.errors import TrainingError
 from tunelab.model import sharding
 from tunelab.train import checkpoints
@@ -59,8 +60,13 @@ from tunelab.train.signals import StopOnSignal, TrainingInterrupted
 
 
 class TunelabTrainer(transformers.Trainer):
-    def __init__(self, *args, compute_loss_func=causal_lm_loss_func, finetuning=None, **kwargs):
-        super().__init__(*args, compute_loss_func=compute_loss_func, **kwargs)
+    def __init__(self, model=None, args=None, *rest, compute_loss_func=causal_lm_loss_func, finetuning=None, **kwargs):
+        # The Trainer's own TrainingArguments, made once here: a copy without save_total_limit, which tunelab's
+        # rotation holds instead (checkpoints.py). The plan's TrainingArguments stay as they were through the run.
+        rotation_limit = getattr(args, "save_total_limit", None)
+        if args is not None:
+            args = training_with(args, save_total_limit=None)
+        super().__init__(model, args, *rest, compute_loss_func=compute_loss_func, **kwargs)
         use_console_lines(self)  # one readable line per log line on the console, not the printed dict
         self.finetuning = finetuning  # FinetuningArguments: the optimizer options (None: transformers' optimizer)
         if compute_loss_func is causal_lm_loss_func and self.args.label_smoothing_factor:
@@ -88,7 +94,7 @@ class TunelabTrainer(transformers.Trainer):
         self._loss_since_log: torch.Tensor | None = None
         self._last_logged_step = 0
         self._resumed_loss_window = False  # the first log line after a resume averages steps from before it
-        self.checkpointing = checkpoints.CheckpointCallback(self)
+        self.checkpointing = checkpoints.CheckpointCallback(self, rotation_limit)
         self.add_callback(NonFiniteCallback(self.nonfinite, reduce, scaler_active=self._has_grad_scaler))
         self.add_callback(self.stop_on_signal)
         self.add_callback(self.checkpointing)  # after StopOnSignal: it sees the save a signal asks for
@@ -112,7 +118,7 @@ class TunelabTrainer(transformers.Trainer):
         check_open_file_budget(self.args.dataloader_num_workers, self.args.dataloader_prefetch_factor)
         self.stop_on_signal.install()
         try:
-            with checkpoints.managed_saves(self, checkpoint):  # tunelab's rotation; a failed save as its OSError
+            with checkpoints.managed_saves(self, checkpoint):  # a failed save as its OSError
                 output = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
             self.stop_on_signal.uninstall()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tunelab.config.args import FinetuningArguments, GenerationArguments
 from tunelab.train.rl import merged_sampling
 from tunelab.train.rl.losses import estimate_advantages, grpo_loss, high_entropy_mask, zero_spread_groups
 from tunelab.train.rl.rewards import RewardFunction, reward_run_stats, score_completions
@@ -56,9 +57,9 @@ class GRPOBatch:
 
 
 class GRPO:
-    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], rewards: list[RewardFunction], config,
-                 tool_use: ToolUse | None = None):
-        ft, gen = config.finetuning, config.generation
+    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], rewards: list[RewardFunction],
+                 finetuning: FinetuningArguments, generation: GenerationArguments, tool_use: ToolUse | None = None):
+        ft, gen = finetuning, generation
         self.tool_use = tool_use
         self.loop, self.reference, self.tokenizer, self.stop_ids, self.rewards = loop, reference, tokenizer, stop_ids, rewards
         self.group_size, self.kl_coef, self.epsilon = ft.num_generations, ft.kl_coef, ft.epsilon
@@ -70,7 +71,7 @@ class GRPO:
         self.dynamic_sampling, self.top_entropy_quantile = ft.dynamic_sampling, ft.top_entropy_quantile
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
         self.zero_spread_rounds, self.warned_zero_spread = 0, False
-        self.merge_for_sampling = merged_sampling.sampling_plan(self.policy, loop.accelerator, config)
+        self.merge_for_sampling = merged_sampling.sampling_plan(self.policy, loop.accelerator, finetuning)
 
     @property
     def policy(self):

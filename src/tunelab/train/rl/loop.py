@@ -30,7 +30,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import transformers
@@ -39,11 +39,14 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers.integrations import get_reporting_integration_callbacks
 
-from tunelab.config.args import RunConfig
+from tunelab.config.args import FinetuningArguments
 from tunelab.errors import DataError
 from tunelab.train.callbacks import JsonlLogCallback, RunProgress
 from tunelab.train.console import console_line
 from tunelab.train.optimizers import build_optimizer, default_optimizer
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -56,23 +59,23 @@ class Algorithm(Protocol):
     def loss(self, rollout: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def build_accelerator(config: RunConfig) -> Accelerator:
-    args = config.training
+def build_accelerator(args: TrainingArguments) -> Accelerator:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
     return Accelerator(mixed_precision=precision, cpu=args.use_cpu)
 
 
-def loop_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+def loop_optimizer(model: nn.Module, args: TrainingArguments,
+                   finetuning: FinetuningArguments) -> torch.optim.Optimizer:
     """The optimizer the options ask for (train/optimizers.py), else the one transformers.Trainer would build."""
-    optimizer = build_optimizer(model, config.training, config.finetuning)
-    return default_optimizer(model, config.training) if optimizer is None else optimizer
+    optimizer = build_optimizer(model, args, finetuning)
+    return default_optimizer(model, args) if optimizer is None else optimizer
 
 
 class RLLoop:
     """Prompt batches, optimizer and scheduler, step counting and logging for one run."""
 
-    def __init__(self, config: RunConfig, accelerator: Accelerator, model: nn.Module, prompts, num_iterations: int):
-        args = config.training
+    def __init__(self, args: TrainingArguments, finetuning: FinetuningArguments, accelerator: Accelerator,
+                 model: nn.Module, prompts, num_iterations: int):
         self.args, self.accelerator, self.num_iterations = args, accelerator, num_iterations
         self.accum = args.gradient_accumulation_steps
         generator = torch.Generator().manual_seed(args.seed)
@@ -91,7 +94,7 @@ class RLLoop:
             self.max_steps = args.max_steps
         else:
             self.max_steps = math.ceil(args.num_train_epochs * self.rounds_per_epoch) * num_iterations
-        optimizer = loop_optimizer(model, config)
+        optimizer = loop_optimizer(model, args, finetuning)
         scheduler = transformers.get_scheduler(
             args.lr_scheduler_type, optimizer, num_warmup_steps=args.get_warmup_steps(self.max_steps),
             num_training_steps=self.max_steps, scheduler_specific_kwargs=args.lr_scheduler_kwargs or {},

@@ -90,11 +90,12 @@ def merged_lora(model):
             layer.enable_adapters(True)
 
 
-def sampling_plan(policy, accelerator, config) -> bool:
-    """Whether rollouts sample from merged LoRA weights (plan), said once in the log for LoRA."""
-    if config.finetuning.finetuning_type != "lora":
+def sampling_plan(policy, accelerator, finetuning) -> bool:
+    """Whether rollouts sample from merged LoRA weights (plan), said once in the log for LoRA (`finetuning`: the
+    run's FinetuningArguments)."""
+    if finetuning.finetuning_type != "lora":
         return False
-    merge, line = plan(policy, accelerator.distributed_type, config.finetuning.rollout_merge_adapter)
+    merge, line = plan(policy, accelerator.distributed_type, finetuning.rollout_merge_adapter)
     logger.info(line)
     return merge
 

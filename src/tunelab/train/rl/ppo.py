@@ -26,6 +26,7 @@ from torch import nn
 from tunelab.data.encode import parse_tools
 from tunelab.model.reward import sequence_rewards
 from tunelab.model.text_config import text_config
+from tunelab.config.args import FinetuningArguments, GenerationArguments
 from tunelab.train.rl import merged_sampling
 from tunelab.train.rl.losses import clipped_policy_loss, clipped_value_loss, gae, masked_mean, masked_whiten
 from tunelab.train.rl.rollout import Rollout, completion_log_probs, generate_rollout, reference_log_probs
@@ -103,13 +104,14 @@ class RewardModelScorer:
 
 
 class PPO:
-    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], scorer: RewardModelScorer, config):
-        ft, gen = config.finetuning, config.generation
+    def __init__(self, loop, reference, tokenizer, stop_ids: list[int], scorer: RewardModelScorer,
+                 finetuning: FinetuningArguments, generation: GenerationArguments):
+        ft, gen = finetuning, generation
         self.loop, self.reference, self.tokenizer, self.stop_ids, self.scorer = loop, reference, tokenizer, stop_ids, scorer
         self.kl_coef, self.epsilon, self.vf_coef = ft.kl_coef, ft.epsilon, ft.ppo_vf_coef
         self.gamma, self.lam = ft.ppo_gamma, ft.ppo_lam
         self.temperature, self.max_new_tokens = gen.temperature, gen.max_new_tokens
-        self.merge_for_sampling = merged_sampling.sampling_plan(self.unwrapped.policy, loop.accelerator, config)
+        self.merge_for_sampling = merged_sampling.sampling_plan(self.unwrapped.policy, loop.accelerator, finetuning)
 
     @property
     def unwrapped(self) -> PolicyWithValueHead:

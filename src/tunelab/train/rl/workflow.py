@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import TYPE_CHECKING
 
 from peft import PeftModel
 from torch import nn
 
 from tunelab import run_folder
-from tunelab.config.args import RunConfig
 from tunelab.train import outputs
 from tunelab.train.memory import peak_memory_metrics
 from tunelab.train.rl.rewards import RewardFunction
+
+if TYPE_CHECKING:
+    from tunelab.config.training_args import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +66,9 @@ def build_reference(model: nn.Module, kl_coef: float, device) -> nn.Module | Non
     return reference.to(device)
 
 
-def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:
-    """Model (or adapter) + tokenizer with the chat template + generation config; returns the unwrapped policy."""
-    out = config.training.output_dir
+def save_policy(loop, tokenizer, template, out: str) -> nn.Module:
+    """Model (or adapter) + tokenizer with the chat template + generation config into `out` (output_dir); returns the
+    unwrapped policy."""
     accelerator = loop.accelerator
     accelerator.wait_for_everyone()
     policy = accelerator.unwrap_model(loop.model)
@@ -78,10 +81,11 @@ def save_policy(loop, tokenizer, template, config: RunConfig) -> nn.Module:
     return policy
 
 
-def finish(loop, metrics: dict, config: RunConfig) -> None:
+def finish(loop, metrics: dict, args: TrainingArguments) -> None:
+    """all_results.json (the metrics and the peak memory) and the loss plots."""
     if not loop.accelerator.is_main_process:
         return
     metrics.update(peak_memory_metrics(loop.accelerator.device))
-    run_folder.write_json(config.training.output_dir, run_folder.RESULTS, metrics)
-    if config.training.plot_loss:
-        outputs.plot_loss(config.training.output_dir)
+    run_folder.write_json(args.output_dir, run_folder.RESULTS, metrics)
+    if args.plot_loss:
+        outputs.plot_loss(args.output_dir)

@@ -138,7 +138,7 @@ class DistillationRecipe(SupervisedRecipe):
             stop_ids=stop_token_ids(self.tokenizer, self.template), max_new_tokens=generation.max_new_tokens,
             model=model, args=self.config.training, train_dataset=data.train, eval_dataset=single_or_named(data.eval),
             data_collator=self.collator(model), processing_class=self.tokenizer,
-            callbacks=run_callbacks(self.config, self.plan.user_callbacks, *callbacks), finetuning=ft,
+            callbacks=run_callbacks(self.config.training, ft, self.plan.user_callbacks, *callbacks), finetuning=ft,
         )
 
     def run(self) -> dict:
@@ -154,7 +154,8 @@ class DistillationRecipe(SupervisedRecipe):
         model = self.model()
         metrics: dict = self.parameter_counts(model)
         teacher = self.teacher(teacher_args, model)
-        generation = ([GenerationMetricsCallback.from_config(data.eval_rows, tokenizer, template, config)]
+        generation = ([GenerationMetricsCallback.from_options(data.eval_rows, tokenizer, template, config.generation,
+                                                              config.data, args)]
                       if config.generation.generate_at_eval and data.eval_rows else [])
         trainer = self.trainer(model, data, *generation, teacher=teacher)
 
@@ -170,7 +171,7 @@ class DistillationRecipe(SupervisedRecipe):
             metrics["on_policy_examples"] = trainer.on_policy_examples
             logger.info("lmbda %g: %d training examples answered by the student itself", config.finetuning.lmbda,
                         trainer.on_policy_examples)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
 
         if data.eval:
             metrics.update(self.final_eval_metrics(trainer))
@@ -186,7 +187,7 @@ class DistillationRecipe(SupervisedRecipe):
                 max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
                 template_vars=config.data.template_kwargs,
             ))
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
     def summary(self, metrics: dict) -> list[str]:

@@ -63,10 +63,10 @@ class PretrainRecipe(SupervisedRecipe):
 
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         metrics.update(result.metrics)
-        outputs.save_model(trainer, self.tokenizer, None, config)
+        outputs.save_model(trainer, self.tokenizer, None, args.output_dir)
         if data.eval:
             metrics.update(with_perplexity(self.final_eval_metrics(trainer)))
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
 

@@ -41,14 +41,15 @@ class SFTRecipe(SupervisedRecipe):
         run_folder.write_json(args.output_dir, run_folder.DATA_REPORT, data.report)
         model = self.model()
         metrics: dict = self.parameter_counts(model)
-        trainer = self.trainer(model, data, *_generation_metrics(data.eval_rows, tokenizer, template, config))
+        trainer = self.trainer(model, data, *_generation_metrics(data.eval_rows, tokenizer, template, config.generation,
+                                                                 config.data, args))
 
         rows = self.held_out_rows(data)
         self.exact_match_before(trainer.model, rows, metrics, vision)
 
         result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
         metrics.update(result.metrics)
-        outputs.save_model(trainer, tokenizer, template, config)
+        outputs.save_model(trainer, tokenizer, template, args.output_dir)
         if vision is not None and trainer.is_world_process_zero():
             save_processor_files(vision[0], args.output_dir)
 
@@ -61,15 +62,15 @@ class SFTRecipe(SupervisedRecipe):
                 max_new_tokens=config.generation.max_new_tokens, batch_size=args.per_device_eval_batch_size,
                 template_vars=config.data.template_kwargs, vision=vision,
             ))
-        outputs.finish(trainer, metrics, config)
+        outputs.finish(trainer, metrics, args)
         return metrics
 
 
-def _generation_metrics(eval_rows: dict, tokenizer, template, config) -> list:
+def _generation_metrics(eval_rows: dict, tokenizer, template, generation, data_args, args) -> list:
     """generate_at_eval: exact match, BLEU and ROUGE-L of greedy answers at every evaluation (a TrainerCallback)."""
     # lazy: transformers' TrainerCallback imports peft and bitsandbytes (7.8 s); `tunelab data` imports this module
     from tunelab.train.generation_metrics import GenerationMetricsCallback
 
-    if not config.generation.generate_at_eval or not eval_rows:
+    if not generation.generate_at_eval or not eval_rows:
         return []
-    return [GenerationMetricsCallback.from_config(eval_rows, tokenizer, template, config)]
+    return [GenerationMetricsCallback.from_options(eval_rows, tokenizer, template, generation, data_args, args)]
