@@ -64,6 +64,29 @@ def test_a_batch_is_scored_while_the_next_batch_of_the_round_generates(tmp_path,
     assert len(read_log(tmp_path / "overlap")) == 1
 
 
+def test_a_batch_is_scored_while_its_reference_log_probs_are_computed(tmp_path, monkeypatch):
+    """A round of one batch: its reward waits for the batch's reference forward to begin, which the old order (the
+    log-probs after the scores) never reached."""
+    reference_forward = threading.Event()
+    reference_log_probs = grpo_module.reference_log_probs
+
+    def signalled_reference_log_probs(*args, **kwargs):
+        reference_forward.set()
+        return reference_log_probs(*args, **kwargs)
+
+    def waits_for_the_reference_forward(prompts, completions, references):
+        assert reference_forward.wait(WAIT_S), "the batch was scored before its reference log-probs began"
+        return [0.0] * len(completions)
+
+    monkeypatch.setattr(grpo_module, "reference_log_probs", signalled_reference_log_probs)
+    monkeypatch.setitem(rewards_module.BUILTIN_REWARDS, "waits_for_the_reference_forward",
+                        waits_for_the_reference_forward)
+    config = _config(tmp_path, "one_batch", "waits_for_the_reference_forward", gradient_accumulation_steps=1,
+                     kl_coef=0.05, max_steps=1)
+    assert main(["train", config]) == 0
+    assert len(read_log(tmp_path / "one_batch")) == 1
+
+
 def _log_and_weights(out) -> tuple[list[dict], dict]:
     records = [{k: v for k, v in record.items() if "second" not in k and "memory" not in k}  # times and memory differ
                for record in read_log(out)]

@@ -25,8 +25,10 @@ results before their final answer; only the policy's own tokens are in the loss 
 
 Step 2 runs in the background: start_rollout generates a batch on the calling thread and hands its scoring to one
 scoring thread, so the loop can generate the round's next batch while the reward functions (code_tests' sandboxed
-runs among them) score this one; finish_rollout waits for the scores, then does everything that touches the model
-(old and reference log-probs) and records the statistics, on the calling thread. It cannot change results:
+runs among them) score this one; finish_rollout computes the old and reference log-probs (with dynamic_sampling
+after the scores, which drop rows), waits for the scores and records the statistics, on the calling thread: all
+that touches the model stays there. So scoring overlaps the round's later generations and the batch's own log-prob
+forwards (a round of one batch too). It cannot change results:
 - the completions are sampled in the same order from the same RNG (scoring draws no random numbers);
 - the log-probs are of the same weights (no optimizer step is taken within a round);
 - the one scoring thread calls the reward functions batch by batch in generation order, and reads what they counted
@@ -132,13 +134,16 @@ class GRPO:
 
     @torch.no_grad()
     def finish_rollout(self, started: StartedRollout) -> GRPOBatch:
-        """Wait for the batch's scores; advantages, old and reference log-probs (steps 3 and 4's inputs)."""
+        """Old and reference log-probs, the batch's scores, advantages (steps 3 and 4's inputs)."""
+        rollout, tool_stats = started.rollout, started.tool_stats
+        # The log-probs need no reward (but for dynamic sampling, which drops rows first): the forwards run while
+        # the scoring thread works on this batch.
+        log_probs = None if self.dynamic_sampling else self._old_and_reference_log_probs(rollout)
         try:
             totals, per_function, run_stats = started.scores.result()
         except BaseException:
             self.scoring.shutdown(wait=False, cancel_futures=True)  # the run ends here: no later batch needs scores
             raise
-        rollout, tool_stats = started.rollout, started.tool_stats
         device = rollout.input_ids.device
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)
         zero_spread = zero_spread_groups(rewards, self.group_size)
@@ -160,11 +165,8 @@ class GRPO:
             if not all_zero_spread:
                 keep = (~zero_spread).repeat_interleave(self.group_size)
                 rollout, rewards = select_rows(rollout, keep), rewards[keep]
-        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
-        ref = None
-        if self.kl_coef:
-            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
-                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+            log_probs = self._old_and_reference_log_probs(rollout)
+        old, ref = log_probs
         loss_mask = rollout.completion_mask
         if self.mask_truncated:
             loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
@@ -173,6 +175,14 @@ class GRPO:
         advantages = estimate_advantages(self.advantage_estimator, rewards, self.group_size, loss_mask,
                                          self.scale_rewards)
         return GRPOBatch(rollout, advantages, loss_mask, all_zero_spread, old, ref)
+
+    def _old_and_reference_log_probs(self, rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
+        ref = None
+        if self.kl_coef:
+            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
+                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+        return old, ref
 
     def begin_round(self, batches: list[GRPOBatch]) -> None:
         """Before the optimizer steps on one round of rollouts: count the round's completion tokens (dapo's
