@@ -64,6 +64,7 @@ def test_a_batch_is_scored_while_the_next_batch_of_the_round_generates(tmp_path,
     assert len(read_log(tmp_path / "overlap")) == 1
 
 
+@pytest.mark.slow
 def test_a_batch_is_scored_while_its_reference_log_probs_are_computed(tmp_path, monkeypatch):
     """A round of one batch: its reward waits for the batch's reference forward to begin, which the old order (the
     log-probs after the scores) never reached."""
