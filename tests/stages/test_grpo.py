@@ -159,7 +159,7 @@ def test_dynamic_sampling_drops_the_groups_whose_rewards_are_all_equal(monkeypat
     monkeypatch.setattr(grpo_module, "score_completions", lambda *args: (rewards, {}))
     grpo = _grpo_with(dynamic_sampling=True)
     rows = [{"prompt_ids": [1], "prompt": "p", "reference": "r"}] * 3
-    batch = grpo.rollout(rows)
+    batch = grpo.finish_rollout(grpo.start_rollout(rows))
     assert batch.rollout.input_ids[:, 0].tolist() == kept and batch.rollout.completions == [f"c{i}" for i in kept]
     assert {"dropped_groups": dropped} in [{k: int(v) for k, v in r.items()} for r in grpo.loop.recorded
                                           if "dropped_groups" in r]
@@ -168,5 +168,6 @@ def test_dynamic_sampling_drops_the_groups_whose_rewards_are_all_equal(monkeypat
         assert batch.loss_mask.sum() == 4
     else:
         assert batch.loss_mask.sum() == 0 and batch.all_zero_spread
-    plain = _grpo_with().rollout(rows)  # without dynamic sampling every row stays and nothing is dropped
+    plain = _grpo_with()  # without dynamic sampling every row stays and nothing is dropped
+    plain = plain.finish_rollout(plain.start_rollout(rows))
     assert plain.rollout.input_ids.shape[0] == 6 and plain.loss_mask.sum() == 12

@@ -214,7 +214,7 @@ def test_grpo_scores_the_final_answers_and_trains_only_the_policys_tokens(monkey
     loop = SimpleNamespace(accelerator=accelerator, model=model, record=recorded.append)
     grpo = GRPO(loop, None, tokenizer, stops, rewards, config.finetuning, config.generation, tool_use=use)
 
-    batch = grpo.rollout([{"prompt": row["prompt"], "reference": "42", **row}])
+    batch = grpo.finish_rollout(grpo.start_rollout([{"prompt": row["prompt"], "reference": "42", **row}]))
     assert batch.rollout.completions == ["42", "41"]
     assert batch.advantages.tolist() == [1.0, -1.0]  # rloo: each reward against the other's
     assert [[m["role"] for m in ms] for ms in seen_messages] == [["assistant", "tool", "assistant"]] * 2

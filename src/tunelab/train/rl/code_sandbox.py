@@ -28,8 +28,8 @@ so code written to attack the prelude itself (reading its frames, writing its re
 The guarantee is containment: a run cannot outlive its limit, reach the network, read the parent's environment,
 or write outside its folder through Python's file API; and a hostile run costs at most its limits.
 
-Runs are independent; `CodeRunner.submit` returns a Future, so completions can be sent as they finish while
-others are still generating (the rollout today scores a whole batch at once: `run_many`).
+Runs are independent; `CodeRunner.run_many` runs a batch's completions on a pool, and grpo calls it on its scoring
+thread while the next batch generates (train/rl/grpo.py).
 """
 
 from __future__ import annotations

@@ -22,11 +22,26 @@ dynamic_sampling (DAPO) takes such groups out of the batch, counted as `dropped_
 
 With tools (a ToolUse), step 1 is a tool-using rollout (tool_rollout.py): the completions call tools and read their
 results before their final answer; only the policy's own tokens are in the loss mask, and the log gains tools/...
+
+Step 2 runs in the background: start_rollout generates a batch on the calling thread and hands its scoring to one
+scoring thread, so the loop can generate the round's next batch while the reward functions (code_tests' sandboxed
+runs among them) score this one; finish_rollout computes the old and reference log-probs (with dynamic_sampling
+after the scores, which drop rows), waits for the scores and records the statistics, on the calling thread: all
+that touches the model stays there. So scoring overlaps the round's later generations and the batch's own log-prob
+forwards (a round of one batch too). It cannot change results:
+- the completions are sampled in the same order from the same RNG (scoring draws no random numbers);
+- the log-probs are of the same weights (no optimizer step is taken within a round);
+- the one scoring thread calls the reward functions batch by batch in generation order, and reads what they counted
+  (pop_stats) right after the batch it belongs to;
+- a reward function's exception reaches the loop unchanged when its batch is finished.
+Reward functions therefore run off the main thread: one that installs a signal handler (a signal.alarm timeout)
+cannot; code_tests' limits are those of its own child processes.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +71,20 @@ class GRPOBatch:
     ref_log_probs: torch.Tensor | None  # B·G × C; None when kl_coef is 0
 
 
+@dataclass
+class StartedRollout:
+    """A generated batch whose rewards the scoring thread is computing."""
+    rollout: Rollout
+    tool_stats: dict[str, float]
+    scores: Future  # of score_in_background's (totals, per function, run stats)
+
+
+def score_in_background(rewards: list[RewardFunction], *batch) -> tuple[list[float], dict, dict[str, float]]:
+    """On the scoring thread: score_completions of one batch and what the functions counted while scoring it."""
+    totals, per_function = score_completions(rewards, *batch)
+    return totals, per_function, reward_run_stats(rewards)
+
+
 class GRPO:
     def __init__(self, loop, reference, tokenizer, stop_ids: list[int], rewards: list[RewardFunction],
                  finetuning: FinetuningArguments, generation: GenerationArguments, tool_use: ToolUse | None = None):
@@ -72,6 +101,8 @@ class GRPO:
         self.dapo_tokens: float | None = None  # set per round by begin_round (loss_type dapo)
         self.zero_spread_rounds, self.warned_zero_spread = 0, False
         self.merge_for_sampling = merged_sampling.sampling_plan(self.policy, loop.accelerator, finetuning)
+        # One thread: batches are scored one at a time in the order they were generated (see the module docstring).
+        self.scoring = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scoring")
 
     @property
     def policy(self):
@@ -79,7 +110,8 @@ class GRPO:
         return self.loop.accelerator.unwrap_model(self.loop.model)
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict]) -> GRPOBatch:
+    def start_rollout(self, rows: list[dict]) -> StartedRollout:
+        """Generate the batch's completions (step 1) and start scoring them on the scoring thread (step 2)."""
         group = [row for row in rows for _ in range(self.group_size)]
         messages, tool_stats = None, {}
         with merged_sampling.sampling_weights(self.policy, self.merge_for_sampling):
@@ -94,10 +126,24 @@ class GRPO:
                     self.temperature, self.tokenizer.pad_token_id, self.group_size,
                 )
                 rollout, messages, tool_stats = used.rollout, used.completion_messages, used.stats
-        totals, per_function = score_completions(
-            self.rewards, [row["prompt"] for row in group], rollout.completions,
+        scores = self.scoring.submit(
+            score_in_background, self.rewards, [row["prompt"] for row in group], rollout.completions,
             [row["reference"] for row in group], rollout.finished, messages,
         )
+        return StartedRollout(rollout, tool_stats, scores)
+
+    @torch.no_grad()
+    def finish_rollout(self, started: StartedRollout) -> GRPOBatch:
+        """Old and reference log-probs, the batch's scores, advantages (steps 3 and 4's inputs)."""
+        rollout, tool_stats = started.rollout, started.tool_stats
+        # The log-probs need no reward (but for dynamic sampling, which drops rows first): the forwards run while
+        # the scoring thread works on this batch.
+        log_probs = None if self.dynamic_sampling else self._old_and_reference_log_probs(rollout)
+        try:
+            totals, per_function, run_stats = started.scores.result()
+        except BaseException:
+            self.scoring.shutdown(wait=False, cancel_futures=True)  # the run ends here: no later batch needs scores
+            raise
         device = rollout.input_ids.device
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)
         zero_spread = zero_spread_groups(rewards, self.group_size)
@@ -106,7 +152,7 @@ class GRPO:
             "reward_std": rewards.view(-1, self.group_size).std(dim=1).mean(),
             "zero_spread_groups": zero_spread.float().mean(),
             **{f"reward/{name}": sum(scores) / len(scores) for name, scores in per_function.items()},
-            **reward_run_stats(self.rewards),
+            **run_stats,
             "completion_length": rollout.completion_mask.sum(dim=1).mean(),
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
             **tool_stats,
@@ -119,11 +165,8 @@ class GRPO:
             if not all_zero_spread:
                 keep = (~zero_spread).repeat_interleave(self.group_size)
                 rollout, rewards = select_rows(rollout, keep), rewards[keep]
-        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
-        ref = None
-        if self.kl_coef:
-            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
-                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+            log_probs = self._old_and_reference_log_probs(rollout)
+        old, ref = log_probs
         loss_mask = rollout.completion_mask
         if self.mask_truncated:
             loss_mask = loss_mask * torch.tensor(rollout.finished, dtype=loss_mask.dtype, device=device)[:, None]
@@ -132,6 +175,14 @@ class GRPO:
         advantages = estimate_advantages(self.advantage_estimator, rewards, self.group_size, loss_mask,
                                          self.scale_rewards)
         return GRPOBatch(rollout, advantages, loss_mask, all_zero_spread, old, ref)
+
+    def _old_and_reference_log_probs(self, rollout: Rollout) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        old = completion_log_probs(self.loop.model, rollout, self.temperature)[0] if self.num_iterations > 1 else None
+        ref = None
+        if self.kl_coef:
+            with self.loop.accelerator.autocast():  # the same precision as the policy's forward
+                ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
+        return old, ref
 
     def begin_round(self, batches: list[GRPOBatch]) -> None:
         """Before the optimizer steps on one round of rollouts: count the round's completion tokens (dapo's

@@ -5,11 +5,16 @@ compute old / reference log-probs — no gradients), then take `num_iterations` 
 those rollouts, accumulating the micro-batches' gradients into each step:
 
     for round:
-        rollouts = [algorithm.rollout(prompts) for prompts in next accum batches]
+        started = [algorithm.start_rollout(prompts) for prompts in next accum batches]   # generate
+        rollouts = [algorithm.finish_rollout(batch) for batch in started]   # scores, log-probs, statistics
         algorithm.begin_round(rollouts)              # what spans the round (grpo: dapo's token count)
         repeat num_iterations:                       # μ in the GRPO paper
             for rollout in rollouts: backward(algorithm.loss(rollout) / accum)
             clip gradients, optimizer step, scheduler step          → global_step += 1
+
+A rollout is started and finished in two calls so that what does not need the model can run while the model
+works: grpo scores each batch's completions on a background thread while the round's next batches generate
+(grpo.py says why that cannot change results). Everything that touches the model runs here, in batch order.
 
 Steps are optimizer steps: max_steps when set, else num_train_epochs passes over the prompts
 (× num_iterations). DDP comes from the Accelerator the launcher set up (torchrun / accelerate
@@ -52,7 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 class Algorithm(Protocol):
-    def rollout(self, rows: list[dict]) -> object: ...  # no gradients; records its own statistics
+    def start_rollout(self, rows: list[dict]) -> object: ...  # generate; may start work in the background
+
+    def finish_rollout(self, started: object) -> object: ...  # no gradients; records its own statistics
 
     def begin_round(self, rollouts: list) -> None: ...  # what spans the round (grpo: dapo's token count)
 
@@ -126,7 +133,8 @@ class RLLoop:
         self._event("on_train_begin")
         self.model.eval()  # dropout off: see the module docstring
         while self.state.global_step < self.max_steps:
-            rollouts = [algorithm.rollout(next(self._batches)) for _ in range(self.accum)]
+            started = [algorithm.start_rollout(next(self._batches)) for _ in range(self.accum)]
+            rollouts = [algorithm.finish_rollout(batch) for batch in started]
             algorithm.begin_round(rollouts)
             self.rounds += 1
             for _ in range(min(self.num_iterations, self.max_steps - self.state.global_step)):

@@ -118,13 +118,20 @@ class PPO:
         return self.loop.accelerator.unwrap_model(self.loop.model)
 
     @torch.no_grad()
-    def rollout(self, rows: list[dict]) -> PPOBatch:
-        policy = self.unwrapped.policy
-        with merged_sampling.sampling_weights(policy, self.merge_for_sampling):
+    def start_rollout(self, rows: list[dict]) -> tuple[list[dict], Rollout]:
+        """Sample the batch's completions (step 1). Nothing runs in the background: the reward model is a model."""
+        with merged_sampling.sampling_weights(self.unwrapped.policy, self.merge_for_sampling):
             rollout = generate_rollout(
-                policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
+                self.unwrapped.policy, self.tokenizer, [row["prompt_ids"] for row in rows], self.stop_ids,
                 self.max_new_tokens, self.temperature, self.tokenizer.pad_token_id,
             )
+        return rows, rollout
+
+    @torch.no_grad()
+    def finish_rollout(self, started: tuple[list[dict], Rollout]) -> PPOBatch:
+        """Scores, values, reference log-probs and advantages of a sampled batch (steps 1 to 3)."""
+        rows, rollout = started
+        policy = self.unwrapped.policy
         mask = rollout.completion_mask
         log_probs, values = self.loop.model(rollout, self.temperature)
         if self.kl_coef:
