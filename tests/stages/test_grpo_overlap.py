@@ -36,6 +36,7 @@ def _config(tmp_path, name: str, reward_funcs: str, **overrides) -> str:
     return str(config)
 
 
+@pytest.mark.slow  # a GRPO run: over 2 s on the 2-core AVX2 reference
 def test_a_batch_is_scored_while_the_next_batch_of_the_round_generates(tmp_path, monkeypatch):
     """The first batch's reward waits for the second batch's generation to begin: scoring after generation (the
     sequential order) would never see it begin and fails after WAIT_S."""
@@ -125,6 +126,7 @@ def test_scoring_in_the_background_changes_no_reward_loss_or_weight(sft_model_di
     assert all(torch.equal(background_weights[k], foreground_weights[k]) for k in background_weights)
 
 
+@pytest.mark.slow  # a GRPO run: over 2 s on the 2-core AVX2 reference
 def test_a_reward_function_that_raises_ends_the_run_with_its_one_line_error(tmp_path, capsys):
     (tmp_path / "strict_rewards.py").write_text(
         "from tunelab.errors import DataError\n\n"
