@@ -248,6 +248,25 @@ def test_held_out_accuracy_is_scored_and_a_drop_fails_naming_the_type_to_use(tin
             "export q8_0 instead of q4_0") in report.problems
 
 
+def test_a_reference_accuracy_already_scored_is_not_scored_again(tiny, tiny_gguf, monkeypatch):
+    """One model checked against several files (bench/export_parity.py --in-process): the trained model's score
+    from the first check is given, so only the reader answers the rows, and the drop is measured from that score."""
+    held_out = _held_out(tiny, ["Sort: 3 1 2", "Reverse: abc"])
+    readers = []
+    scored = parity._accuracy
+
+    def counted(reader, *args):
+        readers.append(reader.name)
+        return scored(reader, *args)
+
+    monkeypatch.setattr(parity, "_accuracy", counted)
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf("f16"), "gguf",
+                          probes=PROBES[:1], held_out=held_out, held_out_tokens=8, llama_cpp=False,
+                          raise_on_mismatch=False, reference_accuracy=0.5)
+    assert readers == ["transformers (GGUF loader)"] and report.held_out.reference_accuracy == 0.5
+    assert report.readers[0].accuracy == 1.0 and report.ok  # 50 points above the given score: no drop
+
+
 @pytest.mark.slow
 def test_qwen25_coder_tool_call_renders_alike_in_llama_cpp(tmp_path):
     """Qwen2.5-Coder-0.5B's tokenizer and template (tools in its system turn, <tool_call> JSON, <tool_response>)

@@ -269,6 +269,7 @@ def check_parity(
     max_drop: float = 5.0,
     held_out_tokens: int = 64,
     transformers: bool = True,
+    reference_accuracy: float | None = None,
 ) -> ParityReport:
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
@@ -279,7 +280,9 @@ def check_parity(
     exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
     model is a problem. `transformers=False` (a GGUF read by llama.cpp, which must then be installed): neither
     transformers' reading nor the copy rounded as stored, two of the check's three float32 copies of the model, for
-    a model too large to hold them (its gaps are then from the model as trained only).
+    a model too large to hold them (its gaps are then from the model as trained only). `reference_accuracy`: the
+    trained model's exact match on `held_out`, where an earlier check of the same model scored it (one model written
+    in several types), instead of answering every row again.
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
@@ -309,7 +312,8 @@ def check_parity(
         name, rows = held_out
         scored = _held_out_prompts(rows, chat_template, template_vars, tokenizer)
         report.held_out = HeldOut(name, len(rows), max_drop)
-        report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
+        report.held_out.reference_accuracy = (_accuracy(reference, tokenizer, scored, stops, held_out_tokens)
+                                              if reference_accuracy is None else reference_accuracy)
     readers: list[Any] = [_transformers_reader(exported, kind)] if transformers else []
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
         try:
