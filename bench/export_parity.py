@@ -4,9 +4,10 @@
     python scripts/fetch_real.py smollm2 gemma3-270m
     python bench/export_parity.py --steps 20 --types f16,q8_0,q4_0 --folder
     python bench/export_parity.py --gemma3
-    python bench/export_parity.py --steps 20 --types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0 --held-out 10 --in-process
-    python bench/export_parity.py --model qwen2.5-coder-0.5b --steps 4 --types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0 \
-        --held-out 10 --in-process
+    python bench/export_parity.py --steps 20 --types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0 --held-out 50 --in-process \
+        --llama-cpp-only
+    python bench/export_parity.py --model qwen2.5-coder-0.5b --steps 6 --types f16,q8_0,q6_k,q5_k_m,q4_k_m,q4_0 \
+        --held-out 30 --in-process --llama-cpp-only
     python bench/export_parity.py --gemma3 --types f16,q8_0,q4_k_m
 
 SmolLM2 (the GGUF of scripts/fetch_real.py, dequantized once into an HF folder under bench/.data, as
