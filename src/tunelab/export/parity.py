@@ -125,6 +125,11 @@ class ProbeResult:
     # Where the answers part: how far the trained model's choice led the exported model's choice there, in sd
     # (None while they agree). Below twice the type's tolerance the swap is a near tie rounding may flip.
     tie_margin: float | None = None
+    # llama.cpp's server: how many answer tokens precede the position whose log-probabilities were compared. 0, the
+    # first answer token, unless that token ends inside a UTF-8 character: the server gives such a token no
+    # log-probabilities, so the comparison moves to the token that completes the character (both models given the
+    # tokens before it; -1: no answer token completes a character, nothing compared).
+    gap_after_tokens: int = 0
 
     @property
     def answers_identical(self) -> bool:
@@ -243,6 +248,12 @@ class ParityReport:
                 f"{'' if r.stored_gap is None else f'{r.stored_gap:.2g} sd from the weights as stored, '}"
                 f"greedy answers {greedy}{speed}"
             )
+            moved = [f"probe {n}: " + (f"answer token {p.gap_after_tokens + 1}" if p.gap_after_tokens > 0 else
+                                       "none, no answer token completes one") for n, p in enumerate(r.probes, 1)
+                     if p.gap_after_tokens]
+            if moved:
+                out.append(f"    (compared at the token that completes the first character, where the first ends "
+                           f"inside one: {', '.join(moved)})")
         if self.held_out is not None:
             h = self.held_out
             scores = ", ".join(f"{r.reader} {100 * r.accuracy:.1f}%" for r in self.readers if r.accuracy is not None)
@@ -269,6 +280,7 @@ def check_parity(
     max_drop: float = 5.0,
     held_out_tokens: int = 64,
     transformers: bool = True,
+    reference_accuracy: float | None = None,
 ) -> ParityReport:
     """Read `exported` back (kind "hf": a model folder, "gguf": a .gguf file) and compare it with `reference_model`
     and `tokenizer` on `probes` rendered with `chat_template` + `template_vars`.
@@ -279,7 +291,9 @@ def check_parity(
     exact match, `held_out_tokens` answer tokens at most; an export more than `max_drop` points below the trained
     model is a problem. `transformers=False` (a GGUF read by llama.cpp, which must then be installed): neither
     transformers' reading nor the copy rounded as stored, two of the check's three float32 copies of the model, for
-    a model too large to hold them (its gaps are then from the model as trained only).
+    a model too large to hold them (its gaps are then from the model as trained only). `reference_accuracy`: the
+    trained model's exact match on `held_out`, where an earlier check of the same model scored it (one model written
+    in several types), instead of answering every row again.
     """
     exported = Path(exported)
     if kind not in ("hf", "gguf"):
@@ -309,7 +323,8 @@ def check_parity(
         name, rows = held_out
         scored = _held_out_prompts(rows, chat_template, template_vars, tokenizer)
         report.held_out = HeldOut(name, len(rows), max_drop)
-        report.held_out.reference_accuracy = _accuracy(reference, tokenizer, scored, stops, held_out_tokens)
+        report.held_out.reference_accuracy = (_accuracy(reference, tokenizer, scored, stops, held_out_tokens)
+                                              if reference_accuracy is None else reference_accuracy)
     readers: list[Any] = [_transformers_reader(exported, kind)] if transformers else []
     if kind == "gguf" and (llama_cpp or (llama_cpp is None and llama_cpp_available())):
         try:
@@ -518,10 +533,19 @@ class LlamaCppServerReader:
             self.seconds += timings.get("predicted_ms", 0.0) / 1000
         return self.answers[key]
 
-    def first_token_logprobs(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
-        """The ids and log-probabilities (over the whole vocabulary) of llama.cpp's top tokens after `ids`."""
-        top = self._answer(ids, max_new_tokens)["completion_probabilities"][0]["top_logprobs"]
-        return [t["id"] for t in top], torch.tensor([t["logprob"] for t in top], dtype=torch.float32)
+    def first_token_logprobs(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], list[int], torch.Tensor]:
+        """The ids and log-probabilities (over the whole vocabulary) of llama.cpp's top tokens at its first answer
+        position that has them, and its answer tokens before that position. The server gives no log-probabilities
+        for a token that ends inside a UTF-8 character (a byte of 'Ü' or of an emoji): it reports the next token,
+        with the whole character as its text, so its first entry is then a later position."""
+        answer = self._answer(ids, max_new_tokens)
+        entries = answer.get("completion_probabilities") or []
+        if not entries:  # every answer token ended inside a character: no position to compare
+            return [], [], torch.empty(0)
+        tokens = answer["tokens"]
+        at = tokens.index(entries[0]["id"]) if entries[0]["id"] in tokens else 0
+        top = entries[0]["top_logprobs"]
+        return tokens[:at], [t["id"] for t in top], torch.tensor([t["logprob"] for t in top], dtype=torch.float32)
 
     def greedy(self, ids: list[int], max_new_tokens: int, stops: list[int]) -> list[int]:
         out: list[int] = []
@@ -700,8 +724,13 @@ def _first_token_gaps(reference: TransformersReader, stored: TransformersReader 
                       max_new_tokens: int) -> tuple[dict[str, float], str | None]:
     """Gaps at the first answer token only, on the reader's top tokens: log-probabilities against the trained /
     as-stored model's log-softmax (a log-probability is the logit less one constant per position, so in sd of the
-    logits these gaps are logit gaps without that constant)."""
-    top_ids, top_logprobs = reader.first_token_logprobs(ids, max_new_tokens)
+    logits these gaps are logit gaps without that constant). Where the reader has none for the first answer token
+    (first_token_logprobs), at the first one it has, after the same answer tokens on both sides."""
+    before, top_ids, top_logprobs = reader.first_token_logprobs(ids, max_new_tokens)
+    if not top_ids:
+        return {"max_logit_gap": 0.0, "max_abs_logit_gap": 0.0, "stored_gap": None if stored is None else 0.0,
+                "top1_agreement": float("nan"), "gap_after_tokens": -1}, None
+    ids = ids + before
     ref_logits = reference.logits(ids)[-1]
     if max(top_ids) >= ref_logits.shape[-1]:
         return {"max_logit_gap": float("inf"), "max_abs_logit_gap": float("inf"), "stored_gap": float("inf"),
@@ -713,8 +742,8 @@ def _first_token_gaps(reference: TransformersReader, stored: TransformersReader 
         stored_logits = ref_logits if stored.model is reference.model else stored.logits(ids)[-1]
         stored_gap = float((torch.log_softmax(stored_logits, -1)[top_ids] - top_logprobs).abs().max()) / scale
     return {"max_logit_gap": float(gap.max()) / scale, "max_abs_logit_gap": float(gap.max()),
-            "stored_gap": stored_gap,
-            "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0])}, None
+            "stored_gap": stored_gap, "top1_agreement": float(int(ref_logits.argmax()) == top_ids[0]),
+            "gap_after_tokens": len(before)}, None
 
 
 def llama_cpp_renders(texts: list[str], tokenizer: Any, reader: Any) -> list[str]:
