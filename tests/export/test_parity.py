@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from tunelab.cli import main
+from tunelab.config.export_formats import GGUF_TYPES
 from tunelab.data.templates import Template, builtin_source
 from tunelab.export import gguf_writer, parity
 from tunelab.export.gguf_writer import source_provenance, write_gguf
@@ -163,6 +164,20 @@ def smollm2(tmp_path_factory) -> tuple[AutoModelForCausalLM, TokenizersBackend, 
     f16 = write_gguf(model, tokenizer, tokenizer.chat_template, None,
                      tmp_path_factory.mktemp("smollm2") / "smollm2-f16.gguf", "f16")
     return model, tokenizer, f16
+
+
+@pytest.mark.parametrize("tensor_type", list(GGUF_TYPES))  # 0.1-0.3 s each
+def test_every_gguf_type_loads_in_llama_cpp_with_the_trained_template_and_ids(tiny, tiny_gguf, tensor_type):
+    """Each type tunelab writes, read by llama.cpp alone: it loads, its Jinja renders the probe as training did and its
+    tokenizer gives the same ids; the float types also give the trained model's greedy answer."""
+    pytest.importorskip("xllamacpp")
+    report = check_parity(tiny.model, tiny.tokenizer, tiny.chat_template, None, tiny_gguf(tensor_type), "gguf",
+                          probes=PROBES[:1], max_new_tokens=4, llama_cpp=True, transformers=False,
+                          raise_on_mismatch=False)
+    (llama,) = report.readers
+    assert llama.reader == "llama.cpp (xllamacpp server)"
+    assert llama.template_identical and llama.ids_identical, report.problems
+    assert llama.greedy_identical or tensor_type not in ("f32", "f16", "bf16"), report.problems
 
 
 @pytest.mark.slow
