@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,30 @@ def test_smollm2_f16_gguf_in_llama_cpp(smollm2):
     assert transformers_reader.greedy_identical and transformers_reader.stored_gap <= STORED_TOLERANCE
     assert llama.template_identical and llama.ids_identical and llama.special_tokens_identical
     assert llama.greedy_identical and len(llama.probes) == len(PROBES)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TUNELAB_FULL_CHECKS") != "1",
+                    reason="reads and re-writes Gemma 3 270M (about a minute): runs in CI (.ci/run sets "
+                           "TUNELAB_FULL_CHECKS=1); run it here with TUNELAB_FULL_CHECKS=1 make test")
+def test_gemma3_270m_f16_gguf_in_llama_cpp(tmp_path):
+    """Gemma 3 270M (262k SentencePiece vocabulary, 1 + w norms, sliding layers) read out of its own Q4_K_M GGUF,
+    written f16 and read by llama.cpp alone: its Jinja renders the probes Gemma's template takes as tunelab's gemma3
+    template does, its tokenizer gives the same ids, and its greedy answers are the model's."""
+    pytest.importorskip("xllamacpp")
+    from tests.real_assets import real  # noqa: PLC0415
+
+    path = real("gemma3-270m")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, tokenizer_type="gemma3_text")
+    template = builtin_source("gemma3")
+    out = write_gguf(model, tokenizer, template, None, tmp_path / "gemma3-f16.gguf", "f16")
+    report = check_parity(model, tokenizer, template, None, out, "gguf", max_new_tokens=8, llama_cpp=True,
+                          transformers=False, raise_on_mismatch=False)
+    (llama,) = report.readers
+    assert llama.reader == "llama.cpp (xllamacpp server)" and report.ok, report.problems
+    assert llama.template_identical and llama.ids_identical and llama.greedy_identical, report.problems
+    assert llama.max_logit_gap <= TOLERANCES["f16"] and llama.probes
 
 
 def _held_out(tiny, prompts: list[str]) -> tuple[str, list]:
