@@ -21,6 +21,12 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                          per decoder layer  6h + 2kv + 4i + 6 (+2h when its norm weights train,
                                             + the LoRA rank of every adapted linear, + heads x seq for
                                             eager attention, which keeps the attention probabilities)
+                                            Under a mask (packed rows, several sequences side by side or
+                                            padded, `masked_attention`) sdpa keeps keys and values repeated
+                                            to every query head (2 heads x head_dim instead of 2kv: transformers
+                                            repeats them itself unless there is no mask), as eager attention
+                                            always does, and torch turns the boolean mask into a float one in
+                                            every layer and keeps it: + seq per token (batch x seq^2 a layer).
                          outside the layers h/4, + 2h when the embeddings / final norm train (full
                                             fine-tuning)
                        plus, per supervised position only (training computes the output layer where a
@@ -41,9 +47,9 @@ The micro-batch is per_device_train_batch_size rows of the longest tokenized row
 supervised positions as the most supervised row, read from the data when the stage is sft or pt and the
 data is not streamed, else cutoff_len rows supervised everywhere, and the output says which.
 
-Not counted (the output says so too): on CPU, the free memory the C allocator keeps after the first steps
-and the library code the first backward pages in (together 4-8% of the quickstart's peak, measured in
-docs/use.md); on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
+Not counted (the output says so too): on CPU, the library code the first backward pages in and the small
+blocks (under 1 MiB) the C allocator keeps after it freed them; training maps every larger block on its own and
+returns it when freed (train/memory.py map_large_blocks), so the peak follows the live tensors; on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
 and generation batches (smaller than a training step's, without gradients), data-loader workers,
 DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
 
@@ -86,7 +92,7 @@ from tunelab.model.resolve import resolve_dtype
 from tunelab.model.text_config import text_config
 from tunelab.model.tokenizer import load_tokenizer
 from tunelab.train.losses import CHUNK_ELEMENTS
-from tunelab.train.memory import reset_peak_rss, rss_bytes
+from tunelab.train.memory import map_large_blocks, reset_peak_rss, rss_bytes
 from tunelab.train.plan import RunPlan
 from tunelab.train.recipe import recipe_for
 from tunelab.train.trainer import TunelabTrainer
@@ -131,6 +137,7 @@ class TrainingShape:
     outer_train: bool  # embeddings / final norm / head train (full)
     lora_rank_per_layer: int  # sum of LoRA ranks over one layer's adapted linears
     eager_attention: bool
+    masked_attention: bool  # the batch's attention has a mask: packed rows, several sequences side by side, padding
     checkpointing: bool
     activation_bytes: int  # 2 (bf16/fp16 compute) or 4
     supervised_per_row: int  # positions whose next token is a label: where the output layer and loss run
@@ -206,11 +213,15 @@ class Estimate:
 def activation_elements_per_token(model: ModelShape, shape: TrainingShape) -> dict[str, float]:
     """Saved-for-backward elements per token: {'layer': one active layer, 'outside': everything else}."""
     h, kv = model.hidden, model.kv_heads * model.head_dim
+    if shape.eager_attention or shape.masked_attention:  # keys and values repeated to every query head
+        kv = model.heads * model.head_dim
     layer = 6 * h + 2 * kv + 4 * model.intermediate + 6 + shape.lora_rank_per_layer
     if shape.norms_train:
         layer += 2 * h
     if shape.eager_attention:
         layer += model.heads * shape.seq_len
+    elif shape.masked_attention:  # sdpa: the boolean mask made float in every layer, (batch, 1, seq, seq)
+        layer += shape.seq_len
     # Full fine-tuning: the embeddings and final norm keep 2h per token; the output layer's input (h) is kept
     # only at supervised positions (counted in activation_bytes).
     outside_half = h / 4 + (2 * h if shape.outer_train else 0)  # stored in the compute dtype
@@ -308,6 +319,10 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
+        # flash_attention_* takes packed rows as sequence boundaries, no mask; a lone unpadded row has none either
+        masked_attention=not attn.startswith("flash") and (
+            config.data.packing or config.training.per_device_train_batch_size > 1
+        ),
         checkpointing=checkpointing_settings(config.training)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
@@ -404,9 +419,10 @@ def probe(config: RunConfig, steps: int, train=None) -> ProbeResult:
     """Train 1 + `steps` optimizer steps: on `train` (the tokenized training set, in the run's order) when
     given, else on random rows of cutoff_len tokens. The median seconds per step after the first, and the peak.
 
-    The C allocator is left as training leaves it: pinning glibc's mmap threshold (so that RSS follows live
-    tensors) makes every large tensor a fresh mapping, zeroed page by page, and steps several times slower.
+    The C allocator is set as training sets it (map_large_blocks on CPU, as train/run.py does).
     """
+    if config.training.device.type == "cpu":
+        map_large_blocks()
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, config.finetuning, config.training, tokenizer, is_trainable=True)
     args = config.training
@@ -456,7 +472,7 @@ def format_size(n: int) -> str:
 
 
 NOT_COUNTED_CPU = (
-    "the C allocator's retained free memory and the library code the first backward pages in (the probe's peak "
+    "the C allocator's retained small blocks and the library code the first backward pages in (the probe's peak "
     "includes them), evaluation and generation batches, data-loader workers"
 )
 NOT_COUNTED_GPU = (

@@ -1,4 +1,5 @@
-"""Run a configured training job: set up logging, the open-file limit and the output folder, dispatch to the stage."""
+"""Run a configured training job: set up logging, the open-file limit, the C allocator and the output folder, dispatch
+to the stage."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tunelab.config.stages import stage_row
 from tunelab.errors import ConfigError
 from tunelab.model.vision import is_vision_model_folder
 from tunelab.train import launch, outputs
+from tunelab.train.memory import MIB, MMAP_THRESHOLD, map_large_blocks
 from tunelab.train.plan import RunPlan
 from tunelab.train.recipe import recipe_for
 from tunelab.train.trackers import keep_trackers_local
@@ -45,6 +47,9 @@ def run(plan: RunPlan) -> dict:
     old, new = raise_open_file_limit()
     if new != old:
         logger.info("open-file limit raised from %s to %s (the soft limit, up to the hard one)", old, new)
+    if config.training.device.type == "cpu" and map_large_blocks():  # the tensors live in this process's heap
+        logger.info("C allocator: blocks of %d MiB and up go back to the system when freed, so peak RSS follows the "
+                    "live tensors (a MALLOC_MMAP_THRESHOLD_ of your own is kept)", MMAP_THRESHOLD // MIB)
     if config.precision is not None:
         logger.info("precision: %s", config.precision)
     if config.training.process_index == 0:
