@@ -22,7 +22,7 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                                             + the LoRA rank of every adapted linear, + heads x seq for
                                             eager attention, which keeps the attention probabilities)
                                             Under a mask (packed rows, several sequences side by side or
-                                            padded, `masked_attention`) sdpa keeps keys and values repeated
+                                            padded; not pt's equal windows: `masked_attention`) sdpa keeps keys and values repeated
                                             to every query head (2 heads x head_dim instead of 2kv: transformers
                                             repeats them itself unless there is no mask), as eager attention
                                             always does, and torch turns the boolean mask into a float one in
@@ -319,10 +319,11 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or config.model.flash_attn == "disabled"),
-        # flash_attention_* takes packed rows as sequence boundaries, no mask; a lone unpadded row has none either
-        masked_attention=not attn.startswith("flash") and (
-            config.data.packing or config.training.per_device_train_batch_size > 1
-        ),
+        # Rows of unequal lengths side by side or padded, or packed rows, have a mask; flash_attention_* takes their
+        # boundaries without one; pt's windows are all cutoff_len long.
+        masked_attention=not attn.startswith("flash") and (config.data.packing or (
+            config.training.per_device_train_batch_size > 1 and stage_row(config.finetuning.stage).reads != "text"
+        )),
         checkpointing=checkpointing_settings(config.training)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
