@@ -57,10 +57,12 @@ MASKED = 2 * H + 32
         # Freeze, last layer: only that layer saves activations.
         ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + MASKED + 4 * I + 6, H / 4),
         # Activation checkpointing: each layer's input (h) plus one layer recomputed during backward.
-        ({"finetuning_type": "lora", "gradient_checkpointing": True}, LORA_PARAMS, L * H + (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
+        ({"finetuning_type": "lora", "gradient_checkpointing": True}, LORA_PARAMS,
+         L * H + (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
         # Eager attention keeps the attention probabilities (heads x seq per token per layer) and repeated keys and
         # values, but no float copy of the mask.
-        ({"finetuning_type": "lora", "flash_attn": "disabled"}, LORA_PARAMS, L * (6 * H + 2 * H + 4 * I + 6 + 56 + 4 * 32), H / 4),
+        ({"finetuning_type": "lora", "flash_attn": "disabled"}, LORA_PARAMS,
+         L * (6 * H + 2 * H + 4 * I + 6 + 56 + 4 * 32), H / 4),
     ],
 )
 def test_memory_arithmetic_by_hand(tiny_llama_dir, options, trainable, layer_elements, outside_elements):

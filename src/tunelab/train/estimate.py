@@ -22,11 +22,12 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                                             + the LoRA rank of every adapted linear, + heads x seq for
                                             eager attention, which keeps the attention probabilities)
                                             Under a mask (packed rows, several sequences side by side or
-                                            padded; not pt's equal windows: `masked_attention`) sdpa keeps keys and values repeated
-                                            to every query head (2 heads x head_dim instead of 2kv: transformers
-                                            repeats them itself unless there is no mask), as eager attention
-                                            always does, and torch turns the boolean mask into a float one in
-                                            every layer and keeps it: + seq per token (batch x seq^2 a layer).
+                                            padded; not pt's equal windows: `masked_attention`) sdpa keeps
+                                            keys and values repeated to every query head (2 heads x head_dim
+                                            instead of 2kv: transformers repeats them unless there is no
+                                            mask), as eager attention always does, and torch turns the boolean
+                                            mask into a float one in every layer and keeps it: + seq per token
+                                            (batch x seq^2 a layer).
                          outside the layers h/4, + 2h when the embeddings / final norm train (full
                                             fine-tuning)
                        plus, per supervised position only (training computes the output layer where a
@@ -49,9 +50,9 @@ data is not streamed, else cutoff_len rows supervised everywhere, and the output
 
 Not counted (the output says so too): on CPU, the library code the first backward pages in and the small
 blocks (under 1 MiB) the C allocator keeps after it freed them; training maps every larger block on its own and
-returns it when freed (train/memory.py map_large_blocks), so the peak follows the live tensors; on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
-and generation batches (smaller than a training step's, without gradients), data-loader workers,
-DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
+returns it when freed (train/memory.py map_large_blocks), so the peak follows the live tensors; on a GPU,
+the CUDA context and the caching allocator's reserved-but-free blocks; evaluation and generation batches
+(smaller than a training step's, without gradients), data-loader workers, DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
 
 Time: a probe trains a few real optimizer steps on the run's first batches (the configured model,
 adapters, optimizer, batch size and gradient accumulation, on the tokenized training data when it was
