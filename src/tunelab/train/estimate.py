@@ -52,7 +52,8 @@ Not counted (the output says so too): on CPU, the library code the first backwar
 blocks (under 1 MiB) the C allocator keeps after it freed them; training maps every larger block on its own and
 returns it when freed (train/memory.py map_large_blocks), so the peak follows the live tensors; on a GPU,
 the CUDA context and the caching allocator's reserved-but-free blocks; evaluation and generation batches
-(smaller than a training step's, without gradients), data-loader workers, DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
+(smaller than a training step's, without gradients), data-loader workers, DeepSpeed/FSDP sharding (divide the
+sharded parts by the number of ranks), architectures far from Llama.
 
 Time: a probe trains a few real optimizer steps on the run's first batches (the configured model,
 adapters, optimizer, batch size and gradient accumulation, on the tokenized training data when it was
