@@ -38,20 +38,31 @@ KEPT = SUPERVISED * (V * 4 + 4 + 8)  # their logits (fp32), float32 logsumexp, i
 WORKSPACE = SUPERVISED * V * 4 + 2 * SUPERVISED * V * 4  # the logits' gradient + one chunk's float32 softmax and copy
 
 
+# A batch of 4 rows has an attention mask (padding or sequences side by side): sdpa keeps keys and values repeated to
+# the 4 query heads (2 x 64 = 2H instead of 2KV) and a float copy of the mask in every layer (+ seq = 32 per token).
+MASKED = 2 * H + 32
+
+
 @pytest.mark.parametrize(
     "options, trainable, layer_elements, outside_elements",
     [
-        # LoRA r=8 on all 7 linears: 6h + 2kv + 4i + 6 + 7 x 8 per layer, h/4 outside; fp32 adapters.
-        ({"finetuning_type": "lora"}, LORA_PARAMS, L * (6 * H + 2 * KV + 4 * I + 6 + 56), H / 4),
+        # LoRA r=8 on all 7 linears: 6h + 2kv + 4i + 6 + 7 x 8 per layer (masked: above), h/4 outside; fp32 adapters.
+        ({"finetuning_type": "lora"}, LORA_PARAMS, L * (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
+        # One row, no mask: keys and values once per KV head.
+        ({"finetuning_type": "lora", "per_device_train_batch_size": 1}, LORA_PARAMS,
+         L * (6 * H + 2 * KV + 4 * I + 6 + 56), H / 4),
         # Full: norm weights train (+2h per layer), embeddings / final norm train (+2h outside; the head's input
         # is kept at supervised positions only).
-        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + 2 * KV + 4 * I + 6), H / 4 + 2 * H),
+        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + MASKED + 4 * I + 6), H / 4 + 2 * H),
         # Freeze, last layer: only that layer saves activations.
-        ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + 2 * KV + 4 * I + 6, H / 4),
+        ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + MASKED + 4 * I + 6, H / 4),
         # Activation checkpointing: each layer's input (h) plus one layer recomputed during backward.
-        ({"finetuning_type": "lora", "gradient_checkpointing": True}, LORA_PARAMS, L * H + (6 * H + 2 * KV + 4 * I + 6 + 56), H / 4),
-        # Eager attention keeps the attention probabilities: heads x seq per token per layer.
-        ({"finetuning_type": "lora", "flash_attn": "disabled"}, LORA_PARAMS, L * (6 * H + 2 * KV + 4 * I + 6 + 56 + 4 * 32), H / 4),
+        ({"finetuning_type": "lora", "gradient_checkpointing": True}, LORA_PARAMS,
+         L * H + (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
+        # Eager attention keeps the attention probabilities (heads x seq per token per layer) and repeated keys and
+        # values, but no float copy of the mask.
+        ({"finetuning_type": "lora", "flash_attn": "disabled"}, LORA_PARAMS,
+         L * (6 * H + 2 * H + 4 * I + 6 + 56 + 4 * 32), H / 4),
     ],
 )
 def test_memory_arithmetic_by_hand(tiny_llama_dir, options, trainable, layer_elements, outside_elements):
@@ -64,10 +75,12 @@ def test_memory_arithmetic_by_hand(tiny_llama_dir, options, trainable, layer_ele
     assert memory.weights == 4 * result.total_parameters
     assert memory.gradients == 4 * trainable
     assert memory.optimizer_states == 2 * 4 * trainable  # AdamW: two float32 states
+    rows = options.get("per_device_train_batch_size", 4) / 4  # TOKENS, SUPERVISED, KEPT and WORKSPACE are for 4
     head_input = SUPERVISED * H * 4 if options["finetuning_type"] == "full" else 0  # the trained head's input
-    assert memory.activations == int(TOKENS * (layer_elements + outside_elements) * 4 + KEPT + head_input)
-    assert memory.loss_workspace == WORKSPACE
-    assert memory.total == memory.weights + memory.gradients + memory.optimizer_states + memory.activations + WORKSPACE
+    assert memory.activations == int(rows * (TOKENS * (layer_elements + outside_elements) * 4 + KEPT + head_input))
+    assert memory.loss_workspace == rows * WORKSPACE
+    assert memory.total == (memory.weights + memory.gradients + memory.optimizer_states + memory.activations
+                            + memory.loss_workspace)
 
 
 def test_bf16_halves_stored_activations_and_the_kept_logits(tiny_llama_dir):
@@ -82,7 +95,9 @@ def test_bf16_halves_stored_activations_and_the_kept_logits(tiny_llama_dir):
 
 def _saved_for_backward(model, batch: int, seq: int, prompt: int = 0) -> int:
     """Bytes autograd saves in one training forward + loss (logits only where a label follows, as the trainer
-    asks for them), each row's first `prompt` tokens unsupervised: every saved storage once, parameters excluded."""
+    asks for them), each row's first `prompt` tokens unsupervised: every saved storage once, parameters excluded.
+    Several rows hold two sequences each (position ids restart mid-row), as packed and padding-free batches of
+    mixed lengths do: the attention has a mask."""
     storages: dict[int, int] = {}
 
     def pack(tensor):
@@ -90,13 +105,19 @@ def _saved_for_backward(model, batch: int, seq: int, prompt: int = 0) -> int:
         storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
         return tensor
 
-    ids = torch.randint(3, 800, (batch, seq), generator=torch.Generator().manual_seed(0))
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(3, min(800, vocab), (batch, seq), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
     labels[:, :prompt] = -100
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     model.train()
+    positions = torch.arange(seq).repeat(batch, 1)
+    if batch > 1:
+        positions[:, seq // 2:] -= seq // 2
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        causal_lm_loss(model(input_ids=ids, logits_to_keep=next_token_mask(labels)).logits, labels)
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False,
+                       logits_to_keep=next_token_mask(labels)).logits
+        causal_lm_loss(logits, labels)
     return sum(size for ptr, size in storages.items() if ptr not in parameters)
 
 
@@ -104,17 +125,26 @@ def _saved_for_backward(model, batch: int, seq: int, prompt: int = 0) -> int:
     ({"finetuning_type": "full"}, 0), ({"finetuning_type": "full"}, 60), ({"finetuning_type": "lora"}, 0),
     ({"finetuning_type": "lora"}, 32), ({"finetuning_type": "lora", "lora_rank": 32}, 0),
     ({"finetuning_type": "freeze"}, 0), ({"finetuning_type": "lora", "flash_attn": "disabled"}, 0),
+    ({"finetuning_type": "lora", "per_device_train_batch_size": 1}, 0),
+    ({"finetuning_type": "lora", "model_name_or_path": "gqa"}, 0),
+    ({"finetuning_type": "lora", "model_name_or_path": "gqa", "per_device_train_batch_size": 1}, 0),
+    ({"finetuning_type": "lora", "model_name_or_path": "gqa", "flash_attn": "disabled"}, 0),
 ])
-def test_activation_formula_matches_what_autograd_saves(options, prompt):
-    """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864): within 1% of the real saved tensors, with every
-    position supervised and with long prompts (the logits of 4 of 64 positions: 6.6% less than all)."""
-    config = _config("tiny", **options, per_device_train_batch_size=8, cutoff_len=64)
+def test_activation_formula_matches_what_autograd_saves(options, prompt, request):
+    """On the embedded tiny Llama (h 128, i 384, 4 layers, V 864) and on a GQA one (tiny_llama_dir: 4 query heads, 2
+    KV heads): within 1% of the real saved tensors, with every position supervised and with long prompts (the logits
+    of 4 of 64 positions: 6.6% less than all), with and without an attention mask (several rows: sequences side by
+    side; one row: none)."""
+    options = {"per_device_train_batch_size": 8, **options}
+    if options.get("model_name_or_path") == "gqa":
+        options["model_name_or_path"] = str(request.getfixturevalue("tiny_llama_dir"))
+    config = _config(options.pop("model_name_or_path", "tiny"), **options, cutoff_len=64)
     meta = trained_skeleton(config.model, config.finetuning, config.training)
     supervised = 64 - max(prompt, 1)  # positions whose next token is a label
     shape = training_shape(meta, config.model, config.data, config.training, 64, supervised)
     predicted = activation_bytes(ModelShape.from_config(meta.config), shape)
     model = load_model(config.model, config.finetuning, config.training, load_tokenizer(config.model))
-    saved = _saved_for_backward(model, 8, 64, prompt)
+    saved = _saved_for_backward(model, config.training.per_device_train_batch_size, 64, prompt)
     assert predicted == pytest.approx(saved, rel=0.01)
 
 

@@ -21,6 +21,13 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                          per decoder layer  6h + 2kv + 4i + 6 (+2h when its norm weights train,
                                             + the LoRA rank of every adapted linear, + heads x seq for
                                             eager attention, which keeps the attention probabilities)
+                                            Under a mask (packed rows, several sequences side by side or
+                                            padded; not pt's equal windows: `masked_attention`) sdpa keeps
+                                            keys and values repeated to every query head (2 heads x head_dim
+                                            instead of 2kv: transformers repeats them unless there is no
+                                            mask), as eager attention always does, and torch turns the boolean
+                                            mask into a float one in every layer and keeps it: + seq per token
+                                            (batch x seq^2 a layer).
                          outside the layers h/4, + 2h when the embeddings / final norm train (full
                                             fine-tuning)
                        plus, per supervised position only (training computes the output layer where a
@@ -41,11 +48,12 @@ The micro-batch is per_device_train_batch_size rows of the longest tokenized row
 supervised positions as the most supervised row, read from the data when the stage is sft or pt and the
 data is not streamed, else cutoff_len rows supervised everywhere, and the output says which.
 
-Not counted (the output says so too): on CPU, the free memory the C allocator keeps after the first steps
-and the library code the first backward pages in (together 4-8% of the quickstart's peak, measured in
-docs/use.md); on a GPU, the CUDA context and the caching allocator's reserved-but-free blocks; evaluation
-and generation batches (smaller than a training step's, without gradients), data-loader workers,
-DeepSpeed/FSDP sharding (divide the sharded parts by the number of ranks), architectures far from Llama.
+Not counted (the output says so too): on CPU, the library code the first backward pages in and the free memory
+the C allocator keeps in its heap after the first steps (0.5B LoRA at 512: 5,154 MiB measured against 4,586 with
+`MALLOC_MMAP_THRESHOLD_=1048576`, which returns it at a cost in speed; train/memory.py); on a GPU,
+the CUDA context and the caching allocator's reserved-but-free blocks; evaluation and generation batches
+(smaller than a training step's, without gradients), data-loader workers, DeepSpeed/FSDP sharding (divide the
+sharded parts by the number of ranks), architectures far from Llama.
 
 Time: a probe trains a few real optimizer steps on the run's first batches (the configured model,
 adapters, optimizer, batch size and gradient accumulation, on the tokenized training data when it was
@@ -132,6 +140,7 @@ class TrainingShape:
     outer_train: bool  # embeddings / final norm / head train (full)
     lora_rank_per_layer: int  # sum of LoRA ranks over one layer's adapted linears
     eager_attention: bool
+    masked_attention: bool  # the batch's attention has a mask: packed rows, several sequences side by side, padding
     checkpointing: bool
     activation_bytes: int  # 2 (bf16/fp16 compute) or 4
     supervised_per_row: int  # positions whose next token is a label: where the output layer and loss run
@@ -207,11 +216,15 @@ class Estimate:
 def activation_elements_per_token(model: ModelShape, shape: TrainingShape) -> dict[str, float]:
     """Saved-for-backward elements per token: {'layer': one active layer, 'outside': everything else}."""
     h, kv = model.hidden, model.kv_heads * model.head_dim
+    if shape.eager_attention or shape.masked_attention:  # keys and values repeated to every query head
+        kv = model.heads * model.head_dim
     layer = 6 * h + 2 * kv + 4 * model.intermediate + 6 + shape.lora_rank_per_layer
     if shape.norms_train:
         layer += 2 * h
     if shape.eager_attention:
         layer += model.heads * shape.seq_len
+    elif shape.masked_attention:  # sdpa: the boolean mask made float in every layer, (batch, 1, seq, seq)
+        layer += shape.seq_len
     # Full fine-tuning: the embeddings and final norm keep 2h per token; the output layer's input (h) is kept
     # only at supervised positions (counted in activation_bytes).
     outside_half = h / 4 + (2 * h if shape.outer_train else 0)  # stored in the compute dtype
@@ -283,10 +296,11 @@ def optimizer_state_bytes(model: nn.Module, optim: str) -> tuple[int, str | None
 
 def training_shape(
     model: nn.Module, model_args: ModelArguments, data_args: DataArguments, args: TrainingArguments,
-    seq_len: int | None = None, supervised: int | None = None,
+    seq_len: int | None = None, supervised: int | None = None, *, windows: bool = False,
 ) -> TrainingShape:
     """How `model` trains under the options, for micro-batches of `seq_len` tokens a row (default cutoff_len) with
-    `supervised` positions each (default all but the last)."""
+    `supervised` positions each (default all but the last). `windows`: the rows are raw-text windows of one length.
+    """
 
     _, layers = decoder_layers(model)
     trainable_layers = [i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
@@ -310,6 +324,11 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or model_args.flash_attn == "disabled"),
+        # Rows of unequal lengths side by side or padded, or packed rows, have a mask; flash_attention_* takes their
+        # boundaries without one; raw-text windows are all cutoff_len long.
+        masked_attention=not attn.startswith("flash") and (
+            data_args.packing or (args.per_device_train_batch_size > 1 and not windows)
+        ),
         checkpointing=checkpointing_settings(args)[0],
         activation_bytes=2 if half else 4,
         supervised_per_row=seq_len - 1 if supervised is None else min(supervised, seq_len - 1),
@@ -329,7 +348,8 @@ def estimate(config: RunConfig, probe_steps: int = 3, read_data: bool = True) ->
     reset_peak_rss()  # the probe's peak starts here: tokenizing a dataset on a cache miss is not training
     model = trained_skeleton(config.model, config.finetuning, config.training)
     model_shape = ModelShape.from_config(model.config)
-    shape = training_shape(model, config.model, config.data, config.training, lengths.longest, lengths.supervised)
+    shape = training_shape(model, config.model, config.data, config.training, lengths.longest, lengths.supervised,
+                           windows=stage_row(config.finetuning.stage).reads == "text")
     weights, grads, trainable = parameter_bytes(model, config.model.quantization_bit)
     states, note = optimizer_state_bytes(model, str(getattr(config.training.optim, "value", config.training.optim)))
     memory = MemoryEstimate(
@@ -407,8 +427,7 @@ def probe(model_args: ModelArguments, data_args: DataArguments, finetuning: Fine
     """Train 1 + `steps` optimizer steps: on `train` (the tokenized training set, in the run's order) when
     given, else on random rows of cutoff_len tokens. The median seconds per step after the first, and the peak.
 
-    The C allocator is left as training leaves it: pinning glibc's mmap threshold (so that RSS follows live
-    tensors) makes every large tensor a fresh mapping, zeroed page by page, and steps several times slower.
+    The C allocator is left as training leaves it (train/memory.py says why).
     """
     tokenizer = load_tokenizer(model_args)
     model = load_model(model_args, finetuning, args, tokenizer, is_trainable=True)

@@ -1,4 +1,5 @@
-"""Run a configured training job: set up logging, the open-file limit and the output folder, dispatch to the stage."""
+"""Run a configured training job: set up logging, the open-file limit, the C allocator and the output folder, dispatch
+to the stage."""
 
 from __future__ import annotations
 
