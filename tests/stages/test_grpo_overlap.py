@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -139,3 +140,30 @@ def test_a_reward_function_that_raises_ends_the_run_with_its_one_line_error(tmp_
     assert capsys.readouterr().err.splitlines()[-1:] == [
         "tunelab: error: strict: a reference answer is empty; give every row an answer"]
     assert not (tmp_path / "raises" / "model.safetensors").exists()
+
+
+def _scoring_threads() -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("reward-scoring")]
+
+
+@pytest.mark.slow  # two GRPO runs: over 2 s on the 2-core AVX2 reference
+def test_the_scoring_thread_ends_with_the_run_whether_it_finishes_or_fails(tmp_path, monkeypatch):
+    """Each GRPO object starts one scoring thread. The run shuts it down: held alive by whoever keeps the object
+    (here this test, as the web UI or a notebook might), an idle thread per run would pile up."""
+    kept: list[ThreadPoolExecutor] = []
+
+    def kept_executor(*args, **kwargs):
+        kept.append(ThreadPoolExecutor(*args, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(grpo_module, "ThreadPoolExecutor", kept_executor)
+    before = set(_scoring_threads())
+    assert main(["train", _config(tmp_path, "ends", "user_rewards.py:spread", max_steps=1)]) == 0
+    (tmp_path / "failing_rewards.py").write_text("def fail(prompts, completions, references):\n"
+                                                 "    raise OSError(\"a reward's own bug\")\n")
+    with pytest.raises(OSError, match="a reward's own bug"):  # not a tunelab error: it reaches the caller whole
+        main(["train", _config(tmp_path, "fails", "failing_rewards.py:fail", max_steps=1)])
+    assert len(kept) == 2
+    for thread in set(_scoring_threads()) - before:
+        thread.join(timeout=WAIT_S)
+    assert set(_scoring_threads()) - before == set()

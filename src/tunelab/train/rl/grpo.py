@@ -139,11 +139,7 @@ class GRPO:
         # The log-probs need no reward (but for dynamic sampling, which drops rows first): the forwards run while
         # the scoring thread works on this batch.
         log_probs = None if self.dynamic_sampling else self._old_and_reference_log_probs(rollout)
-        try:
-            totals, per_function, run_stats = started.scores.result()
-        except BaseException:
-            self.scoring.shutdown(wait=False, cancel_futures=True)  # the run ends here: no later batch needs scores
-            raise
+        totals, per_function, run_stats = started.scores.result()  # a raised error ends the run: the loop closes
         device = rollout.input_ids.device
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)
         zero_spread = zero_spread_groups(rewards, self.group_size)
@@ -183,6 +179,10 @@ class GRPO:
             with self.loop.accelerator.autocast():  # the same precision as the policy's forward
                 ref = reference_log_probs(self.policy, self.reference, rollout, self.temperature)
         return old, ref
+
+    def close(self) -> None:
+        """The scoring thread exits: a pending batch (the run failed) is dropped, since no step will use it."""
+        self.scoring.shutdown(wait=False, cancel_futures=True)
 
     def begin_round(self, batches: list[GRPOBatch]) -> None:
         """Before the optimizer steps on one round of rollouts: count the round's completion tokens (dapo's

@@ -65,6 +65,8 @@ class Algorithm(Protocol):
 
     def loss(self, rollout: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
+    def close(self) -> None: ...  # the run is over (or failed): stop what start_rollout left in the background
+
 
 def build_accelerator(args: TrainingArguments) -> Accelerator:
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
@@ -132,19 +134,22 @@ class RLLoop:
         self.progress.begin()
         self._event("on_train_begin")
         self.model.eval()  # dropout off: see the module docstring
-        while self.state.global_step < self.max_steps:
-            started = [algorithm.start_rollout(next(self._batches)) for _ in range(self.accum)]
-            rollouts = [algorithm.finish_rollout(batch) for batch in started]
-            algorithm.begin_round(rollouts)
-            self.rounds += 1
-            for _ in range(min(self.num_iterations, self.max_steps - self.state.global_step)):
-                for index, rollout in enumerate(rollouts):
-                    last = index == len(rollouts) - 1
-                    with self.accelerator.no_sync(self.model) if not last else contextlib.nullcontext():
-                        loss, stats = algorithm.loss(rollout)
-                        self.accelerator.backward(loss / self.accum)
-                    self.record({"loss": loss.detach(), **stats})
-                self._optimizer_step()
+        try:
+            while self.state.global_step < self.max_steps:
+                started = [algorithm.start_rollout(next(self._batches)) for _ in range(self.accum)]
+                rollouts = [algorithm.finish_rollout(batch) for batch in started]
+                algorithm.begin_round(rollouts)
+                self.rounds += 1
+                for _ in range(min(self.num_iterations, self.max_steps - self.state.global_step)):
+                    for index, rollout in enumerate(rollouts):
+                        last = index == len(rollouts) - 1
+                        with self.accelerator.no_sync(self.model) if not last else contextlib.nullcontext():
+                            loss, stats = algorithm.loss(rollout)
+                            self.accelerator.backward(loss / self.accum)
+                        self.record({"loss": loss.detach(), **stats})
+                    self._optimizer_step()
+        finally:
+            algorithm.close()
         self._event("on_train_end")
         return {"train_steps": self.state.global_step, "train_rounds": self.rounds}
 

@@ -154,6 +154,9 @@ class PPO:
     def begin_round(self, batches: list[PPOBatch]) -> None:
         """Nothing in ppo spans a round of rollouts."""
 
+    def close(self) -> None:
+        """ppo starts nothing in the background."""
+
     def loss(self, batch: PPOBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         mask = batch.rollout.completion_mask
         log_probs, values = self.loop.model(batch.rollout, self.temperature)
