@@ -5,6 +5,7 @@ Dimensions are small but keep bitsandbytes' 4-bit constraints (rows a multiple o
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -107,6 +108,15 @@ def pytest_collection_modifyitems(config, items):
     files at the end even the workers out."""
     long_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in long_files)  # stable: each group keeps its collection order
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported: what exists now (torch, transformers, the tests' own objects) lives until the
+    end. gc.freeze() keeps the collector from walking it again: each Trainer.train runs a full gc.collect (accelerate's
+    free_memory), and the heap of half a million objects made each such walk cost ~0.4 s. Measured on three files of
+    short training runs (2-core AVX2 EPYC, one process): gen-2 collections 17.6 s -> 5.3 s, the files 74.7 -> 69.0 s."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,8 +10,9 @@ sharded, the adapters stay whole on every rank and their gradients are averaged.
 
 from __future__ import annotations
 
+import os
 import shutil
-import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.precisions import PRECISIONS, precision_env
-from tests.train.reliability_helpers import cli_command, cli_env
 from tests.train.test_ddp import CONFIG
 from tunelab.cli import main
 from tunelab.run_folder import read_log
@@ -45,19 +45,30 @@ def max_difference(a: Path, b: Path) -> float:
 
 
 def train(cfg: Path, cache: Path, *overrides: str) -> str:
-    """A `tunelab train` subprocess (torchrun's workers write to its stderr); its stderr."""
-    done = subprocess.run(cli_command(cfg, *overrides), env=cli_env(TUNELAB_CACHE=str(cache), OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stderr
+    """`tunelab train` launched from this process, as the DeepSpeed tests do (a `tunelab` process of its own would
+    import the training stack once more per launch); what torchrun's workers wrote to stderr."""
+    with tempfile.TemporaryFile(mode="w+", encoding="utf-8") as sink, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TUNELAB_CACHE", str(cache))
+        patch.setenv("OMP_NUM_THREADS", "1")
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)  # the workers inherit file descriptor 2
+        try:
+            code = main(["train", str(cfg), *overrides])
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        sink.seek(0)
+        stderr = sink.read()
+    assert code == 0, stderr[-3000:]
+    return stderr
 
 
 @pytest.fixture(scope="module", params=PRECISIONS)
 def runs(request, tmp_path_factory):
     """Full fine-tuning (model-only checkpoints at steps 2 and 4) FSDP over 2 processes × batch 4 in each precision,
     compared with test_ddp's shared reference; in fp32 also LoRA, FSDP over 2 processes × batch 4 and in one
-    process × batch 8 (LoRA's sharding does not depend on the precision, and each launch costs three processes'
-    imports: about 40 s of the 2-core suite)."""
+    process × batch 8 (LoRA's sharding does not depend on the precision, and each launch costs two workers'
+    imports: about 30 s of the 2-core suite)."""
     precision = request.param
     tmp = tmp_path_factory.mktemp(f"fsdp-{precision}")
     cfg = tmp / "cfg.yaml"
@@ -70,6 +81,7 @@ def runs(request, tmp_path_factory):
         if precision == "fp32":
             stderr["lora"] = train(cfg, cache, f"output_dir={tmp / 'lora'}", *FSDP, *LORA)
             patch.setenv("TUNELAB_CACHE", str(cache))
+            patch.setenv("OMP_NUM_THREADS", "1")
             assert main(["train", str(cfg), f"output_dir={tmp / 'lora-one'}", "per_device_train_batch_size=8",
                          *LORA]) == 0
     return tmp, stderr, precision
