@@ -136,7 +136,10 @@ class Terminal:
 
 
 @pytest.mark.slow
-def test_interactive_session_in_a_terminal(chat_model):
+def test_interactive_session_in_a_terminal(chat_model, reference):
+    """In a real terminal (readline on a pseudo-terminal): turns keep the history; after /clear a backslash at the
+    end of a line continues the turn with the `... ` prompt, and the model answers the two lines joined by a
+    newline. One session for both (each `tunelab chat` process imports the stack: ~15 s of the 2-core suite)."""
     env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "tunelab.cli", "chat", str(chat_model.adapter), "--temperature", "0"]
     terminal = Terminal(argv, env)
@@ -145,6 +148,13 @@ def test_interactive_session_in_a_terminal(chat_model):
     terminal.read_until("🙂\r\n>>> ")
     terminal.send("Again\r")
     terminal.read_until("again!\r\n>>> ")
+    terminal.send("/clear\r")
+    terminal.read_until("(history cleared)\r\n>>> ")
+    terminal.send("Count\\\r")
+    terminal.read_until("... ")
+    terminal.send("now\r")
+    expected = reference.answer(messages(None, [("Count\nnow", None)]))
+    terminal.read_until(f"{expected}\r\n>>> ")
     terminal.send("\x04")  # Ctrl-D on an empty line: end of input
     terminal.read_until(">>> \r\n")
     assert terminal.exit_code() == 0
@@ -153,24 +163,7 @@ def test_interactive_session_in_a_terminal(chat_model):
     shown = terminal.seen.decode().replace("\r\n", "\n")
     banner = "chatting with adapter (template chatml); /image PATH attaches an image, /clear resets the history, /exit or Ctrl-D quits\n"
     assert shown.count(banner) == 1
-    assert shown[shown.index(banner) :] == banner + ">>> Say hi\nHi! 你好 🙂\n>>> Again\nHi again!\n>>> \n"
-
-
-@pytest.mark.slow
-def test_multi_line_turn_in_a_terminal(chat_model, reference):
-    """In a real terminal (readline on a pseudo-terminal): a backslash at the end of a line continues the turn
-    with the `... ` prompt, and the model answers the two lines joined by a newline."""
-    env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "tunelab.cli", "chat", str(chat_model.adapter), "--temperature", "0"]
-    terminal = Terminal(argv, env)
-    terminal.read_until(">>> ")
-    terminal.send("Count\\\r")
-    terminal.read_until("... ")
-    terminal.send("now\r")
-    expected = reference.answer(messages(None, [("Count\nnow", None)]))
-    terminal.read_until(f"{expected}\r\n>>> ")
-    terminal.send("\x04")
-    terminal.read_until(">>> \r\n")
-    assert terminal.exit_code() == 0
-    shown = terminal.seen.decode().replace("\r\n", "\n")
-    assert shown.endswith(f">>> Count\\\n... now\n{expected}\n>>> \n")
+    assert shown[shown.index(banner) :] == (
+        banner + ">>> Say hi\nHi! 你好 🙂\n>>> Again\nHi again!\n>>> /clear\n(history cleared)\n"
+        f">>> Count\\\n... now\n{expected}\n>>> \n"
+    )
