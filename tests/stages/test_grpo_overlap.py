@@ -142,6 +142,24 @@ def test_a_reward_function_that_raises_ends_the_run_with_its_one_line_error(tmp_
     assert not (tmp_path / "raises" / "model.safetensors").exists()
 
 
+
+@pytest.mark.slow  # a GRPO run: over 2 s on the 2-core AVX2 reference
+def test_a_reward_with_a_signal_timeout_is_one_line_naming_it_and_the_fix(tmp_path, capsys):
+    """Rewards are scored off the main thread, where Python refuses signal.signal: math_verify's default timeout
+    (signal.alarm) raised a bare ValueError from deep in the scoring thread; it is one line naming the function."""
+    (tmp_path / "alarm_rewards.py").write_text(
+        "import signal\n\n"
+        "def timed(prompts, completions, references):\n"
+        "    signal.signal(signal.SIGALRM, lambda *_: None)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    capsys.readouterr()
+    assert main(["train", _config(tmp_path, "alarm", "alarm_rewards.py:timed", max_steps=1)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()[-1:]
+    assert line.startswith("tunelab: error: reward_funcs: 'alarm_rewards.py:timed' sets a signal handler"), line
+    assert "parsing_timeout=None" in line and "timeout_seconds=None" in line
+
+
 def _scoring_threads() -> list[threading.Thread]:
     return [thread for thread in threading.enumerate() if thread.name.startswith("reward-scoring")]
 

@@ -35,7 +35,8 @@ forwards (a round of one batch too). It cannot change results:
   (pop_stats) right after the batch it belongs to;
 - a reward function's exception reaches the loop unchanged when its batch is finished.
 Reward functions therefore run off the main thread: one that installs a signal handler (a signal.alarm timeout)
-cannot; code_tests' limits are those of its own child processes.
+cannot, and ends the run with one line naming it (rewards.RewardFunction); code_tests' limits are those of its own
+child processes.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import functools
 import inspect
 import logging
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,7 +153,19 @@ class RewardFunction:
         kwargs: dict = {"finished": finished} if self.wants_finished else {}
         if self.wants_messages and completion_messages is not None:
             kwargs["completion_messages"] = completion_messages
-        scores = self.fn(prompts, completions, references, **kwargs)
+        try:
+            scores = self.fn(prompts, completions, references, **kwargs)
+        except ValueError as exc:
+            if threading.current_thread() is threading.main_thread() or "main thread" not in str(exc):
+                raise
+            # Python's own refusal of signal.signal off the main thread; GRPO scores on a background thread.
+            raise ConfigError(
+                f"reward_funcs: '{self.name}' sets a signal handler (a signal.alarm timeout, as math_verify's parse and "
+                "verify do by default), which Python allows only on the main thread, and tunelab scores rewards on a "
+                "background thread while the model generates; turn that timeout off (math_verify: "
+                "parse(..., parsing_timeout=None), verify(..., timeout_seconds=None)) or bound the work another way "
+                "(a thread, or a process as code_tests does)"
+            ) from None
         scores = [float(s) for s in scores]
         if len(scores) != len(completions):
             raise ValueError(
