@@ -142,7 +142,6 @@ def test_a_reward_function_that_raises_ends_the_run_with_its_one_line_error(tmp_
     assert not (tmp_path / "raises" / "model.safetensors").exists()
 
 
-
 @pytest.mark.slow  # a GRPO run: over 2 s on the 2-core AVX2 reference
 def test_a_reward_with_a_signal_timeout_is_one_line_naming_it_and_the_fix(tmp_path, capsys):
     """Rewards are scored off the main thread, where Python refuses signal.signal: math_verify's default timeout

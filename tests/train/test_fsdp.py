@@ -81,7 +81,6 @@ def runs(request, tmp_path_factory):
         if precision == "fp32":
             stderr["lora"] = train(cfg, cache, f"output_dir={tmp / 'lora'}", *FSDP, *LORA)
             patch.setenv("TUNELAB_CACHE", str(cache))
-            patch.setenv("OMP_NUM_THREADS", "1")
             assert main(["train", str(cfg), f"output_dir={tmp / 'lora-one'}", "per_device_train_batch_size=8",
                          *LORA]) == 0
     return tmp, stderr, precision
