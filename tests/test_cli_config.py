@@ -56,8 +56,8 @@ def test_data_verify_and_coverage_need_no_output_dir(capsys, action):
     code, out, err = run(capsys, ["data", action, *MINIMAL])
     assert code == 0 and "error" not in err
     assert out.splitlines()[0] == (
-        "train: 2 batches, 16 samples, through PaddingFreeCollator (position_ids): input_ids, labels, position_ids; "
-        "first batch (8, 37)" if action == "verify"
+        "train: 2 batches, 16 samples, through PaddingFreeCollator (varlen): input_ids, labels, position_ids, "
+        "cu_seq_lens_q, cu_seq_lens_k, attention_mask; first batch (1, 260)" if action == "verify"
         else "train: 16 samples, 536 tokens (tokenizer: byte-level, 864 entries; model vocab_size 864 from config.json)")
 
 

@@ -125,12 +125,13 @@ def test_verify_padding_free_is_the_default(demo: Path, capsys) -> None:
     code, lines, _ = run(capsys, "verify", str(demo), *mixed)
     assert code == 0
     assert lines[:4] == [
-        "train: 4 batches, 64 samples, through PaddingFreeCollator (position_ids): input_ids, labels, position_ids; "
-        "first batch (10, 91)",
+        # sdpa_varlen (model/varlen_sdpa.py): each batch's samples flattened into one row, their boundaries beside
+        "train: 4 batches, 64 samples, through PaddingFreeCollator (varlen): input_ids, labels, position_ids, "
+        "cu_seq_lens_q, cu_seq_lens_k, attention_mask; first batch (1, 792)",
         padded[1],  # the same supervised positions
-        "  64 padding-free samples in 40 batch rows: position ids restart at 0 at each start and step by 1; "
+        "  64 padding-free samples in 4 batch rows: position ids restart at 0 at each start and step by 1; "
         "label -100 at every sample start",
-        "  643 padding positions: pad id 0, label -100",
+        "  0 padding positions: pad id 0, label -100",
     ]
 
 
@@ -138,11 +139,11 @@ def test_verify_packed_uses_the_packed_collator(demo: Path, capsys) -> None:
     code, lines, _ = run(capsys, "verify", str(demo), "packing=true", "--max-batches", "1")
     assert code == 0
     assert lines[0] == (
-        "train: 1 batch, 15 packed rows, through PackedCollator (position_ids): input_ids, labels, position_ids; "
-        "first batch (15, 128)"
+        "train: 1 batch, 15 packed rows, through PackedCollator (varlen): input_ids, labels, position_ids, "
+        "cu_seq_lens_q, cu_seq_lens_k, attention_mask; first batch (1, 1820)"
     )
     assert lines[2] == (
-        "  64 packed samples in 15 batch rows: position ids restart at 0 at each start and step by 1; "
+        "  64 packed samples in 1 batch rows: position ids restart at 0 at each start and step by 1; "
         "label -100 at every sample start"
     )
 
@@ -218,7 +219,7 @@ def test_pt_stats_and_verify(tmp_path: Path, capsys) -> None:
     packed.write_text(config.read_text().replace("stride: 48\n", "packing: true\n"), encoding="utf-8")
     code, lines, _ = run(capsys, "verify", str(packed))
     assert code == 0 and lines[-1].startswith("ok: every check passed")
-    assert "through PackedCollator (position_ids)" in lines[0]
+    assert "through PackedCollator (varlen)" in lines[0]
     assert re.fullmatch(r"  \d+ packed samples in \d+ batch rows: position ids restart .*", lines[2])
 
 
@@ -283,7 +284,8 @@ def test_verify_and_coverage_of_pair_stages(tmp_path: Path, capsys, stage: str, 
         assert "through PairedCollator: input_ids, labels, attention_mask; first batch (8, " in lines[0]
         assert not any("sequence_ids" in line for line in lines)
     else:
-        assert "through PairedCollator (position_ids): input_ids, labels, position_ids, sequence_ids" in lines[0]
+        assert ("through PairedCollator (varlen): input_ids, labels, position_ids, cu_seq_lens_q, cu_seq_lens_k, "
+                "attention_mask, sequence_ids") in lines[0]
         assert lines[3] == "  sequence_ids: one id per sequence, each of the batch's sequences once, -1 on padding"
     assert lines[-1] == "ok: every check passed (dtypes int64, shapes consistent, every input id < vocab_size 864)"
 

@@ -51,8 +51,8 @@ def test_data_takes_each_spelling_of_its_own_and_the_runs_options(style, capsys)
     code, out, err = run(capsys, ["data", "verify", *spelled(style, {**run_options, "max_batches": "1"})])
     assert code == 0 and "error" not in err
     assert out.splitlines()[0] == (
-        "train: 1 batch, 8 samples (of 16), through PaddingFreeCollator (position_ids): input_ids, labels, "
-        "position_ids; first batch (8, 37)"
+        "train: 1 batch, 8 samples (of 16), through PaddingFreeCollator (varlen): input_ids, labels, "
+        "position_ids, cu_seq_lens_q, cu_seq_lens_k, attention_mask; first batch (1, 260)"
     )
 
 

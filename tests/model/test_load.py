@@ -122,7 +122,8 @@ def test_compute_dtype_reaches_the_weights(tiny_llama_dir, training_args):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-@pytest.mark.parametrize(("flash_attn", "implementation"), [("disabled", "eager"), ("sdpa", "sdpa")])
+# sdpa: run once per packed sample for training (model/varlen_sdpa.py)
+@pytest.mark.parametrize(("flash_attn", "implementation"), [("disabled", "eager"), ("sdpa", "sdpa_varlen")])
 def test_attention_implementation(tiny_llama_dir, training_args, flash_attn, implementation):
     model = _load(tiny_llama_dir, training_args, flash_attn=flash_attn)
     assert model.config._attn_implementation == implementation

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tunelab.cli import main
+from tunelab.data.collate import PackedCollator
 from tunelab.preflight import load_config
 from tunelab.model.load import load_model
 from tunelab.model.tokenizer import load_tokenizer
@@ -41,24 +42,30 @@ WORKSPACE = SUPERVISED * V * 4 + 2 * SUPERVISED * V * 4  # the logits' gradient 
 # A batch of 4 rows has an attention mask (padding or sequences side by side): sdpa keeps keys and values repeated to
 # the 4 query heads (2 x 64 = 2H instead of 2KV) and a float copy of the mask in every layer (+ seq = 32 per token).
 MASKED = 2 * H + 32
+# The same rows through sdpa_varlen (the default for training, model/varlen_sdpa.py): no mask, keys and values once per
+# KV head, and each sample's attention output kept apart from the joined one (+ h).
+PER_SAMPLE = 2 * KV + H
 
 
 @pytest.mark.parametrize(
     "options, trainable, layer_elements, outside_elements",
     [
-        # LoRA r=8 on all 7 linears: 6h + 2kv + 4i + 6 + 7 x 8 per layer (masked: above), h/4 outside; fp32 adapters.
-        ({"finetuning_type": "lora"}, LORA_PARAMS, L * (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
+        # LoRA r=8 on all 7 linears: 6h + 2kv + 4i + 6 + 7 x 8 per layer (per sample: above), h/4 outside; fp32
+        # adapters.
+        ({"finetuning_type": "lora"}, LORA_PARAMS, L * (6 * H + PER_SAMPLE + 4 * I + 6 + 56), H / 4),
+        # Padded rows (padding_free off): sdpa under a mask.
+        ({"finetuning_type": "lora", "padding_free": False}, LORA_PARAMS, L * (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
         # One row, no mask: keys and values once per KV head.
         ({"finetuning_type": "lora", "per_device_train_batch_size": 1}, LORA_PARAMS,
          L * (6 * H + 2 * KV + 4 * I + 6 + 56), H / 4),
         # Full: norm weights train (+2h per layer), embeddings / final norm train (+2h outside; the head's input
         # is kept at supervised positions only).
-        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + MASKED + 4 * I + 6), H / 4 + 2 * H),
+        ({"finetuning_type": "full"}, BASE_PARAMS, L * (8 * H + PER_SAMPLE + 4 * I + 6), H / 4 + 2 * H),
         # Freeze, last layer: only that layer saves activations.
-        ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + MASKED + 4 * I + 6, H / 4),
+        ({"finetuning_type": "freeze", "freeze_trainable_layers": 1}, LAYER_PARAMS, 8 * H + PER_SAMPLE + 4 * I + 6, H / 4),
         # Activation checkpointing: each layer's input (h) plus one layer recomputed during backward.
         ({"finetuning_type": "lora", "gradient_checkpointing": True}, LORA_PARAMS,
-         L * H + (6 * H + MASKED + 4 * I + 6 + 56), H / 4),
+         L * H + (6 * H + PER_SAMPLE + 4 * I + 6 + 56), H / 4),
         # Eager attention keeps the attention probabilities (heads x seq per token per layer) and repeated keys and
         # values, but no float copy of the mask.
         ({"finetuning_type": "lora", "flash_attn": "disabled"}, LORA_PARAMS,
@@ -114,9 +121,13 @@ def _saved_for_backward(model, batch: int, seq: int, prompt: int = 0) -> int:
     positions = torch.arange(seq).repeat(batch, 1)
     if batch > 1:
         positions[:, seq // 2:] -= seq // 2
+    # The batch as the training collator lays these rows out for this model (sdpa_varlen: one flattened row).
+    rows = [{"input_ids": i.tolist(), "labels": l.tolist(), "position_ids": p.tolist()}
+            for i, l, p in zip(ids, labels, positions)]
+    batch = PackedCollator.for_model(model, 0)(rows)
+    labels = batch.pop("labels")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False,
-                       logits_to_keep=next_token_mask(labels)).logits
+        logits = model(**batch, use_cache=False, logits_to_keep=next_token_mask(labels)).logits
         causal_lm_loss(logits, labels)
     return sum(size for ptr, size in storages.items() if ptr not in parameters)
 

@@ -29,6 +29,7 @@ from transformers import (
 from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.config.training_args import TrainingArguments
 from tunelab.data.collate import (
+    SDPA_VARLEN,
     PackedCollator,
     PaddingFreeCollator,
     SupervisedCollator,
@@ -36,6 +37,7 @@ from tunelab.data.collate import (
     side_by_side,
 )
 from tunelab.data.packing import pack_dataset, pack_lengths
+from tunelab.model import varlen_sdpa
 from tunelab.model.load import load_model
 from tunelab.train.losses import causal_lm_loss
 from tunelab.train.trainer import TunelabTrainer
@@ -80,6 +82,8 @@ def sample_logits(
     if position_ids is None:
         return {i: logits[i, : len(s["input_ids"])] for i, s in enumerate(samples())}
     bins = pack_lengths([len(s["input_ids"]) for s in samples()], capacity)  # the bins the collator used
+    if position_ids.shape[0] == 1 and len(bins) > 1:  # varlen: the rows flattened into one, in order
+        bins = [[index for members in bins for index in members]]
     out = {}
     for row, members in enumerate(bins):
         starts = (position_ids[row] == 0).nonzero().flatten().tolist()
@@ -116,6 +120,60 @@ def test_packed_equals_unpacked(model_dir, attn, attention):
     assert len(logits_p) == len(samples())
     assert diffs["loss"] < 1e-5 and diffs["logits"] < 1e-5 and diffs["grads"] < 1e-5
     assert max(g.abs().max().item() for g in grads_u.values()) > 1e-3
+
+
+def test_sdpa_per_sample_equals_unpacked(model_dir):
+    """sdpa_varlen (sdpa run once per sample, model/varlen_sdpa.py) on the packed rows flattened into one: the
+    padded batch's logits, loss and gradients. Its all-ones mask turns transformers' own isolation off (the leak
+    pins below), so only the per-sample attention keeps the samples apart."""
+    model = load(model_dir, "sdpa")
+    loss_u, logits_u, grads_u = forward_backward(model, SupervisedCollator(0)(samples()))
+    assert varlen_sdpa.use_for_training(model) and model.config._attn_implementation == SDPA_VARLEN
+    collator = PackedCollator.for_model(model, 0)
+    assert collator == PackedCollator(0, "varlen", ones_mask=True)
+    batch = collator(packed_rows())
+    assert batch["input_ids"].shape[0] == 1 and batch["attention_mask"].all()
+    loss_v, logits_v, grads_v = forward_backward(model, batch)
+    diffs = {"loss": abs(loss_v - loss_u), "logits": max_diff(logits_u, logits_v), "grads": max_diff(grads_u, grads_v)}
+    print(f"{model_dir.name} sdpa_varlen: max |packed - unpacked| " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert len(logits_v) == len(samples())
+    assert diffs["loss"] < 1e-5 and diffs["logits"] < 1e-5 and diffs["grads"] < 1e-5
+    with torch.no_grad():  # the same row without its boundaries: one causal sequence, the samples leak
+        whole = model(**{k: v for k, v in batch.items() if not k.startswith(("cu_seq", "max_length", "labels"))})
+    assert max_diff(logits_u, sample_logits(whole.logits, batch["position_ids"])) > LEAK
+
+
+def test_every_model_of_a_run_takes_the_per_sample_batches(tiny_llama_dir):
+    """A frozen reference or teacher gets the trained model's batches: load_model switches it too (plain sdpa would
+    read the batch's all-ones mask as one sequence), and its generation still runs."""
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    frozen = load_model(ModelArguments(model_name_or_path=str(tiny_llama_dir)), FinetuningArguments(), args, tokenizer,
+                        is_trainable=False)
+    assert frozen.config._attn_implementation == SDPA_VARLEN
+    alone = sample_logits(frozen(**SupervisedCollator(0)(samples()) | {"labels": None}).logits.detach())
+    batch = PackedCollator(0, "varlen", ones_mask=True)(packed_rows())  # what the trained model's collator makes
+    packed = frozen(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False).logits.detach()
+    assert max_diff(alone, sample_logits(packed, batch["position_ids"])) < 1e-5
+    prompt = torch.tensor([samples()[0]["input_ids"][:6]])
+    reference = load(tiny_llama_dir, "sdpa").generate(prompt, max_new_tokens=5, do_sample=False)
+    assert frozen.generate(prompt, max_new_tokens=5, do_sample=False).tolist() == reference.tolist()
+
+
+def test_sdpa_per_sample_only_where_every_layer_attends_fully(tiny_qwen2_dir):
+    """A sliding-window layer needs sdpa's mask: such a model keeps sdpa, and a packed row reaching the per-sample
+    function there is refused, not attended across samples."""
+    config = AutoConfig.from_pretrained(tiny_qwen2_dir)
+    config.use_sliding_window, config.sliding_window = True, 16
+    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    assert not varlen_sdpa.use_for_training(model) and model.config._attn_implementation == "sdpa"
+    varlen_sdpa.register()
+    model.set_attn_implementation(SDPA_VARLEN)
+    model.config.use_cache = False
+    batch = PackedCollator(0, "varlen", ones_mask=True)(packed_rows())
+    with pytest.raises(ValueError, match=r"^sdpa_varlen: cannot isolate the samples of this packed row in "):
+        model(**{k: v for k, v in batch.items() if k != "labels"})
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -229,7 +287,8 @@ def test_padding_free_trainer_step_equals_padded(tmp_path, tiny_llama_dir, preci
 
     grads_u, loss_u = trainer_step(tmp_path / "u", tiny_llama_dir, unpacked, lambda m: SupervisedCollator(0), precision)
     grads_f, loss_f = trainer_step(tmp_path / "f", tiny_llama_dir, unpacked, padding_free, precision)
-    assert picked[0] == PaddingFreeCollator(PackedCollator(0, "position_ids"))
+    # load_model runs sdpa per sample (model/varlen_sdpa.py): one flattened row and its boundaries.
+    assert picked[0] == PaddingFreeCollator(PackedCollator(0, "varlen", ones_mask=True))
     print(f"{precision} trainer step: loss {abs(loss_f - loss_u):.1e}, grads {max_diff(grads_u, grads_f):.1e}")
     loss_tolerance, grad_tolerance = STEP_TOLERANCE[precision]
     assert loss_f == pytest.approx(loss_u, abs=loss_tolerance)

@@ -13,7 +13,8 @@ model's attention backend gets its block-causal mask (see the packing module doc
     attention       keys                                                       padding
     position_ids    input_ids, labels, position_ids (no attention_mask)        to the longest row
     varlen          input_ids, labels, position_ids, cu_seq_lens_q/k,          none: the batch is one
-                    max_length_q/k (flash_attention_*)                         flattened row
+                    max_length_q/k (flash_attention_*; sdpa_varlen also an     flattened row
+                    all-ones attention_mask, model/varlen_sdpa.py)
     block_mask      input_ids, labels, position_ids, attention_mask            to the longest row
                     (batch, 1, L, L) additive: 0 allowed, dtype min blocked
 
@@ -129,6 +130,9 @@ class PackedCollator:
     attention: PackedAttention = "position_ids"
     mask_dtype: torch.dtype = torch.float32  # block_mask: the model's compute dtype (the mask is added to scores)
     pad_to_multiple_of: int | None = None
+    # varlen for sdpa_varlen: a 2-D all-ones mask beside cu_seq_lens, so that transformers neither looks for packed
+    # rows in the position ids nor builds the (1, 1, L, L) mask the per-sample attention never reads.
+    ones_mask: bool = False
 
     @classmethod
     def for_model(cls, model, pad_token_id: int, pad_to_multiple_of: int | None = None) -> "PackedCollator":
@@ -141,7 +145,7 @@ class PackedCollator:
             raise ModelError(
                 "packing needs the model's use_cache=False: with a KV cache, packed samples attend to each other"
             )
-        if native and attn.startswith("flash_attention"):
+        if native and takes_varlen(attn):
             attention: PackedAttention = "varlen"
         elif native and attn in ("sdpa", "eager", "flex_attention"):
             attention = "position_ids"
@@ -156,7 +160,8 @@ class PackedCollator:
                 f"packing: cannot isolate packed samples with attention '{attn}' in {type(base).__name__}; "
                 "set flash_attn: sdpa, or packing: false"
             )
-        return cls(pad_token_id, attention, mask_dtype=base.dtype, pad_to_multiple_of=pad_to_multiple_of)
+        return cls(pad_token_id, attention, mask_dtype=base.dtype, pad_to_multiple_of=pad_to_multiple_of,
+                   ones_mask=attn == SDPA_VARLEN)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | int]:
         if self.attention == "varlen":
@@ -183,11 +188,24 @@ class PackedCollator:
         starts = (position_ids[0] == 0).nonzero().flatten()
         cu_seq_lens = torch.cat([starts, torch.tensor([position_ids.shape[1]])]).to(torch.int32)
         max_length = int(cu_seq_lens.diff().max())
-        return {
+        out: dict[str, torch.Tensor | int] = {
             "input_ids": cat("input_ids"), "labels": cat("labels"), "position_ids": position_ids,
             "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
             "max_length_q": max_length, "max_length_k": max_length,
         }
+        if self.ones_mask:
+            out["attention_mask"] = torch.ones_like(position_ids)
+        return out
+
+
+# tunelab's sdpa run once per sample of a packed row (model/varlen_sdpa.py): it reads the row's boundaries from
+# cu_seq_lens_q/k, as flash-attention's varlen kernels do, so its batches are the flattened "varlen" ones.
+SDPA_VARLEN = "sdpa_varlen"
+
+
+def takes_varlen(attn: str) -> bool:
+    """Whether this attention implementation isolates samples by cu_seq_lens (one flattened row, no mask)."""
+    return attn.startswith("flash_attention") or attn == SDPA_VARLEN
 
 
 def block_causal_mask(position_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -255,7 +273,7 @@ def padding_free_support(model) -> str | None:
     attn = getattr(base.config, "_attn_implementation", None) or "eager"
     if not _native(base):
         return f"{_model_class(base).__name__} is not transformers' own model code"
-    if attn not in ("sdpa", "eager", "flex_attention") and not attn.startswith("flash_attention"):
+    if attn not in ("sdpa", "eager", "flex_attention") and not takes_varlen(attn):
         return f"attention '{attn}' is not known to isolate packed samples"
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     if not (getattr(config, "rope_parameters", None) or getattr(config, "rope_theta", None)):

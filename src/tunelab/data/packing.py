@@ -35,6 +35,11 @@ pinned by tests/train/test_packed_equivalence.py, which also pins that the condi
   None (a 2-D all-ones mask disables it), and there is no KV cache (use_cache=False; with the cache
   on, a DynamicCache is created and detection is skipped). The model still materialises a
   (batch, 1, L, L) mask for sdpa/eager (bool / dtype-sized), as the block mask below would.
+- sdpa_varlen (what tunelab trains transformers' own text models with where transformers picks sdpa,
+  model/varlen_sdpa.py): the flattened row of flash-attention below, plus an all-ones 2-D attention
+  mask, which turns the detection above off and lets transformers skip the L² mask; the attention
+  function runs sdpa once per sample between the cu_seq_lens boundaries (is_causal), so the pairs
+  the block mask would discard are never computed.
 - flash_attention_2/3/4: transformers infers cu_seqlens from position ids only for a batch of one
   row (`_is_packed_sequence` needs batch_size == 1), so the collator flattens the batch into one
   row and passes `cu_seq_lens_q/k` and `max_length_q/k`, which `_flash_attention_forward` hands to

@@ -82,7 +82,9 @@ def verify_batch(
         return f"{where}: input_ids has shape {tuple(ids.shape)}; expected (batch, length)"
     if not packed and mask is None:
         return f"{where}: no attention_mask in a padded batch"
-    if packed and mask is not None and mask.dim() == 2:
+    # sdpa_varlen's flattened row carries an all-ones 2-D mask beside its boundaries (data/collate.py).
+    varlen_ones = "cu_seq_lens_q" in batch and mask is not None and mask.dim() == 2 and bool((mask == 1).all())
+    if packed and mask is not None and mask.dim() == 2 and not varlen_ones:
         return f"{where}: a 2-D attention_mask beside packed position_ids lets samples attend to each other; leave it out"
     two_d = ["labels", "position_ids"] if packed else ["labels", "attention_mask"]
     if "sequence_ids" in batch:
@@ -106,7 +108,7 @@ def verify_batch(
         problem = _verify_sequence_ids(batch["sequence_ids"], sample_lengths, sequence_lengths)
         if problem:
             return f"{where}{problem}"
-    if packed and mask is not None:  # block_mask path: the 4-D mask must be exactly the block-causal one
+    if packed and mask is not None and not varlen_ones:  # block_mask path: the 4-D mask must be the block-causal one
         if mask.dim() != 4 or tuple(mask.shape) != (rows, 1, length, length) or not mask.is_floating_point():
             return (f"{where}: attention_mask beside position_ids must be a float (batch, 1, L, L) block mask, "
                     f"got {tuple(mask.shape)} {mask.dtype}")

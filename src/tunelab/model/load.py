@@ -27,7 +27,7 @@ from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.config.training_args import TrainingArguments
 from tunelab.errors import ModelError, first_line
 from tunelab import hub
-from tunelab.model import gguf, qat, quantization, rope, sharding, vision
+from tunelab.model import gguf, qat, quantization, rope, sharding, varlen_sdpa, vision
 from tunelab.model.adapters import load_adapter, setup_finetuning
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 
@@ -116,6 +116,9 @@ def load_model(
     if tokenizer.pad_token_id is not None and getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
 
+    # Packed and padding-free rows: sdpa per sample, not over the L² square. Frozen models too: a reference or a
+    # teacher takes the trained model's batches (and anything else, generation included, reaches sdpa itself).
+    varlen_sdpa.use_for_training(model)
     if not is_trainable:
         if model_args.adapter_name_or_path:
             model = load_adapter(model, model_args.adapter_name_or_path, is_trainable=False)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from tunelab.config.args import FinetuningArguments, ModelArguments
 from tunelab.errors import ModelError, first_line
-from tunelab.model import gguf
+from tunelab.model import gguf, varlen_sdpa
 from tunelab.model.resolve import ATTN_IMPLEMENTATIONS, resolve_dtype
 from tunelab.model.vision import is_vision_model_folder
 
@@ -37,7 +37,9 @@ def skeleton(model: ModelArguments, finetuning: FinetuningArguments, training: T
         model_config.get_text_config().use_cache = False
         auto_class = AutoModelForImageTextToText if is_vision_model_folder(path) else AutoModelForCausalLM
         with torch.device("meta"):
-            return auto_class.from_config(model_config, **kwargs)
+            built = auto_class.from_config(model_config, **kwargs)
+        varlen_sdpa.use_for_training(built)  # as load_model switches it for training
+        return built
     except Exception as exc:  # noqa: BLE001  (unknown architecture, unreadable config.json, ...)
         where = path if gguf.is_gguf(path) else f"{path}/config.json"
         raise ModelError(f"model_name_or_path: cannot build the model class from {where}: "

@@ -27,7 +27,9 @@ run's peak RSS) and the tensors on the device on a GPU, for the longest micro-ba
                                             instead of 2kv: transformers repeats them unless there is no
                                             mask), as eager attention always does, and torch turns the boolean
                                             mask into a float one in every layer and keeps it: + seq per token
-                                            (batch x seq^2 a layer).
+                                            (batch x seq^2 a layer). sdpa_varlen (model/varlen_sdpa.py) takes
+                                            such rows without a mask, once per sample: kv once per KV head, and
+                                            each sample's output kept apart from the joined one (+ h).
                          outside the layers h/4, + 2h when the embeddings / final norm train (full
                                             fine-tuning)
                        plus, per supervised position only (training computes the output layer where a
@@ -81,7 +83,7 @@ from torch import nn
 from tunelab.config.args import DataArguments, FinetuningArguments, ModelArguments, RunConfig
 from tunelab.config.training_args import TrainingArguments
 from tunelab.config.stages import Stage, stage_row
-from tunelab.data.collate import build_collator
+from tunelab.data.collate import SDPA_VARLEN, build_collator, takes_varlen
 from tunelab.data.run_data import supervised_counts, token_lengths
 from tunelab.errors import DataError, TemplateError
 from tunelab.model.adapters import (
@@ -144,6 +146,7 @@ class TrainingShape:
     checkpointing: bool
     activation_bytes: int  # 2 (bf16/fp16 compute) or 4
     supervised_per_row: int  # positions whose next token is a label: where the output layer and loss run
+    per_sample_attention: bool = False  # sdpa_varlen over such rows: no mask, each sample's output kept (+h)
 
     @property
     def supervised(self) -> int:
@@ -223,6 +226,8 @@ def activation_elements_per_token(model: ModelShape, shape: TrainingShape) -> di
         layer += 2 * h
     if shape.eager_attention:
         layer += model.heads * shape.seq_len
+    elif shape.per_sample_attention:
+        layer += h
     elif shape.masked_attention:  # sdpa: the boolean mask made float in every layer, (batch, 1, seq, seq)
         layer += shape.seq_len
     # Full fine-tuning: the embeddings and final norm keep 2h per token; the output layer's input (h) is kept
@@ -314,6 +319,8 @@ def training_shape(
                 lora_rank += sum(ranks.values())
     norms = [p for name, p in layers[trainable_layers[-1]].named_parameters() if "norm" in name] if trainable_layers else []
     attn = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    # Packed or side-by-side rows reach these by their boundaries, without a mask (padding_free false: padded, masked).
+    varlen_rows = attn.startswith("flash") or (takes_varlen(attn) and (data_args.packing or data_args.padding_free is not False))
     half = resolve_dtype(model_args, args) in (torch.bfloat16, torch.float16) or args.bf16 or args.fp16
     seq_len = seq_len or data_args.cutoff_len
     return TrainingShape(
@@ -324,10 +331,13 @@ def training_shape(
         outer_train=any(p.requires_grad for p in outer),
         lora_rank_per_layer=lora_rank,
         eager_attention=(attn == "eager" or model_args.flash_attn == "disabled"),
-        # Rows of unequal lengths side by side or padded, or packed rows, have a mask; flash_attention_* takes their
+        # Rows of unequal lengths side by side or padded, or packed rows, have a mask; flash_attention_* and sdpa_varlen take their
         # boundaries without one; raw-text windows are all cutoff_len long.
-        masked_attention=not attn.startswith("flash") and (
+        masked_attention=not varlen_rows and (
             data_args.packing or (args.per_device_train_batch_size > 1 and not windows)
+        ),
+        per_sample_attention=varlen_rows and attn == SDPA_VARLEN and (
+            data_args.packing or args.per_device_train_batch_size > 1
         ),
         checkpointing=checkpointing_settings(args)[0],
         activation_bytes=2 if half else 4,

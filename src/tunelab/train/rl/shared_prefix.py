@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from tunelab.data.collate import SDPA_VARLEN
 from tunelab.model.text_config import text_config
 from tunelab.train.rl.log_probs import position_ids_from_mask, tempered_log_probs
 
-MASKABLE_ATTENTION = ("sdpa", "eager")
+MASKABLE_ATTENTION = ("sdpa", "eager", SDPA_VARLEN)  # sdpa_varlen: sdpa itself for a row with a mask
 
 
 def _config(model):
