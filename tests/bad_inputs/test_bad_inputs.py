@@ -312,7 +312,7 @@ def test_out_of_memory_says_what_to_lower(tmp_path):
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     assert re.fullmatch(
         r"tunelab: error: out of CPU memory while training \(an allocation of [\d.]+ [KMG]iB failed\): `tunelab "
-        r"estimate` puts a step of 128 x 512 tokens at 3\.92 GiB of tensors \(activations 3\.57 GiB, loss workspace "
+        r"estimate` puts a step of 128 x 512 tokens at 3\.54 GiB of tensors \(activations 3\.19 GiB, loss workspace "
         r"343\.58 MiB, weights \+ gradients \+ optimizer 14\.71 MiB\); lower per_device_train_batch_size \(now 128; "
         r"raise gradient_accumulation_steps to keep the batch\) or cutoff_len \(now 512\), set "
         r"gradient_checkpointing: true", errors[0],

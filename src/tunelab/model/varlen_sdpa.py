@@ -40,11 +40,12 @@ def varlen_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                                scaling=scaling, **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    edges = bounds.tolist()
+    sizes = bounds.diff().tolist()
+    # split, not slicing: its backward joins the pieces' gradients in one copy, where each slice's would fill a
+    # zeroed tensor of the whole row.
     pieces = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
-                                       is_causal=True, scale=scaling, enable_gqa=gqa)
-        for a, b in zip(edges, edges[1:])
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     ]
     joined = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)  # one sample: no copy to keep
     return joined.transpose(1, 2).contiguous(), None
