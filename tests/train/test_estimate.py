@@ -320,9 +320,9 @@ def test_estimate_against_a_real_short_run(tmp_path):
     """The printed estimate against what a real `tunelab train` of the same config shows (a fresh process each).
 
     Memory: the run's whole-process peak RSS (its VmHWM as it exits). The prediction counts the measured baseline and the
-    tensors but not the allocator's retained free memory nor library pages (measured 0.952-0.968 of the
+    tensors but not the allocator's retained free memory nor library pages (measured 0.937-0.941 of the
     run's peak, docs/use.md), so it may fall short by up to 15% and exceed by 2%. The probe's peak is the
-    same process shape plus what tokenizing (a cache miss) left behind: measured 1.009-1.036; bound 0.95-1.08.
+    same process shape plus what tokenizing (a cache miss) left behind: measured 1.003-1.036; bound 0.95-1.08.
     Time: the probe's median seconds per step over the run's (both after the first step) measured 0.82-1.20
     over 11 pairs (docs/use.md); that ratio of two wall-clock times is not asserted here, since the suite's other
     worker shares the cores (measured ratios 0.1-3 under load): only that the probe timed its steps.
