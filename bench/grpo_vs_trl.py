@@ -4,15 +4,16 @@ and loss, on the CPU, with time per step split into the rollout and the update.
     bash bench/peers/setup.sh trl                       # once: TRL's venv
     python bench/grpo_vs_trl.py                         # SmolLM2-135M-Instruct, 3 seeds x 8 steps, bf16 if the CPU has it
     python bench/grpo_vs_trl.py --seeds 0 --steps 4 --fp32
+    python bench/grpo_vs_trl.py --model qwen0.5b --fp32     # Qwen2.5-Coder-0.5B-Instruct (fetch_real.py first)
 
 The task is examples/real/grpo.yaml's: add two numbers of up to two digits (the demo_add rows), with its
 partial-credit reward (1 for the bare sum, 0.5 for the sum inside a sentence), LoRA r=16 on every linear
 layer, kl_coef (TRL: beta) 0.04 against the adapter-free base, loss_type grpo, scale_rewards group, one
-optimizer step per batch of rollouts. Each tool renders the prompts with SmolLM2's own chat template.
+optimizer step per batch of rollouts. Each tool renders the prompts with the model's own chat template.
 
 Each run goes through bench/peers/probe.py, which times (not the tools' own counters):
     step s       median wall time of an optimizer step after the first (rollout + update)
-    rollout s    per step: generation, rewards, reference log-probs (tunelab GRPO.rollout,
+    rollout s    per step: generation, rewards, reference log-probs (tunelab GRPO.start_rollout + finish_rollout,
                  TRL _generate_and_score_completions)
     generate s   per step: the sampling alone (tunelab generate_rollout, TRL _generate_single_turn)
     gen tok/s    completion tokens sampled / generate seconds
@@ -45,7 +46,10 @@ ROOT = BENCH.parent
 SETTINGS = {"prompts": 4, "num_generations": 4, "max_new_tokens": 24, "kl_coef": 0.04, "loss_type": "grpo",
             "scale_rewards": "group", "learning_rate": 5e-4, "lora_rank": 16, "cutoff_len": 96}
 TIMED = {
-    "tunelab": ("generate=tunelab.train.rl.rollout:generate_rollout,rollout=tunelab.train.rl.grpo:GRPO.rollout",
+    # tunelab's rollout is two calls: start_rollout generates and hands the scoring to a thread, finish_rollout
+    # computes the log-probs while it scores and then collects the scores; "rollout s" is their sum.
+    "tunelab": ("generate=tunelab.train.rl.rollout:generate_rollout,rollout=tunelab.train.rl.grpo:GRPO.start_rollout,"
+                "rollout_end=tunelab.train.rl.grpo:GRPO.finish_rollout",
                 "tunelab.train.rl.loop:RLLoop._optimizer_step"),
     "trl": ("generate=trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn,"
             "rollout=trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions", ""),
@@ -59,6 +63,10 @@ def write_prompts(folder: Path, rows: int) -> Path:
         for row in synthetic.generate("add", "train", rows, seed=0):
             f.write(json.dumps({"prompt": [{"role": "user", "content": user_text(row)}], "answer": row["output"]}) + "\n")
     return path
+
+
+# The real models bench/inputs.py builds as plain HF folders (TRL reads no GGUF).
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "qwen0.5b": "Qwen2.5-Coder-0.5B-Instruct"}
 
 
 # tunelab as configured by default, and with its rollouts sampled through the unmerged adapter (what merging saves)
@@ -107,7 +115,7 @@ def figures(tool: str, launched: peers.Launch, out: Path) -> dict:
         return sum(values[1:]) / max(1, len(values) - 1)  # the first step's rollout warms up
 
     step_s = statistics.median(durations) if durations else None
-    rollout_s, generate_s = per_step("rollout"), per_step("generate")
+    rollout_s, generate_s = per_step("rollout") + per_step("rollout_end"), per_step("generate")
     tokens = per_step("rollout", "completion_tokens")
     rewards = rewards_of(tool, launched, out)
     return {"step_s": step_s, "rollout_s": rollout_s, "generate_s": generate_s,
@@ -140,10 +148,11 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true", help="fp32 for both (default: bf16 autocast)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bench/gpu.sh")
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--model", choices=tuple(MODELS), default="smollm2")
     args = parser.parse_args()
-    model = peers.DATA / "model-smollm2"
+    model = peers.DATA / f"model-{args.model}"
     if not model.exists():
-        peers.subprocess.run([str(peers.TUNELAB_PYTHON), str(BENCH / "inputs.py"), "--models", "tiny,small,smollm2"],
+        peers.subprocess.run([str(peers.TUNELAB_PYTHON), str(BENCH / "inputs.py"), "--models", f"tiny,small,{args.model}"],
                              check=True, stdout=peers.subprocess.DEVNULL)
     root = Path(tempfile.mkdtemp(prefix="bench-grpo-"))
     rows = args.steps * SETTINGS["prompts"] * 4  # enough prompts that no run repeats one
@@ -172,7 +181,7 @@ def main() -> None:
             print(f"{tool:<8} seed {seed}: step {record['step_s']:.2f} s, rollout {record['rollout_s']:.2f} s, "
                   f"reward {record['mean_reward']:.3f}", flush=True)
     medians = {tool: summary(runs) for tool, runs in results.items()}
-    print(f"\nGRPO, {args.device}, {'bf16' if bf16 else 'fp32'}, SmolLM2-135M-Instruct, {SETTINGS['prompts']} prompts x "
+    print(f"\nGRPO, {args.device}, {'bf16' if bf16 else 'fp32'}, {MODELS[args.model]}, {SETTINGS['prompts']} prompts x "
           f"{SETTINGS['num_generations']} completions of <= {SETTINGS['max_new_tokens']} tokens per step, "
           f"{args.steps} steps, seeds {args.seeds} (medians; reward: mean over steps and seeds, [min, max] of seeds)")
     print(f"{'tool':<10}" + "".join(f"{title:>12}" for _, title, _ in COLUMNS) + "   reward seeds")
@@ -188,7 +197,7 @@ def main() -> None:
                   f"update {ours['update_s'] / theirs['update_s']:.2f})")
     peers.RESULTS.mkdir(exist_ok=True)
     path = peers.RESULTS / f"grpo-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"command": " ".join(sys.argv), "settings": SETTINGS, "steps": args.steps,
+    path.write_text(json.dumps({"command": " ".join(sys.argv), "model": MODELS[args.model], "settings": SETTINGS, "steps": args.steps,
                                 "bf16": bf16, "device": args.device, "load_avg_at_end": os.getloadavg(), "medians": medians,
                                 "runs": results}, indent=2))
     print(f"results: {path}")

@@ -20,6 +20,9 @@ What it writes (deterministic: the same files on every run and machine):
                         widths of 48-128 (random weights): a step costs little arithmetic and as many operator
                         launches as SmolLM2's, so on a CPU it times the per-operator overhead a GPU step of the
                         real model waits on (`--models smollm2-thin`)
+    model-qwen0.5b/     Qwen2.5-Coder-0.5B-Instruct's real weights (24 layers, vocabulary 151,936, untied head as the
+                        GGUF stores it) with its tokenizer and template, as model-smollm2 (`--models qwen0.5b`;
+                        scripts/fetch_real.py qwen2.5-coder-0.5b first)
     sft.json            mixed-length SFT rows, alpaca {"instruction", "input", "output"}
     sft_chat.json       the same rows as prompt/completion messages (TRL, plain HF): user content is
                         instruction + "\\n" + input, as alpaca is rendered by tunelab and LlamaFactory
@@ -177,6 +180,8 @@ def build(out: Path = DATA_DIR, sft_rows_n: int = 4000, pref_rows_n: int = 2000,
             smollm2_model(out / "model-smollm2")
         elif name == "smollm2-thin":
             thin_model(out / "model-smollm2-thin")
+        elif name == "qwen0.5b":
+            registry_model(out / "model-qwen0.5b", "qwen2.5-coder-0.5b")
 
     sft = sft_rows(sft_rows_n)
     long_rows = long_prompt_rows(long_rows_n)
@@ -251,12 +256,17 @@ REAL = {"real": {**QWEN05, "num_hidden_layers": 2}, "real8": {**QWEN05, "num_hid
 
 def smollm2_model(link: Path) -> None:
     """model-smollm2 -> the HF folder of SmolLM2-135M-Instruct, built once from its GGUF (bench/pure_bf16.py)."""
+    registry_model(link, "smollm2")
+
+
+def registry_model(link: Path, name: str) -> None:
+    """link -> the plain HF folder of scripts/fetch_real.py's `name`, built once from its GGUF (bench/pure_bf16.py)."""
     import sys  # noqa: PLC0415
     bench = Path(__file__).resolve().parent
     sys.path[:0] = [str(bench), str(bench.parent / "scripts")]
     import pure_bf16  # noqa: PLC0415 (imports torch and transformers: only when asked for)
 
-    folder = pure_bf16.hf_folder(bench / ".data" / "real" / "smollm2-hf")
+    folder = pure_bf16.hf_folder(bench / ".data" / "real" / f"{name}-hf", name)
     if not link.exists():
         link.symlink_to(folder.resolve(), target_is_directory=True)
 
@@ -322,7 +332,7 @@ def main() -> None:
     parser.add_argument("--pref-rows", type=int, default=2000)
     parser.add_argument("--docs", type=int, default=8000)
     parser.add_argument("--long-rows", type=int, default=400)
-    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real8, real24 (full depth), smollm2 (real weights) and smollm2-thin")
+    parser.add_argument("--models", default="tiny,small", help="also real (2 layers), real8, real24 (full depth), smollm2 and qwen0.5b (real weights) and smollm2-thin")
     args = parser.parse_args()
     manifest = build(args.out, args.sft_rows, args.pref_rows, args.docs, args.long_rows,
                      models=tuple(args.models.split(",")))

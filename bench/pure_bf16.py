@@ -34,14 +34,15 @@ VARIANTS = {  # name -> (TUNELAB_CPU_BF16, extra options)
 }
 
 
-def hf_folder(out: Path) -> Path:
-    """SmolLM2's GGUF dequantized into a plain HF folder (float32 weights, its tokenizer and chat template)."""
+def hf_folder(out: Path, name: str = "smollm2") -> Path:
+    """A registry GGUF (scripts/fetch_real.py's `name`, SmolLM2 by default) dequantized into a plain HF folder
+    (float32 weights, its tokenizer and chat template), for the tools that read no GGUF."""
     if (out / "config.json").is_file():
         return out
     import torch  # noqa: PLC0415
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    gguf = path_of("smollm2")
+    gguf = path_of(name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):  # the GGUF's: the weights below are plain float32 already
