@@ -78,6 +78,21 @@ def test_hermes_answers():
         assert parse_hermes(broken) is None, broken
 
 
+def test_hermes_reads_untagged_calls_as_llama_cpp_does():
+    # Qwen2.5-Coder-0.5B-Instruct answers with the object alone, without <tool_call> (seen in its greedy answers);
+    # llama.cpp's Hermes parser, where such models are deployed, makes the opening tag optional.
+    bare = '{"name": "python", "arguments": {"code": "440818 * 52535"}}'
+    assert parse_hermes(bare) == ("", [("python", {"code": "440818 * 52535"})])
+    assert parse_hermes(f"  {bare}\n{bare}\n")[1] == [("python", {"code": "440818 * 52535"})] * 2
+    for not_a_call in (
+        '{"answer": 42}',  # no name
+        f"Sure: {bare}",  # untagged calls are the whole answer or nothing
+        f"{bare} and then some text",
+        '{"name": "python", "arguments": {"code": ',  # cut by max_tokens
+    ):
+        assert parse_hermes(not_a_call) is None, not_a_call
+
+
 def test_llama3_json_answers():
     assert parse_llama3_json(' {"name": "get_weather", "parameters": {"city": "Paris"}}\n') == ("", [WEATHER])
     assert parse_llama3_json('<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}') == ("", [WEATHER])
@@ -118,6 +133,9 @@ def split(syntax: ToolSyntax, pieces: list[str]) -> tuple[list[str], str, list[t
     ("qwen2_5", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("qwen2_5", "A plain answer, < and <tool but no call.\n"),
     ("qwen2_5", '<tool_call>\n{"name": "get_weather", "argu'),
+    ("qwen2_5", ' {"name": "get_weather", "arguments": {"city": "Paris"}}'),
+    ("qwen2_5", '{"name": "get_weather", "argu'),
+    ("qwen2_5", '{"a": 1} is JSON'),
     ("llama3_1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("llama3_1", "  Hello {world}"),
     ("mistral_v0_3", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
@@ -143,6 +161,9 @@ def test_content_streams_until_a_call_opens():
     assert (out, rest, calls) == (["Let me", " check.", "", "", "", ""], "", [("g", {})])
     out, rest, calls = split(hermes, ["Say", " <tool", "box>", " here"])
     assert (out, rest, calls) == (["Say", "", " <toolbox>", " here"], "", [])
+    # An untagged call is the whole answer: "{" first holds it; any other first character rules it out.
+    assert split(hermes, ["{", '"name": "g", ', '"arguments": {}}']) == (["", "", ""], "", [("g", {})])
+    assert split(hermes, [" ", "x {", '"name": "g", "arguments": {}}']) == (["", " x {", '"name": "g", "arguments": {}}'], "", [])
     # Llama-3.1: a call is the whole answer, so a first character other than "{" rules it out.
     out, rest, calls = split(syntax_of("llama3_1"), [" ", "Hi", " there", "{"])
     assert (out, rest, calls) == (["", " Hi", " there", "{"], "", [])

@@ -150,6 +150,22 @@ def test_a_call_written_unlike_the_template_is_rendered_its_way_and_masked(make_
 
 
 @pytest.mark.parametrize("make_tokenizer", TOKENIZERS[:1])
+def test_an_untagged_call_runs_and_only_the_answer_after_it_trains(make_tokenizer, monkeypatch):
+    # Qwen2.5-Coder-0.5B-Instruct writes its calls without <tool_call> (llama.cpp reads them as calls, and so does
+    # the API's parser): the call runs, inference sends the template's tagged form of it, so none of the policy's
+    # tokens of that turn are in the row and none train.
+    bare = '{"name": "python", "arguments": {"code": "print(6 * 7)"}}'
+    tokenizer, row, policy, result = setting(make_tokenizer, monkeypatch, [bare, "42"])
+    exchange = result.completion_messages[0]
+    assert exchange[1] == {**exchange[1], "role": "tool", "content": "42"}
+    before_answer = inference_ids(tokenizer, [*json.loads(row["messages"]), *exchange[:-1]], json.loads(row["tools"]))
+    ids, own = row_ids(result.rollout, 0)
+    assert ids == before_answer + policy.turns[1]
+    assert own == [0] * (len(before_answer) - len(row["prompt_ids"])) + [1] * len(policy.turns[1])
+    assert result.stats["tools/rewritten_calls"] == 2 and result.rollout.completions == ["42", "42"]
+
+
+@pytest.mark.parametrize("make_tokenizer", TOKENIZERS[:1])
 def test_calls_stop_after_max_tool_turns_and_the_last_turn_is_the_answer(make_tokenizer, monkeypatch):
     tokenizer, row, policy, result = setting(make_tokenizer, monkeypatch, [CANONICAL_CALL], max_tool_turns=2)
     exchange = result.completion_messages[0]

@@ -5,6 +5,7 @@ the model learned that syntax, so its answers are parsed with the same one:
 
     family        written by (built-ins)          an answer with calls
     hermes        default, qwen2_5, qwen3           [text] <tool_call>{"name": …, "arguments": {…}}</tool_call> …
+                                                    or only {"name": …, "arguments": {…}} … untagged (llama.cpp's rule)
     llama3_json   llama3_1                          {"name": …, "parameters": {…}}   (the whole answer)
     mistral       mistral_v0_3, mistral_nemo        [text] [TOOL_CALLS] [{"name": …, "arguments": {…}}, …]
 
@@ -78,7 +79,7 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 def parse_hermes(text: str) -> Parsed | None:
     if "<tool_call>" not in text:
-        return None
+        return _bare_calls(text)
     calls, content, last = [], [], 0
     for match in _HERMES_BLOCK.finditer(text):
         body = match.group(1)
@@ -91,6 +92,20 @@ def parse_hermes(text: str) -> Parsed | None:
         last = match.end()
     content.append(text[last:])
     return "".join(content).strip(), calls
+
+
+def _bare_calls(text: str) -> Parsed | None:
+    """An answer that is nothing but call objects without their tags (`{"name": …, "arguments": …}`, as
+    Qwen2.5-Coder writes them): calls, as llama.cpp's Hermes parser reads them (its opening tag is optional)."""
+    calls, rest = [], text
+    while rest.strip():
+        parsed = _object(rest)
+        call = _call(parsed[0]) if parsed else None
+        if call is None:
+            return None
+        calls.append(call)
+        rest = rest[parsed[1]:]
+    return ("", calls) if calls else None
 
 
 def parse_llama3_json(text: str) -> Parsed | None:
@@ -124,10 +139,11 @@ class _Family:
     openings: tuple[str, ...]  # text that begins the calls in an answer
     at_start_only: bool  # the calls are the whole answer (no content before them)
     id_chars: int  # length of the random part of a call id
+    start_openings: tuple[str, ...] = ()  # text that begins calls only at the answer's start (hermes: bare objects)
 
 
 FAMILIES = {
-    "hermes": _Family(parse_hermes, ("<tool_call>",), False, 24),
+    "hermes": _Family(parse_hermes, ("<tool_call>",), False, 24, ("{",)),
     "llama3_json": _Family(parse_llama3_json, ("{", "<|python_tag|>"), True, 24),
     # Mistral-Nemo's template requires ids of exactly 9 letters and digits (the whole id, no prefix).
     "mistral": _Family(parse_mistral, ("[TOOL_CALLS]",), False, 9),
@@ -160,6 +176,10 @@ class ToolSyntax:
     @property
     def at_start_only(self) -> bool:
         return FAMILIES[self.family].at_start_only
+
+    @property
+    def start_openings(self) -> tuple[str, ...]:
+        return FAMILIES[self.family].start_openings
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """(content, calls) of a whole answer; None when it holds no well-formed call (it is all content)."""
@@ -204,9 +224,10 @@ def tool_syntax(template: Template, bos_token: str = "", eos_token: str = "") ->
     candidates = [BUILTIN_FAMILIES[template.name]] if template.name in BUILTIN_FAMILIES else list(FAMILIES)
     for family in candidates:
         parsed = FAMILIES[family].parse(turn)
-        if parsed is None or parsed[1] != [(_PROBE_NAME, _PROBE_ARGUMENTS)]:
-            continue
-        at, opening = min((turn.find(o), o) for o in FAMILIES[family].openings if o in turn)
+        openings = [o for o in FAMILIES[family].openings if o in turn]
+        if parsed is None or parsed[1] != [(_PROBE_NAME, _PROBE_ARGUMENTS)] or not openings:
+            continue  # (a template writing bare objects is llama3_json's, not hermes's untagged form)
+        at, opening = min((turn.find(o), o) for o in openings)
         name_at = turn.find(f'"{_PROBE_NAME}"') + 1
         arguments_at = turn.find(json.dumps(_PROBE_ARGUMENTS, ensure_ascii=False))
         named = None
@@ -239,6 +260,14 @@ class ToolCallStream:
             self.held += piece
             return ""
         self.pending += piece
+        if self.syntax.start_openings and not self.decided:  # a bare call can only be the whole answer
+            start = self.pending.lstrip()
+            if not start:
+                return ""
+            if start.startswith(self.syntax.start_openings):
+                self.held, self.pending = self.pending, ""
+                return ""
+            self.decided = True
         if self.syntax.at_start_only:
             if not self.decided:
                 start = self.pending.lstrip()
