@@ -64,3 +64,13 @@ def test_eval_config_errors_are_one_line(tmp_path, capsys):
     )
     assert main(["train", str(config), f"output_dir={tmp_path / 'x'}", "do_predict=true"]) == 2
     assert "do_predict needs an eval set" in capsys.readouterr().err
+
+
+def test_eval_needs_only_the_eval_set(tmp_path, capsys):
+    # `tunelab eval model=... eval_dataset=...` on a model nobody trained here: no training dataset to name.
+    out = tmp_path / "ev"
+    assert main(["eval", "model_name_or_path=tiny", "template=chatml", "eval_dataset=demo_reverse_test",
+                 "max_samples=3", "max_new_tokens=4", f"output_dir={out}"]) == 0
+    assert [p["dataset"] for p in _lines(out / "predictions.jsonl")] == ["demo_reverse_test"] * 3
+    assert main(["eval", "model_name_or_path=tiny", "template=chatml", f"output_dir={out}"]) == 2
+    assert capsys.readouterr().err.endswith("dataset is not set: name one or more datasets from dataset_info.json\n")

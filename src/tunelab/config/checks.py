@@ -95,7 +95,7 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     output_dir); "serve" (tunelab chat / api with a YAML) the model and adapter (the engine checks the template it
     serves with, which may be the adapter's); callbacks only matter to the run that trains with them. Each check
     takes the option groups its row of VALUE_CHECKS names, no more."""
-    without_data = (_check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval)
+    without_data = (_check_dataset_named, _check_data, _check_stage_data, _check_streaming, _check_dedup, _check_eval)
     skipped = {
         "export": (_check_template_options, *without_data, *LOOP_CHECKS),
         "serve": (_check_template_options, *without_data, _check_preference, _check_rl, _check_distillation,
@@ -103,6 +103,8 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)
+    if purpose == "eval" and config.data.eval_dataset:  # tunelab eval reads only the eval sets then
+        skipped = (*skipped, _check_dataset_named)
     _check_applicability([config.model, config.data, config.finetuning, config.generation], purpose)
     for check, groups in VALUE_CHECKS:
         if check not in skipped:
@@ -334,6 +336,11 @@ def _check_qat(model, finetuning, export) -> None:
         raise ConfigError(f"qat_start_step must be >= 0, got {ft.qat_start_step}")
 
 
+def _check_dataset_named(data) -> None:
+    if not data.dataset:
+        raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
+
+
 def _check_data(model, data, generation) -> None:
     if data.cutoff_len < 2:
         raise ConfigError(f"cutoff_len must be at least 2, got {data.cutoff_len}")
@@ -346,8 +353,6 @@ def _check_data(model, data, generation) -> None:
                 f"{key} with flash_attn: fa2 cannot keep samples isolated in trust_remote_code models; "
                 f"set flash_attn: sdpa (a block mask is used), or {key}: false"
             )
-    if not data.dataset:
-        raise ConfigError("dataset is not set: name one or more datasets from dataset_info.json")
     if data.val_size < 0:
         raise ConfigError(f"val_size must be >= 0, got {data.val_size}")
     for key in ("max_samples", "preprocessing_num_workers"):
@@ -877,6 +882,7 @@ VALUE_CHECKS = (
     (_check_quantization, ("model", "finetuning")),
     (_check_qat, ("model", "finetuning", "export")),
     (_check_template_options, ("data", "finetuning")),
+    (_check_dataset_named, ("data",)),
     (_check_data, ("model", "data", "generation")),
     (_check_stage_data, ("data", "finetuning", "generation")),
     (_check_preference, ("data", "finetuning", "generation")),

@@ -314,7 +314,7 @@ def load_canonical_splits(
     `encoder`: the run's sft encoder, to check the rows as training does (data/trainable.py: with skip_bad_rows
     the same rows are left out), for callers that encode them again (`tunelab data verify`)."""
     sources = load_canonical(data_args.dataset or [], data_args, report, encoder, images)
-    train_rows = mix_sources(sources, data_args, seed)
+    train_rows = mix_sources(sources, data_args, seed) if sources else datasets.Dataset.from_list([])  # tunelab eval
     eval_rows: dict[str, datasets.Dataset] = {}
     if data_args.val_size > 0:
         train_rows, eval_rows[VAL_SPLIT_NAME] = split_validation(train_rows, data_args.val_size, seed, "rows")
