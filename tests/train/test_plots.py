@@ -19,6 +19,7 @@ from tunelab.train.plots import (
     loss_figure,
     percent_figure,
     plot_loss,
+    reward_figure,
     series,
     smooth_curve,
     smoothing_weight,
@@ -155,3 +156,15 @@ def test_generation_and_accuracy_scores_are_drawn_in_percent(tmp_path):
     fig = percent_figure({_percent_label(k): curve for k, curve in curves.items()}, "generated answers", "score")
     assert sorted(_lines(fig)) == ["eval_bleu (last 20)", "eval_exact_match (%) (last 50)", "eval_rouge_l (last 60)"]
     assert fig.axes[0].get_ylim() == (-2.0, 102.0)
+
+
+def test_an_rl_run_gets_its_reward_curve_beside_the_share_of_groups_without_spread(tmp_path):
+    records = [{"step": s, "loss": 0.01 * s, "reward": 0.1 * s, "zero_spread_groups": 1 - 0.1 * s} for s in range(1, 5)]
+    (tmp_path / "trainer_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [p.name for p in plot_loss(tmp_path)] == ["training_loss.png", "training_reward.png"]
+    fig = reward_figure(series(records, "reward"), series(records, "zero_spread_groups"), "r")
+    reward_axis, share_axis = fig.axes
+    assert list(reward_axis.get_lines()[0].get_ydata()) == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert list(share_axis.get_lines()[0].get_ydata()) == pytest.approx([90, 80, 70, 60])  # a share, drawn as %
+    assert [t.get_text() for t in reward_axis.get_legend().get_texts()] == [
+        "mean reward of the rollouts (last 0.4)", "groups with no reward spread, % (last 60)"]

@@ -179,6 +179,38 @@ def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
     return fig
 
 
+def reward_figure(reward: tuple[list[int], list[float]], no_spread: tuple[list[int], list[float]], title: str):
+    """An RL run's mean rollout reward (left axis) and its share of groups whose rewards were all equal (right axis,
+    %, dashed): where that share is high the group-relative advantages are zero and the step learns nothing."""
+    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
+    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    _draw(ax, *reward, TRAIN_COLOR, "mean reward of the rollouts", log_scale=False)
+    ax.set_ylabel("reward")
+    handles, labels = ax.get_legend_handles_labels()
+    if no_spread[0]:
+        share = ax.twinx()
+        steps, values = no_spread
+        share.plot(steps, [100 * v for v in values], color=REFERENCE_COLOR, linestyle="--", linewidth=1.2,
+                   label=f"groups with no reward spread, % (last {100 * values[-1]:.0f})")
+        share.set_ylim(-2, 102)
+        share.set_ylabel("groups with no reward spread (%)")
+        more_handles, more_labels = share.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlim(0, max(reward[0]) * 1.04 + 0.5)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(handles, labels, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def save_figure(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt  # lazy: as in loss_figure
 
@@ -188,7 +220,8 @@ def save_figure(fig, path: Path) -> Path:
 
 
 def plot_loss(output_dir: str | Path) -> list[Path]:
-    """Write training_loss.png (and eval_loss.png when the run evaluated) from trainer_log.jsonl."""
+    """Write training_loss.png (eval_loss.png when the run evaluated, training_reward.png when it was rewarded)
+    from trainer_log.jsonl."""
     output_dir = Path(output_dir)
     records = read_log(output_dir)
     run = output_dir.resolve().name
@@ -196,6 +229,10 @@ def plot_loss(output_dir: str | Path) -> list[Path]:
     train = series(records, "loss")
     if train[0]:
         written.append(save_figure(loss_figure({"loss": train}, f"training loss — {run}"), output_dir / "training_loss.png"))
+    reward = series(records, "reward")
+    if reward[0]:
+        figure = reward_figure(reward, series(records, "zero_spread_groups"), f"rollout reward — {run}")
+        written.append(save_figure(figure, output_dir / "training_reward.png"))
     evals = {key: series(records, key) for key in eval_loss_keys(records)}
     evals = {key: curve for key, curve in evals.items() if curve[0]}
     if evals:
