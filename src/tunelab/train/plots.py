@@ -104,6 +104,17 @@ def eval_metric_keys(records: list[dict], metrics: Sequence[str]) -> list[str]:
     return keys
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend, and its integer tick locator."""
+    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
+    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
+
+    return plt, MaxNLocator
+
+
 def _number(value: float) -> str:
     return f"{value:.4g}"
 
@@ -125,12 +136,7 @@ def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
                 reference: tuple[list[int], list[float]] | None = None):
     """A matplotlib Figure with a curve per label: x step, y loss, log y-axis when the values span decades.
     `reference` (the eval plot's training loss) is drawn thin and grey behind them, smoothed when long."""
-    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
-    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
-
+    plt, MaxNLocator = _pyplot()
     shown = [*curves.values(), *([reference] if reference else [])]
     log_scale = use_log_scale([v for _, values in shown for v in values])
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -157,12 +163,7 @@ def loss_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
 
 def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str, ylabel: str):
     """Evaluation scores on a 0-100 axis (fractions such as exact match scaled by 100 before), one line per key."""
-    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
-    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
-
+    plt, MaxNLocator = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for (label, (steps, values)), color in zip(curves.items(), list(EVAL_COLORS) * len(curves), strict=False):
         _draw(ax, steps, values, color, label, log_scale=False)
@@ -182,12 +183,7 @@ def percent_figure(curves: dict[str, tuple[list[int], list[float]]], title: str,
 def reward_figure(reward: tuple[list[int], list[float]], no_spread: tuple[list[int], list[float]], title: str):
     """An RL run's mean rollout reward (left axis) and its share of groups whose rewards were all equal (right axis,
     %, dashed): where that share is high the group-relative advantages are zero and the step learns nothing."""
-    import matplotlib  # lazy: matplotlib (5.8 s), drawn at the end of a run; preflight imports this module
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: as matplotlib above, once its backend is chosen
-    from matplotlib.ticker import MaxNLocator  # lazy: as matplotlib above
-
+    plt, MaxNLocator = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     _draw(ax, *reward, TRAIN_COLOR, "mean reward of the rollouts", log_scale=False)
     ax.set_ylabel("reward")
@@ -212,8 +208,7 @@ def reward_figure(reward: tuple[list[int], list[float]], no_spread: tuple[list[i
 
 
 def save_figure(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt  # lazy: as in loss_figure
-
+    plt, _ = _pyplot()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
