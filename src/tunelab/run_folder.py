@@ -7,6 +7,7 @@ light commands all read and write run folders through it, with one spelling of e
     output_dir/
       tunelab_config.yaml     RUN_RECORD   every resolved option            write_run_record / read_run_record
       trainer_log.jsonl       LOG_FILE     one JSON object per log event    append_log / rewrite_log / read_log
+      completions.jsonl       COMPLETIONS  grpo's rollouts: prompt, completion, rewards    append_records
       all_results.json        RESULTS      final metrics, peak memory       write_json / read_json
       data_report.json        DATA_REPORT  rows, tokens, drops
       run_info.json           RUN_INFO     library versions, Hub commits
@@ -34,6 +35,7 @@ import yaml
 
 RUN_RECORD = "tunelab_config.yaml"
 LOG_FILE = "trainer_log.jsonl"
+COMPLETIONS = "completions.jsonl"
 RESULTS = "all_results.json"
 DATA_REPORT = "data_report.json"
 RUN_INFO = "run_info.json"
@@ -115,8 +117,13 @@ def read_log(folder: str | Path) -> list[dict[str, Any]]:
 
 
 def append_log(folder: str | Path, record: dict[str, Any]) -> None:
-    with (Path(folder) / LOG_FILE).open("a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
+    append_records(folder, LOG_FILE, [record])
+
+
+def append_records(folder: str | Path, name: str, records: list[dict[str, Any]]) -> None:
+    """Append one JSON line per record to folder/name."""
+    with (Path(folder) / name).open("a", encoding="utf-8") as handle:
+        handle.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
 def rewrite_log(folder: str | Path, records: list[dict[str, Any]]) -> None:

@@ -78,6 +78,10 @@ def test_grpo_with_executed_rewards_and_rloo_trains_and_scores_the_held_out_answ
     assert record["reward/code_tests/timeouts"] == 0.0
     metrics = json.loads((out / "all_results.json").read_text())
     assert metrics["code_tests_before"] == metrics["code_tests_solved_after"] == 0.0
+    # Every rollout of the step, as sampled and scored: 2 prompts x 2 completions.
+    samples = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["group"]) for s in samples] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert all(s["reward"] == s["reward/code_tests"] == 0.0 and s["prompt"].startswith("<|im_start|>") for s in samples)
 
 
 def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bool = False) -> GRPO:
@@ -91,7 +95,8 @@ def _grpo_with(loss_type: str = "grpo", processes: int = 1, dynamic_sampling: bo
     config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=4))
     accelerator = SimpleNamespace(num_processes=processes, is_main_process=True, unwrap_model=lambda model: model)
     recorded: list[dict] = []
-    loop = SimpleNamespace(accelerator=accelerator, model=None, record=recorded.append, recorded=recorded)
+    loop = SimpleNamespace(accelerator=accelerator, model=None, record=recorded.append, recorded=recorded,
+                           record_samples=lambda samples: None)
     return GRPO(loop, None, SimpleNamespace(pad_token_id=0), [0], [], config.finetuning, config.generation)
 
 

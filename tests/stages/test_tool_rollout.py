@@ -227,7 +227,8 @@ def test_grpo_scores_the_final_answers_and_trains_only_the_policys_tokens(monkey
     config = SimpleNamespace(finetuning=finetuning, generation=SimpleNamespace(temperature=1.0, max_new_tokens=16))
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True, unwrap_model=lambda m: m)
     recorded: list[dict] = []
-    loop = SimpleNamespace(accelerator=accelerator, model=model, record=recorded.append)
+    samples: list[list[dict]] = []
+    loop = SimpleNamespace(accelerator=accelerator, model=model, record=recorded.append, record_samples=samples.append)
     grpo = GRPO(loop, None, tokenizer, stops, rewards, config.finetuning, config.generation, tool_use=use)
 
     batch = grpo.finish_rollout(grpo.start_rollout([{"prompt": row["prompt"], "reference": "42", **row}]))
@@ -237,6 +238,9 @@ def test_grpo_scores_the_final_answers_and_trains_only_the_policys_tokens(monkey
     stats = recorded[0]
     assert stats["tools/calls_per_rollout"] == 1 and stats["tools/rewritten_calls"] == 0
     assert stats["reward/exact_match"] == 0.5
+    # completions.jsonl's records: the final answers, their rewards and each whole exchange.
+    assert [(s["completion"], s["reward"], s["group"]) for s in samples[0]] == [("42", 1.0, 0), ("41", 0.0, 0)]
+    assert [m["role"] for m in samples[0][0]["messages"]] == ["assistant", "tool", "assistant"]
     call_tokens = len(policy.tokens(call))
     for i, final in enumerate(policy.finals):
         mask = batch.loss_mask[i].long().tolist()

@@ -78,6 +78,8 @@ class StartedRollout:
     rollout: Rollout
     tool_stats: dict[str, float]
     scores: Future  # of score_in_background's (totals, per function, run stats)
+    prompts: list[str]  # one per row (B·G)
+    messages: list[list[dict]] | None  # with tools: each row's turns after the prompt
 
 
 def score_in_background(rewards: list[RewardFunction], *batch) -> tuple[list[float], dict, dict[str, float]]:
@@ -127,11 +129,12 @@ class GRPO:
                     self.temperature, self.tokenizer.pad_token_id, self.group_size,
                 )
                 rollout, messages, tool_stats = used.rollout, used.completion_messages, used.stats
+        prompts = [row["prompt"] for row in group]
         scores = self.scoring.submit(
-            score_in_background, self.rewards, [row["prompt"] for row in group], rollout.completions,
+            score_in_background, self.rewards, prompts, rollout.completions,
             [row["reference"] for row in group], rollout.finished, messages,
         )
-        return StartedRollout(rollout, tool_stats, scores)
+        return StartedRollout(rollout, tool_stats, scores, prompts, messages)
 
     @torch.no_grad()
     def finish_rollout(self, started: StartedRollout) -> GRPOBatch:
@@ -154,6 +157,7 @@ class GRPO:
             "completion_finished": sum(rollout.finished) / len(rollout.finished),
             **tool_stats,
         })
+        self.loop.record_samples(samples(started, totals, per_function))
         all_zero_spread = bool(zero_spread.all())
         if self.dynamic_sampling:
             # DAPO's dynamic sampling: groups with equal rewards leave the batch (they would only dilute it).
@@ -214,6 +218,20 @@ class GRPO:
             importance_sampling_level=self.importance_sampling_level, max_completion_length=self.max_new_tokens,
             dapo_tokens=self.dapo_tokens, entropy_mask=entropy_mask,
         )
+
+
+def samples(started: StartedRollout, totals: list[float], per_function: dict[str, list[float]]) -> list[dict]:
+    """One record per rollout for completions.jsonl: what was asked, answered and scored."""
+    rollout = started.rollout
+    records = []
+    for i, (prompt, completion) in enumerate(zip(started.prompts, rollout.completions, strict=True)):
+        record = {"group": i // rollout.group_size, "prompt": prompt, "completion": completion,
+                  "finished": rollout.finished[i], "reward": totals[i],
+                  **{f"reward/{name}": scores[i] for name, scores in per_function.items()}}
+        if started.messages is not None:
+            record["messages"] = started.messages[i]
+        records.append(record)
+    return records
 
 
 def zero_spread_warning(rounds: int, group_size: int) -> str:

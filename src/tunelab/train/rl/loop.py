@@ -35,6 +35,7 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -44,6 +45,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers.integrations import get_reporting_integration_callbacks
 
+from tunelab import run_folder
 from tunelab.config.args import FinetuningArguments
 from tunelab.errors import DataError
 from tunelab.train.callbacks import JsonlLogCallback, RunProgress
@@ -132,6 +134,8 @@ class RLLoop:
     def train(self, algorithm: Algorithm) -> dict[str, float]:
         """Run to max_steps; returns the train metrics of the whole run."""
         self.progress.begin()
+        if self.accelerator.is_main_process:  # a fresh run's samples only (rl stages do not resume)
+            (Path(self.args.output_dir) / run_folder.COMPLETIONS).unlink(missing_ok=True)
         self._event("on_train_begin")
         self.model.eval()  # dropout off: see the module docstring
         try:
@@ -172,6 +176,13 @@ class RLLoop:
         self.state.epoch = self.rounds / self.rounds_per_epoch
         if self.state.global_step % self.args.logging_steps == 0 or self.state.global_step == self.max_steps:
             self._log()
+
+    def record_samples(self, samples: list[dict]) -> None:
+        """Append the main process's rollouts of the step being made to completions.jsonl (grpo)."""
+        if self.accelerator.is_main_process:
+            step = self.state.global_step + 1
+            run_folder.append_records(self.args.output_dir, run_folder.COMPLETIONS,
+                                      [{"step": step, **sample} for sample in samples])
 
     def record(self, stats: dict[str, float | torch.Tensor]) -> None:
         """Add statistics to the running averages of the next log line."""
