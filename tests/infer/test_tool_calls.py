@@ -84,7 +84,11 @@ def test_hermes_reads_untagged_calls_as_llama_cpp_does():
     bare = '{"name": "python", "arguments": {"code": "440818 * 52535"}}'
     assert parse_hermes(bare) == ("", [("python", {"code": "440818 * 52535"})])
     assert parse_hermes(f"  {bare}\n{bare}\n")[1] == [("python", {"code": "440818 * 52535"})] * 2
+    fenced = '```json\n{\n  "name": "python",\n  "arguments": {"code": "26 ** 184 % 9973"}\n}\n```'  # also seen
+    assert parse_hermes(fenced) == ("", [("python", {"code": "26 ** 184 % 9973"})])
     for not_a_call in (
+        '```python\nprint(1)\n```',
+        f"```json\n{bare}\n``` and text",
         '{"answer": 42}',  # no name
         f"Sure: {bare}",  # untagged calls are the whole answer or nothing
         f"{bare} and then some text",
@@ -136,6 +140,9 @@ def split(syntax: ToolSyntax, pieces: list[str]) -> tuple[list[str], str, list[t
     ("qwen2_5", ' {"name": "get_weather", "arguments": {"city": "Paris"}}'),
     ("qwen2_5", '{"name": "get_weather", "argu'),
     ("qwen2_5", '{"a": 1} is JSON'),
+    ("qwen2_5", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'),
+    ("qwen2_5", "```python\nprint(1)\n```"),
+    ("qwen2_5", "`x` is code"),
     ("llama3_1", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("llama3_1", "  Hello {world}"),
     ("mistral_v0_3", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'),

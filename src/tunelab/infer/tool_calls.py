@@ -5,7 +5,8 @@ the model learned that syntax, so its answers are parsed with the same one:
 
     family        written by (built-ins)          an answer with calls
     hermes        default, qwen2_5, qwen3           [text] <tool_call>{"name": …, "arguments": {…}}</tool_call> …
-                                                    or only {"name": …, "arguments": {…}} … untagged (llama.cpp's rule)
+                                                    or only {"name": …, "arguments": {…}} … untagged, bare or in
+                                                    one ```json block (llama.cpp's rule)
     llama3_json   llama3_1                          {"name": …, "parameters": {…}}   (the whole answer)
     mistral       mistral_v0_3, mistral_nemo        [text] [TOOL_CALLS] [{"name": …, "arguments": {…}}, …]
 
@@ -94,10 +95,15 @@ def parse_hermes(text: str) -> Parsed | None:
     return "".join(content).strip(), calls
 
 
+_FENCED = re.compile(r"\s*```(?:json|xml)?\n(.*)```\s*", re.DOTALL)
+
+
 def _bare_calls(text: str) -> Parsed | None:
     """An answer that is nothing but call objects without their tags (`{"name": …, "arguments": …}`, as
-    Qwen2.5-Coder writes them): calls, as llama.cpp's Hermes parser reads them (its opening tag is optional)."""
-    calls, rest = [], text
+    Qwen2.5-Coder writes them), bare or in one ```json block: calls, as llama.cpp's Hermes parser reads them (its
+    opening tag is optional, and so is a code block around the call)."""
+    fenced = _FENCED.fullmatch(text)
+    calls, rest = [], fenced.group(1) if fenced else text
     while rest.strip():
         parsed = _object(rest)
         call = _call(parsed[0]) if parsed else None
@@ -143,7 +149,7 @@ class _Family:
 
 
 FAMILIES = {
-    "hermes": _Family(parse_hermes, ("<tool_call>",), False, 24, ("{",)),
+    "hermes": _Family(parse_hermes, ("<tool_call>",), False, 24, ("{", "```json\n", "```xml\n", "```\n{")),
     "llama3_json": _Family(parse_llama3_json, ("{", "<|python_tag|>"), True, 24),
     # Mistral-Nemo's template requires ids of exactly 9 letters and digits (the whole id, no prefix).
     "mistral": _Family(parse_mistral, ("[TOOL_CALLS]",), False, 9),
@@ -267,6 +273,8 @@ class ToolCallStream:
             if start.startswith(self.syntax.start_openings):
                 self.held, self.pending = self.pending, ""
                 return ""
+            if any(opening.startswith(start) for opening in self.syntax.start_openings):
+                return ""  # undecided yet: "``" may become "```json"
             self.decided = True
         if self.syntax.at_start_only:
             if not self.decided:
