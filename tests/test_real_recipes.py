@@ -38,3 +38,14 @@ def test_the_qwen_recipes_pass_data_verify_with_the_real_file(recipe, tmp_path, 
     out = capsys.readouterr().out
     assert "ok: every check passed" in out and "vocab_size 151936" in out
     assert "ending with '<|im_end|>' as one token" in out  # the file's ChatML template, its end token whole
+
+
+def test_the_real_recipes_rewards_pay_the_answer_not_an_echo_in_a_call():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("real_rewards", Path(__file__).parents[1] / "examples/real/rewards.py")
+    rewards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rewards)
+    answers = ["68", "The sum is 68.", "67", '{"name": "python", "arguments": {"code": "68"}}']
+    assert rewards.sum_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.5]
+    assert rewards.number_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.0]

@@ -23,6 +23,9 @@ def sum_reward(prompts: list[str], completions: list[str], references: list[str]
     return scores
 
 
-# The same rule for any task whose answer is a number (examples/real/grpo_tools.yaml): the bare right number pays 1,
-# the right number among other words 0.5.
-number_reward = sum_reward
+def number_reward(prompts: list[str], completions: list[str], references: list[str]) -> list[float]:
+    """sum_reward's rule for the final answer of a tool-using rollout (examples/real/grpo_tools.yaml), except that an
+    answer holding a call object scores 0: in the first 4 steps measured with sum_reward's rule, every rollout that
+    scored was a further call echoing the tool's result (`{"name": "python", "arguments": {"code": "7016"}}`)."""
+    scores = sum_reward(prompts, completions, references)
+    return [0.0 if '"name"' in completion else score for completion, score in zip(completions, scores)]
