@@ -90,6 +90,7 @@ def test_hermes_reads_untagged_calls_as_llama_cpp_does():
         '```python\nprint(1)\n```',
         f"```json\n{bare}\n``` and text",
         '{"answer": 42}',  # no name
+        '{"name": "Bob", "age": 42}',  # no arguments: a JSON answer, not a call
         f"Sure: {bare}",  # untagged calls are the whole answer or nothing
         f"{bare} and then some text",
         '{"name": "python", "arguments": {"code": ',  # cut by max_tokens

@@ -106,7 +106,8 @@ def _bare_calls(text: str) -> Parsed | None:
     calls, rest = [], fenced.group(1) if fenced else text
     while rest.strip():
         parsed = _object(rest)
-        call = _call(parsed[0]) if parsed else None
+        # Untagged, an object is a call only with both keys: {"name": "Bob"} alone may be a JSON answer.
+        call = _call(parsed[0]) if parsed and isinstance(parsed[0], dict) and "arguments" in parsed[0] else None
         if call is None:
             return None
         calls.append(call)
