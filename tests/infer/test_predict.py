@@ -72,5 +72,6 @@ def test_eval_needs_only_the_eval_set(tmp_path, capsys):
     assert main(["eval", "model_name_or_path=tiny", "template=chatml", "eval_dataset=demo_reverse_test",
                  "max_samples=3", "max_new_tokens=4", f"output_dir={out}"]) == 0
     assert [p["dataset"] for p in _lines(out / "predictions.jsonl")] == ["demo_reverse_test"] * 3
-    assert main(["eval", "model_name_or_path=tiny", "template=chatml", f"output_dir={out}"]) == 2
-    assert capsys.readouterr().err.endswith("dataset is not set: name one or more datasets from dataset_info.json\n")
+    for no_training_data in ([], ["eval_dataset=demo_reverse_test", "val_size=0.1"]):  # no rows to split a val set from
+        assert main(["eval", "model_name_or_path=tiny", "template=chatml", f"output_dir={out}", *no_training_data]) == 2
+        assert capsys.readouterr().err.endswith("dataset is not set: name one or more datasets from dataset_info.json\n")

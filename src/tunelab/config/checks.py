@@ -103,8 +103,8 @@ def check_config(config: RunConfig, purpose: str = "train") -> None:
     }.get(purpose, ())
     if purpose != "train":
         skipped = (*skipped, _check_callbacks)
-    if purpose == "eval" and config.data.eval_dataset:  # tunelab eval reads only the eval sets then
-        skipped = (*skipped, _check_dataset_named)
+    if purpose == "eval" and config.data.eval_dataset and config.data.val_size <= 0:  # it reads only the eval sets
+        skipped = (*skipped, _check_dataset_named)  # (a val split is taken from the training datasets)
     _check_applicability([config.model, config.data, config.finetuning, config.generation], purpose)
     for check, groups in VALUE_CHECKS:
         if check not in skipped:
