@@ -41,11 +41,12 @@ def test_the_qwen_recipes_pass_data_verify_with_the_real_file(recipe, tmp_path, 
 
 
 def test_the_real_recipes_rewards_pay_the_answer_not_an_echo_in_a_call():
-    import importlib.util
+    # Resolved as the recipes name them, by the loader training uses.
+    from tunelab.train.rl.rewards import resolve_reward_fn
 
-    spec = importlib.util.spec_from_file_location("real_rewards", Path(__file__).parents[1] / "examples/real/rewards.py")
-    rewards = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rewards)
+    root = Path(__file__).parents[1]
+    sum_reward, number_reward = (resolve_reward_fn(f"examples/real/rewards.py:{name}", base_dir=root)
+                                 for name in ("sum_reward", "number_reward"))
     answers = ["68", "The sum is 68.", "67", '{"name": "python", "arguments": {"code": "68"}}']
-    assert rewards.sum_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.5]
-    assert rewards.number_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.0]
+    assert sum_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.5]
+    assert number_reward([""] * 4, answers, ["68"] * 4) == [1.0, 0.5, 0.0, 0.0]
