@@ -15,7 +15,6 @@ OWNERS = ("config/stages.py", "train/stages/")  # where stage names belong
 # The same strings meaning something else: (module, string) -> what it is there.
 NOT_STAGE_NAMES = {
     ("config/args.py", "grpo"): "loss_type's value and default: GRPO's loss reduction, not the stage",
-    ("train/rl/losses.py", "grpo"): "the loss_type names of grpo_loss",
     ("model/adapters.py", "pt"): "safetensors metadata format 'pt' (PyTorch)",
     ("data/vision.py", "pt"): "return_tensors='pt' of a processor call",
 }

@@ -6,8 +6,9 @@ import math
 
 import torch
 
+from tunelab.config.args import ADVANTAGE_ESTIMATORS, GRPO_LOSS_TYPES
 from tunelab.train.rl.losses import (
-    ADVANTAGE_ESTIMATORS, GRPO_LOSS_TYPES, clipped_value_loss, estimate_advantages, gae, grpo_loss, group_advantages,
+    clipped_value_loss, estimate_advantages, gae, grpo_loss, group_advantages,
     high_entropy_mask, kl_k3, masked_whiten, zero_spread_groups,
 )
 from tunelab.train.rl.ppo import token_rewards

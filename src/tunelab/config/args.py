@@ -20,6 +20,11 @@ from tunelab.config.training_values import TrainingValues
 if TYPE_CHECKING:
     from tunelab.config.training_args import TrainingArguments
 
+# The names of GRPO's loss reductions (TRL's GRPOConfig.loss_type) and advantage estimators (verl's adv_estimator):
+# the options' vocabulary here, the arithmetic behind each in train/rl/losses.py. "grpo" in both is the
+# DeepSeekMath rule, not the stage.
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 # Where the stage options act (checked by config/applicability.py), asked of the stage table (config/stages.py).
 PT_ONLY = applies_where(lambda row: row.reads == "text", grouped=True)  # the raw-text window options
@@ -380,7 +385,7 @@ class FinetuningArguments:
         default=True, applies=(RL, LORA_ONLY),
     )
     # GRPO variants, by TRL's GRPOConfig names and meanings (train/rl/losses.py, docs/config.md).
-    loss_type: Literal["grpo", "dapo", "dr_grpo", "bnpo"] = _help(
+    loss_type: Literal[GRPO_LOSS_TYPES] = _help(
         "grpo: how the per-token losses are averaged. grpo: over each completion's tokens, then over completions "
         "(DeepSeekMath); bnpo: over the batch's tokens; dapo: over all tokens of the optimizer step (DAPO); "
         "dr_grpo: their sum over completions x max_new_tokens (Dr. GRPO: no length normalisation).",
@@ -391,7 +396,7 @@ class FinetuningArguments:
         "none (Dr. GRPO).",
         default="group", applies=(GRPO, Applies("advantage_estimator", ("grpo",))),
     )
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = _help(
+    advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] = _help(
         "grpo: how rewards become advantages (verl's adv_estimator names). grpo: reward - group mean, divided as "
         "scale_rewards says; rloo: reward - the mean of the group's other rewards (RLOO); reinforce_plus_plus: each "
         "token gets its completion's reward, whitened over the batch's tokens (REINFORCE++); "

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from tunelab.config.args import ADVANTAGE_ESTIMATORS, GRPO_LOSS_TYPES
+
+# The option values by what they do (their names are TRL's and verl's, declared with the options).
+PER_COMPLETION, STEP_TOKENS, DR_GRPO, BATCH_TOKENS = GRPO_LOSS_TYPES  # grpo, dapo, dr_grpo, bnpo
+GROUP_MEAN, RLOO, REINFORCE_PP, REINFORCE_PP_BASELINE = ADVANTAGE_ESTIMATORS
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if dim is None:
@@ -46,9 +52,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return centred.reshape(-1)
 
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")  # verl's names
-
-
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): each reward minus the mean of the other G - 1 rewards of its group,
     which is G / (G - 1) · (reward - group mean). Not divided by any spread. One per completion."""
@@ -80,13 +83,13 @@ def estimate_advantages(
 ) -> torch.Tensor:
     """The advantages `estimator` (option advantage_estimator) gives: one per completion (grpo, rloo) or one
     per token (the reinforce_plus_plus pair). `scale` (scale_rewards) acts on grpo only."""
-    if estimator == "grpo":
+    if estimator == GROUP_MEAN:
         return group_advantages(rewards, group_size, scale)
-    if estimator == "rloo":
+    if estimator == RLOO:
         return rloo_advantages(rewards, group_size)
-    if estimator == "reinforce_plus_plus":
+    if estimator == REINFORCE_PP:
         return reinforce_plus_plus_advantages(rewards, mask)
-    if estimator == "reinforce_plus_plus_baseline":
+    if estimator == REINFORCE_PP_BASELINE:
         return reinforce_plus_plus_advantages(rewards, mask, group_size)
     raise ValueError(f"unknown advantage_estimator {estimator!r} ({', '.join(ADVANTAGE_ESTIMATORS)})")
 
@@ -121,9 +124,6 @@ def clipped_policy_loss(
     return clipped_surrogate(log_probs - old_log_probs, advantages, epsilon)
 
 
-GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
-
-
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """1.0 on the masked tokens whose entropy is in the top `quantile` of this batch's masked tokens (the
     "80/20" forking tokens), else 0.0: the tokens at or above the (1 - quantile) quantile. quantile 1 keeps
@@ -139,7 +139,7 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
 def grpo_loss(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, ref_log_probs: torch.Tensor | None,
     advantages: torch.Tensor, mask: torch.Tensor, epsilon: float, kl_coef: float, *,
-    loss_type: str = "grpo", epsilon_high: float | None = None, importance_sampling_level: str = "token",
+    loss_type: str = PER_COMPLETION, epsilon_high: float | None = None, importance_sampling_level: str = "token",
     max_completion_length: int | None = None, dapo_tokens: float | None = None,
     entropy_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -174,15 +174,15 @@ def grpo_loss(
             per_token = per_token + kl_coef * kl
         stats["kl"] = masked_mean(kl, mask).detach()
     per_token = per_token.expand_as(mask)
-    if loss_type == "grpo":
+    if loss_type == PER_COMPLETION:
         loss = masked_mean(per_token, mask, dim=1).mean()
-    elif loss_type == "bnpo":
+    elif loss_type == BATCH_TOKENS:
         loss = masked_mean(per_token, mask)
-    elif loss_type == "dr_grpo":
+    elif loss_type == DR_GRPO:
         if max_completion_length is None:
             raise ValueError("grpo_loss: loss_type dr_grpo needs max_completion_length")
         loss = (per_token * mask).sum() / (mask.shape[0] * max_completion_length)
-    elif loss_type == "dapo":
+    elif loss_type == STEP_TOKENS:
         tokens = mask.sum() if dapo_tokens is None else torch.as_tensor(dapo_tokens)
         loss = (per_token * mask).sum() / tokens.clamp(min=1)
     else:
