@@ -4,7 +4,8 @@ The examples' JSON files run unchanged ("auto" values filled in by transformers)
 process × the same global batch (SGD, as tests/train/test_ddp.py); ZeRO-3's final save gathers the shards
 into one plain model.safetensors (stage3_gather_16bit_weights_on_model_save), and its step-2 checkpoint resumes
 to exactly the uninterrupted run. On CPU DeepSpeed JIT-compiles its shared-memory op once (a C++ compiler;
-the suite keeps it in the venv's torch_extensions folder (tests/conftest.py); minutes the first time).
+the suite keeps it in the venv's torch_extensions folder (tests/conftest.py), where `make setup` has built it
+(scripts/build_deepspeed_ops.py); without that, minutes in the first test).
 """
 
 from __future__ import annotations
