@@ -10,10 +10,12 @@ import importlib.util
 import os
 import socket
 import types
+from pathlib import Path
 
 import pytest
 import yaml
 
+import tunelab
 from tunelab.preflight import load_config
 from tunelab.errors import ConfigError
 from tunelab.train import launch
@@ -38,16 +40,20 @@ def test_one_node_gets_a_free_port(tmp_path, clean_env):
     args = training(tmp_path, nproc_per_node=2)
     assert launch.needs_launch(args)
     assert launch.torchrun_argv(args, ["train", "cfg.yaml", "nproc_per_node=2"]) == [
-        "--nproc_per_node=2", "--nnodes=1", "-m", "tunelab.cli", "train", "cfg.yaml", "nproc_per_node=2",
+        "--nproc_per_node=2", "--nnodes=1", "--start-method=fork", "--run-path", launch.WORKER_SCRIPT, "train",
+        "cfg.yaml", "nproc_per_node=2",
     ]
+    # The script each worker runs is `python -m tunelab`'s.
+    assert Path(launch.WORKER_SCRIPT).parent == Path(tunelab.__file__).parent and Path(launch.WORKER_SCRIPT).is_file()
 
 
 def test_several_nodes_pass_rank_address_and_port(tmp_path, clean_env):
     args = training(tmp_path, nproc_per_node=8, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29501)
     assert launch.torchrun_argv(args, ["train", "cfg.yaml"]) == [
         "--nproc_per_node=8", "--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29501",
-        "-m", "tunelab.cli", "train", "cfg.yaml",
+        "--start-method=fork", "--run-path", launch.WORKER_SCRIPT, "train", "cfg.yaml",
     ]
+    assert launch.torchrun_argv(args, ["train"], "spawn")[-4:] == ["--start-method=spawn", "--run-path", launch.WORKER_SCRIPT, "train"]
 
 
 def test_environment_variable_and_its_errors(tmp_path, clean_env):
@@ -161,3 +167,56 @@ def test_a_lost_peer_is_one_line():
     )
     assert launch.lost_peer_message(RuntimeError("shape mismatch"), args) is None  # a bug keeps its traceback
     assert launch.lost_peer_message(gloo, types.SimpleNamespace(world_size=1, process_index=0)) is None
+
+
+def test_a_launch_is_planned_and_started_on_one_torch_thread(tmp_path, clean_env, monkeypatch):
+    """The workers are forked from the launching process: it must never have run a parallel op (GNU OpenMP's thread
+    team survives a fork without its threads), so it plans and launches on one thread, passes its own count on,
+    and has it back afterwards."""
+    import torch  # noqa: PLC0415  (this file's other tests need no torch)
+
+    from tunelab.cli import main  # noqa: PLC0415
+
+    seen = []
+    monkeypatch.setattr(launch, "launch", lambda args, cli_args: seen.append(
+        (torch.get_num_threads(), os.environ.get(launch.LAUNCHER_THREADS_ENV))) or 0)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model_name_or_path": "tiny", "template": "chatml", "dataset": "demo_reverse",
+                                   "output_dir": str(tmp_path / "out"), "nproc_per_node": 2}))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["train", str(cfg)]) == 0
+        assert seen == [(1, "2")] and torch.get_num_threads() == 2
+        assert launch.LAUNCHER_THREADS_ENV not in os.environ
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_worker_sets_its_streams_logging_and_threads_up_as_a_fresh_process(monkeypatch):
+    """prepare_worker, as `python -m tunelab` runs it in each worker: stdout / stderr on file descriptors 1 and 2
+    (not a host program's stream objects), no inherited logging handlers, and OMP_NUM_THREADS torch threads, else
+    the launcher's count (a forked worker starts with the launcher's one thread)."""
+    import logging  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415  (this file's other tests need no torch)
+
+    for name in ("stdout", "stderr"):
+        monkeypatch.setattr(sys, name, getattr(sys, name))  # put back after
+    monkeypatch.setattr(logging.root, "handlers", [logging.NullHandler()])
+    threads = torch.get_num_threads()
+    try:
+        for env, expected in (({"OMP_NUM_THREADS": "3", launch.LAUNCHER_THREADS_ENV: "2"}, 3),
+                              ({launch.LAUNCHER_THREADS_ENV: "2"}, 2)):
+            monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+            for key, value in env.items():
+                monkeypatch.setenv(key, value)
+            torch.set_num_threads(1)
+            launch.prepare_worker()
+            assert torch.get_num_threads() == expected
+            assert (sys.stdout.fileno(), sys.stderr.fileno()) == (1, 2) and sys.stdout.line_buffering
+            assert logging.root.handlers == []
+            sys.stdout.close(), sys.stderr.close()  # closefd=False: descriptors 1 and 2 stay open
+    finally:
+        torch.set_num_threads(threads)

@@ -30,6 +30,12 @@ SRC = Path(tunelab.__file__).parent
 
 # name → (where the library defines it, why tunelab uses it and where)
 PRIVATE_NAMES = {
+    "_reset_state": (
+        "accelerate.state.AcceleratorState",
+        ("train/launch.py empties accelerate's process-wide state before torchrun forks the workers from the "
+         "launching process (planning the run filled it in for one CPU process); accelerate's own tests and "
+         "notebook launcher rely on an empty state the same way"),
+    ),
     "_load_from_checkpoint": (
         "transformers.Trainer",
         ("override in TunelabTrainer: the Trainer's only point of loading resumed weights; a model sharded at load "

@@ -104,11 +104,12 @@ def _cmd_train(ns: argparse.Namespace) -> int:
     path, overrides = _config_and_overrides(ns)
     # nproc_per_node > 1: check the config once here, then run the same command under torchrun.
     parent = launch.wants_launch(path, overrides)
-    with launch.devices_untouched() if parent else contextlib.nullcontext():
-        plan = plan_run(path, overrides, warn=not parent)  # the workers warn, once
-    config = plan.config
-    if launch.needs_launch(config.training):
-        return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
+    with launch.one_thread() if parent else contextlib.nullcontext():  # the workers are forked from here
+        with launch.devices_untouched() if parent else contextlib.nullcontext():
+            plan = plan_run(path, overrides, warn=not parent)  # the workers warn, once
+        config = plan.config
+        if launch.needs_launch(config.training):
+            return launch.launch(config.training, ["train", *([path] if path else []), *overrides])
     setup_logging(config.training.process_index == 0)
     out_of_memory = None
     try:

@@ -3,10 +3,13 @@
 The parent process loads and checks the config (a bad config fails once, in under a second), then
 runs torchrun's own launcher in-process with the same command:
 
-    python -m torch.distributed.run --nproc_per_node N [--nnodes ...] -m tunelab.cli train cfg.yaml k=v ...
+    python -m torch.distributed.run --nproc_per_node N [--nnodes ...] --start-method=fork \
+        --run-path .../tunelab/__main__.py train cfg.yaml k=v ...
 
 and returns the exit code of the first worker that failed (2 for a tunelab error, as without
-torchrun), or 0. A process started by a launcher (torchrun, accelerate launch, deepspeed) has
+torchrun), or 0. The workers are forked from the parent (torchrun's --start-method applies to a
+--run-path script): they start with the torch, transformers and peft the parent imported to plan the
+run, instead of each importing them again (about 15 s of CPU per worker on a 2-core EPYC). A process started by a launcher (torchrun, accelerate launch, deepspeed) has
 LOCAL_RANK / WORLD_SIZE in its environment and trains directly; it never launches again.
 
 This module owns the decision and the command line; the process group itself is set up by
@@ -21,6 +24,7 @@ import difflib
 import errno
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -37,6 +41,7 @@ if TYPE_CHECKING:  # annotations only: a worker checks its node's share (check_n
     from tunelab.config.training_args import TrainingArguments
 
 NPROC_ENV = "TUNELAB_NPROC_PER_NODE"
+LAUNCHER_THREADS_ENV = "TUNELAB_LAUNCHER_THREADS"  # the launcher's torch threads, for its forked workers
 
 
 def under_launcher() -> bool:
@@ -145,7 +150,11 @@ def devices_untouched():
             os.environ["ACCELERATE_USE_CPU"] = previous
 
 
-def torchrun_argv(args: TrainingArguments, cli_args: list[str]) -> list[str]:
+# What each worker runs: `python -m tunelab`'s script, by path (torchrun's --run-path takes a file).
+WORKER_SCRIPT = str(Path(__file__).resolve().parents[1] / "__main__.py")
+
+
+def torchrun_argv(args: TrainingArguments, cli_args: list[str], start_method: str = "fork") -> list[str]:
     """torchrun's arguments for this run; `cli_args` is what follows `tunelab` (train cfg.yaml k=v ...)."""
     argv = [f"--nproc_per_node={nproc_per_node(args)}", f"--nnodes={args.nnodes}"]
     if args.nnodes > 1:
@@ -153,7 +162,16 @@ def torchrun_argv(args: TrainingArguments, cli_args: list[str]) -> list[str]:
     if args.master_port is not None or args.nnodes > 1:
         # Static rendezvous at master_addr:master_port; one node without a port gets a free one.
         argv.append(f"--master_port={args.master_port or 29500}")
-    return [*argv, "-m", "tunelab.cli", *cli_args]
+    return [*argv, f"--start-method={start_method}", "--run-path", WORKER_SCRIPT, *cli_args]
+
+
+def start_method(version) -> str:
+    """How torchrun starts the workers, given `torch.version`: fork where torch is built without a GPU backend
+    (the CPU wheel), so they start with this process's imports; spawn (fresh interpreters, torchrun's default) in
+    a CUDA / ROCm / XPU build, where planning has asked the driver about devices and a forked child could not
+    initialise them."""
+    gpu_build = any(getattr(version, backend, None) for backend in ("cuda", "hip", "xpu"))
+    return "spawn" if gpu_build else "fork"
 
 
 def start_deepspeed_comm(args: TrainingArguments) -> None:
@@ -227,13 +245,20 @@ def check_port_free(args: TrainingArguments) -> None:
 def launch(args: TrainingArguments, cli_args: list[str]) -> int:
     """Run `cli_args` under torchrun; the exit code of the first failed worker, or 0."""
     # lazy: torch (2.8 s): a torchrun worker runs check_node_shares before any heavy import
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
 
     check_port_free(args)
-    argv = torchrun_argv(args, cli_args)
+    # Forked workers inherit this process as it is. Planning the run filled in accelerate's process-wide state for
+    # one CPU process (class-level singletons; in a test process, earlier runs' too): emptied, each worker sets up
+    # its own rank.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    argv = torchrun_argv(args, cli_args, start_method(torch.version))
     print(f"tunelab: launching {sys.executable} -m torch.distributed.run {' '.join(argv)}", file=sys.stderr, flush=True)
     # torchrun's agent installs process-wide handlers for these and leaves them: put ours back after.
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
@@ -256,6 +281,40 @@ def launch(args: TrainingArguments, cli_args: list[str]) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return 0
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Plan and launch with torch on one thread, then give the count back. OpenMP (GNU libgomp) keeps a thread
+    team across fork without its threads: a forked worker whose op asks for more than one thread would wait for
+    them forever if this process had ever run a parallel op. Each worker then takes OMP_NUM_THREADS (torchrun
+    sets 1 for several workers a node) or this process's count (prepare_worker)."""
+    # lazy: torch (2.8 s): a torchrun worker runs check_node_shares before any heavy import
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ[LAUNCHER_THREADS_ENV] = str(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.pop(LAUNCHER_THREADS_ENV, None)
+
+
+def prepare_worker() -> None:
+    """In a torchrun worker, before the command runs: what a worker forked from the launcher (start_method) must
+    set up as a fresh interpreter would. Inside a host program (pytest, a notebook) it inherits that program's
+    stdout / stderr objects and logging handlers, which may write into memory or through a thread the worker does
+    not have: it writes to file descriptors 1 and 2, line by line, as `python -u` does, and logs there. Its torch
+    threads are OMP_NUM_THREADS (torchrun sets 1 for several workers a node), else the launcher's count."""
+    sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
+    logging.root.handlers.clear()
+    threads = os.environ.get("OMP_NUM_THREADS") or os.environ.get(LAUNCHER_THREADS_ENV)
+    torch = sys.modules.get("torch")  # a fresh interpreter reads OMP_NUM_THREADS as it imports torch
+    if torch is not None and threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 # ---- DeepSpeed's config file, before transformers reads it -----------------------------------------------
