@@ -9,8 +9,10 @@ runs torchrun's own launcher in-process with the same command:
 and returns the exit code of the first worker that failed (2 for a tunelab error, as without
 torchrun), or 0. The workers are forked from the parent (torchrun's --start-method applies to a
 --run-path script): they start with the torch, transformers and peft the parent imported to plan the
-run, instead of each importing them again (about 15 s of CPU per worker on a 2-core EPYC). A process started by a launcher (torchrun, accelerate launch, deepspeed) has
-LOCAL_RANK / WORLD_SIZE in its environment and trains directly; it never launches again.
+run, instead of each importing them again (about 15 s of CPU per worker on a 2-core EPYC); with a GPU
+build of torch they are spawned (`start_method`). A process started by a launcher (torchrun, accelerate
+launch, deepspeed) has LOCAL_RANK / WORLD_SIZE in its environment and trains directly; it never launches
+again.
 
 This module owns the decision and the command line; the process group itself is set up by
 transformers/accelerate when TrainingArguments is built (gloo on CPU, nccl on CUDA).
