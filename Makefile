@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install $(TUNELAB_TORCH)
 	$(BIN)/python -m pip install -e ".[test]"
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(BIN)/python scripts/build_deepspeed_ops.py
+	$(BIN)/python scripts/build_deepspeed_ops.py
 	touch $@
 
 demo: setup
